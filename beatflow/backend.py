@@ -1,0 +1,104 @@
+"""The one place that decides NumPy or CuPy and moves arrays between host and device.
+
+Everything numeric in beatflow is written against an array namespace ``xp`` (NumPy or CuPy);
+functions find it from their input with :func:`namespace_of`, so results stay where the input is.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import numpy as np
+
+from .errors import DeviceError
+
+
+def cupy_available() -> bool:
+    """Whether CuPy is importable and sees at least one CUDA device."""
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device
+        return False
+
+
+def resolve_device(device: str) -> str:
+    """Turn ``auto|cpu|gpu`` into ``cpu`` or ``gpu``.
+
+    Parameters
+    ----------
+    device : str
+        ``"auto"`` picks the GPU when CuPy and a CUDA device are present, else the CPU.
+
+    Returns
+    -------
+    str
+        ``"cpu"`` or ``"gpu"``.
+
+    Raises
+    ------
+    DeviceError
+        ``device="gpu"`` without CuPy or without a CUDA device.
+    """
+    if device not in ("auto", "cpu", "gpu"):
+        raise DeviceError(f"unknown device {device!r}: use auto, cpu or gpu")
+    if device == "cpu":
+        return "cpu"
+    ok = cupy_available()
+    if device == "gpu" and not ok:
+        raise DeviceError("--device gpu: no CUDA device or CuPy is not installed (pip install 'beatflow[gpu]')")
+    return "gpu" if ok else "cpu"
+
+
+def namespace(device: str):
+    """The array module for a resolved device (``numpy`` or ``cupy``)."""
+    if device == "gpu":
+        import cupy
+
+        return cupy
+    return np
+
+
+def is_device_array(x) -> bool:
+    """True for arrays living in GPU memory (CuPy, or anything with ``__cuda_array_interface__``)."""
+    return hasattr(x, "__cuda_array_interface__")
+
+
+def namespace_of(x):
+    """The array module of ``x``: ``cupy`` for device arrays, ``numpy`` otherwise."""
+    if is_device_array(x):
+        import cupy
+
+        return cupy
+    return np
+
+
+def to_host(x) -> np.ndarray:
+    """A NumPy array with the contents of ``x`` (a no-op for NumPy input)."""
+    if is_device_array(x):
+        import cupy
+
+        return cupy.asnumpy(x)
+    return np.asarray(x)
+
+
+def to_namespace(x, xp):
+    """``x`` as an array of module ``xp`` (one host-to-device copy when ``xp`` is CuPy)."""
+    if xp is np:
+        return to_host(x)
+    return xp.asarray(x)
+
+
+@functools.lru_cache(maxsize=None)
+def scipy_for(xp):
+    """``(signal, ndimage)`` modules of SciPy for NumPy, of ``cupyx.scipy`` for CuPy."""
+    if xp is np:
+        import scipy.ndimage as ndimage
+        import scipy.signal as signal
+    else:
+        import cupyx.scipy.ndimage as ndimage
+        import cupyx.scipy.signal as signal
+    return signal, ndimage

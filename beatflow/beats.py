@@ -1,0 +1,119 @@
+"""Beats: from peaks to a ragged (CSR) view over the stream, pruning, and the padded beat matrix."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backend import namespace_of
+from .params import SegmentSamples
+
+
+def beats_from_peaks(peaks, s: SegmentSamples, n_samples: int):
+    """Beat boundaries of one recording from its sorted peaks.
+
+    Beat ``i`` starts ``pre`` samples before peak ``i`` and ends where beat ``i+1`` starts, so its
+    length is the interval to the next peak (the seed's "adjacent differences"). The last peak has
+    no successor and makes no beat; a beat starting before sample 0 is dropped.
+
+    Returns
+    -------
+    (peak, start, length) : int64 arrays, one entry per beat
+    """
+    xp = namespace_of(peaks)
+    peaks = peaks.astype(xp.int64, copy=False)
+    if peaks.shape[0] < 2:
+        e = xp.zeros(0, dtype=xp.int64)
+        return e, e, e
+    start = peaks[:-1] - s.pre
+    length = xp.diff(peaks)
+    ok = (start >= 0) & (start + length <= n_samples)
+    return peaks[:-1][ok], start[ok], length[ok]
+
+
+def prune_mask(length, lower: int, upper: int):
+    """Beats kept: ``lower <= length <= upper``."""
+    return (length >= lower) & (length <= upper)
+
+
+@dataclass
+class RaggedBeats:
+    """Consecutive beats as a CSR matrix over the stream, with no copy of the samples.
+
+    Row ``i`` is ``data[indptr[i]:indptr[i+1]]``: ``indptr`` are the beat boundaries and ``data``
+    is the stream itself.
+    """
+
+    indptr: object
+    data: object
+
+    @classmethod
+    def from_starts(cls, data, start, length) -> "RaggedBeats":
+        xp = namespace_of(data)
+        if start.shape[0] == 0:
+            return cls(xp.zeros(1, dtype=xp.int64), data)
+        indptr = xp.concatenate([start, start[-1:] + length[-1:]])
+        return cls(indptr, data)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.indptr.shape[0]) - 1
+
+    @property
+    def lengths(self):
+        return self.indptr[1:] - self.indptr[:-1]
+
+    def row(self, i: int):
+        return self.data[int(self.indptr[i]) : int(self.indptr[i + 1])]
+
+    def to_padded(self, width: int, rows=None, baseline_samples: int = 0):
+        """The zero-padded ``(n, width)`` float32 matrix of the rows (all, or those in ``rows``).
+
+        See :func:`embed`.
+        """
+        start, length = self.indptr[:-1], self.lengths
+        if rows is not None:
+            start, length = start[rows], length[rows]
+        return embed(self.data, start, length, width, baseline_samples=baseline_samples)
+
+
+def embed(x, start, length, width: int, *, first: int = 0, baseline_samples: int = 0, chunk: int = 8192):
+    """Write each beat into a row of a zero-padded matrix.
+
+    Parameters
+    ----------
+    x : array, 1-D
+        Samples ``[first, first + len(x))`` of the recording.
+    start, length : int arrays
+        Global start and length of each beat (``length <= width``, beats inside ``x``).
+    width : int
+        Row width D.
+    baseline_samples : int
+        If > 0, each row has the mean of its first ``baseline_samples`` samples (the isoelectric
+        stretch before the QRS) subtracted, so rows share a zero baseline.
+
+    Returns
+    -------
+    rows : float32 array (n, width)
+        Beat samples then zeros.
+    peak_to_peak : float32 array (n,)
+        Range of each beat's samples (for a stream-wide amplitude scale).
+    """
+    xp = namespace_of(x)
+    n = int(start.shape[0])
+    rows = xp.zeros((n, width), dtype=xp.float32)
+    p2p = xp.zeros(n, dtype=xp.float32)
+    cols = xp.arange(width)
+    for lo in range(0, n, chunk):
+        st = start[lo : lo + chunk] - first
+        ln = length[lo : lo + chunk]
+        idx = st[:, None] + cols[None, :]
+        valid = cols[None, :] < ln[:, None]
+        vals = x[xp.minimum(idx, x.shape[0] - 1)].astype(xp.float32)
+        if baseline_samples > 0:
+            vals = vals - vals[:, :baseline_samples].mean(axis=1, keepdims=True)
+        hi = xp.where(valid, vals, -xp.inf).max(axis=1)
+        lo_ = xp.where(valid, vals, xp.inf).min(axis=1)
+        p2p[lo : lo + chunk] = hi - lo_
+        rows[lo : lo + chunk] = xp.where(valid, vals, 0)
+    return rows, p2p

@@ -1,0 +1,90 @@
+"""Evaluation against reference beats: detection (Se, PPV, F1) and anomaly ranking (ROC/PR-AUC)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass
+class Detection:
+    """Counts and rates of a beat detection against reference beats."""
+
+    tp: int
+    fp: int
+    fn: int
+
+    @property
+    def se(self) -> float:
+        return self.tp / (self.tp + self.fn) if self.tp + self.fn else float("nan")
+
+    @property
+    def ppv(self) -> float:
+        return self.tp / (self.tp + self.fp) if self.tp + self.fp else float("nan")
+
+    @property
+    def f1(self) -> float:
+        d = 2 * self.tp + self.fp + self.fn
+        return 2 * self.tp / d if d else float("nan")
+
+    def __add__(self, other: "Detection") -> "Detection":
+        return Detection(self.tp + other.tp, self.fp + other.fp, self.fn + other.fn)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "se": self.se, "ppv": self.ppv, "f1": self.f1}
+
+
+def match_beats(detected, reference, tolerance: int):
+    """One-to-one matching of detected to reference beat positions within ``tolerance`` samples.
+
+    Each reference beat takes the nearest detection not yet taken (both sorted, so a two-pointer
+    sweep in order of position suffices, as in the usual beat-by-beat comparison).
+
+    Parameters
+    ----------
+    detected, reference : 1-D int arrays (sorted)
+    tolerance : int
+        Largest |detected − reference| for a match (e.g. 150 ms in samples).
+
+    Returns
+    -------
+    (Detection, match) : match[i] is the index in ``detected`` matched to ``reference[i]``, or -1.
+    """
+    d = np.asarray(detected, dtype=np.int64)
+    r = np.asarray(reference, dtype=np.int64)
+    match = np.full(r.shape[0], -1, dtype=np.int64)
+    # candidates: nearest detection left and right of each reference
+    pos = np.searchsorted(d, r)
+    taken = np.zeros(d.shape[0], dtype=bool)
+    for i in range(r.shape[0]):
+        best, best_dist = -1, tolerance + 1
+        for j in (pos[i] - 1, pos[i], pos[i] + 1):
+            if 0 <= j < d.shape[0] and not taken[j]:
+                dist = abs(int(d[j]) - int(r[i]))
+                if dist < best_dist:
+                    best, best_dist = j, dist
+        if best >= 0:
+            match[i] = best
+            taken[best] = True
+    tp = int((match >= 0).sum())
+    return Detection(tp=tp, fp=int(d.shape[0] - tp), fn=int(r.shape[0] - tp)), match
+
+
+def roc_auc(scores, positive) -> float:
+    """ROC-AUC of ``scores`` for the boolean ``positive`` labels (NaN if one class is missing)."""
+    from sklearn.metrics import roc_auc_score
+
+    positive = np.asarray(positive, dtype=bool)
+    if positive.all() or not positive.any():
+        return float("nan")
+    return float(roc_auc_score(positive, np.asarray(scores)))
+
+
+def pr_auc(scores, positive) -> float:
+    """Average precision (PR-AUC) of ``scores`` for ``positive`` (NaN if one class is missing)."""
+    from sklearn.metrics import average_precision_score
+
+    positive = np.asarray(positive, dtype=bool)
+    if positive.all() or not positive.any():
+        return float("nan")
+    return float(average_precision_score(positive, np.asarray(scores)))

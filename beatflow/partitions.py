@@ -1,0 +1,130 @@
+"""Partitions of a stream: halos from neighbours, per-partition work, and the stream-wide beat plan.
+
+Pure functions on arrays (NumPy or CuPy); the Prefect tasks in ``tasks/`` call them on workers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backend import namespace_of, to_host
+from .beats import beats_from_peaks, embed, prune_mask
+from .params import SegmentSamples
+from .reading import PartitionSpec
+from .segment import detect_peaks
+
+
+def edges(x, halo: int):
+    """The first and last ``halo`` samples of a partition (copies: small, they travel)."""
+    return x[:halo].copy(), x[max(0, x.shape[0] - halo):].copy()
+
+
+def assemble_halos(specs: list[PartitionSpec], lengths: list[int], heads: list, tails: list, halo: int):
+    """Left and right halos of every partition, and the global first sample of each core.
+
+    A halo never crosses into another recording, and collects as many neighbours as it needs
+    (a neighbour may be shorter than the halo).
+
+    Returns
+    -------
+    (lefts, rights, firsts)
+    """
+    n = len(specs)
+    firsts, pos = [], {}
+    for k, sp in enumerate(specs):
+        pos.setdefault(sp.recording, 0)
+        firsts.append(pos[sp.recording])
+        pos[sp.recording] += lengths[k]
+    lefts, rights = [], []
+    for k, sp in enumerate(specs):
+        xp = namespace_of(heads[k])
+        left, need, j = [], halo, k - 1
+        while need > 0 and j >= 0 and specs[j].recording == sp.recording:
+            piece = tails[j][max(0, tails[j].shape[0] - need):]
+            left.insert(0, piece)
+            need -= piece.shape[0]
+            j -= 1
+        right, need, j = [], halo, k + 1
+        while need > 0 and j < n and specs[j].recording == sp.recording:
+            piece = heads[j][:need]
+            right.append(piece)
+            need -= piece.shape[0]
+            j += 1
+        empty = xp.zeros(0, dtype=heads[k].dtype)
+        lefts.append(xp.concatenate(left) if left else empty)
+        rights.append(xp.concatenate(right) if right else empty)
+    return lefts, rights, firsts
+
+
+def extend(core, left, right):
+    """``left + core + right`` as one array (the partition with its halos)."""
+    xp = namespace_of(core)
+    return xp.concatenate([xp.asarray(left, dtype=core.dtype), core, xp.asarray(right, dtype=core.dtype)])
+
+
+def segment_partition(core, left, right, first: int, s: SegmentSamples):
+    """Peaks (global sample indices in the recording) whose position lies in this partition's core."""
+    x = extend(core, left, right)
+    return detect_peaks(x, s, first=first - left.shape[0], core=(first, first + core.shape[0]))
+
+
+def embed_partition(core, left, right, first: int, start, length, s: SegmentSamples):
+    """Padded beat rows and peak-to-peak amplitudes of this partition's kept beats."""
+    xp = namespace_of(core)
+    x = extend(core, left, right)
+    return embed(x, xp.asarray(start), xp.asarray(length), s.width, first=first - left.shape[0],
+                 baseline_samples=max(1, s.pre // 2))
+
+
+def snippets(core, left, right, first: int, windows):
+    """Signal snippets ``[(a, b), ...]`` (global, clipped to what this partition sees), as NumPy."""
+    x = extend(core, left, right)
+    x0 = first - left.shape[0]
+    out = []
+    for a, b in windows:
+        lo, hi = max(a, x0), min(b, x0 + x.shape[0])
+        out.append((lo, to_host(x[lo - x0 : hi - x0]).astype(np.float32)))
+    return out
+
+
+@dataclass
+class BeatPlan:
+    """All detected beats of the stream (host arrays, small) and which partition owns each."""
+
+    recording: np.ndarray
+    peak: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    kept: np.ndarray
+    owner: np.ndarray
+
+    @property
+    def n_detected(self) -> int:
+        return int(self.peak.shape[0])
+
+    @property
+    def n_kept(self) -> int:
+        return int(self.kept.sum())
+
+    def kept_of(self, partition: int):
+        """(start, length) of the kept beats owned by ``partition``, in stream order."""
+        m = self.kept & (self.owner == partition)
+        return self.start[m], self.length[m]
+
+
+def plan_beats(specs: list[PartitionSpec], firsts: list[int], n_samples: dict[int, int], peaks: list,
+               s: SegmentSamples) -> BeatPlan:
+    """Beats of every recording from the peaks of its partitions (in order), pruned by length."""
+    cols = {k: [] for k in ("recording", "peak", "start", "length", "owner")}
+    for rec in sorted({sp.recording for sp in specs}):
+        idx = [k for k, sp in enumerate(specs) if sp.recording == rec]
+        pk = np.concatenate([to_host(peaks[k]).astype(np.int64) for k in idx])
+        peak, start, length = beats_from_peaks(pk, s, n_samples[rec])
+        part_first = np.asarray([firsts[k] for k in idx])
+        owner = np.asarray(idx)[np.searchsorted(part_first, peak, side="right") - 1]
+        for key, val in (("recording", np.full(peak.shape[0], rec)), ("peak", peak), ("start", start),
+                         ("length", length), ("owner", owner)):
+            cols[key].append(val)
+    cat = {k: np.concatenate(v).astype(np.int64) if v else np.zeros(0, np.int64) for k, v in cols.items()}
+    return BeatPlan(kept=prune_mask(cat["length"], s.lower, s.upper), **cat)

@@ -1,0 +1,741 @@
+"""Self-contained HTML report for a beatflow run.
+
+Two parts:
+
+* :func:`column_minmax` / :func:`combine_minmax` -- datashader-style per-pixel
+  min/max aggregation of a long 1-D stream that is split into partitions
+  (NumPy or CuPy arrays).  Each partition reduces to a tiny per-column result;
+  combining the partial results of *any* partitioning gives exactly the
+  one-partition result.
+* :class:`ReportData` / :func:`write_report` -- one HTML file with inline
+  base64 PNG figures (matplotlib, Agg, no pyplot global state), inline CSS,
+  no external resources.
+
+This module deliberately imports neither prefect nor dask.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+__all__ = [
+    "column_minmax",
+    "combine_minmax",
+    "column_bounds",
+    "ReportData",
+    "write_report",
+    "render_report_html",
+]
+
+
+# --------------------------------------------------------------------------
+# Part 1: per-pixel min/max aggregation
+# --------------------------------------------------------------------------
+
+
+def _xp(x):
+    """Array namespace of ``x``: CuPy for CUDA arrays, NumPy otherwise."""
+    if hasattr(x, "__cuda_array_interface__"):
+        import cupy  # noqa: PLC0415  (only imported for device arrays)
+
+        return cupy
+    return np
+
+
+def _to_numpy(a) -> np.ndarray:
+    if isinstance(a, np.ndarray):
+        return a
+    if hasattr(a, "get"):  # cupy.ndarray
+        return a.get()
+    return np.asarray(a)
+
+
+def _col_of(g: int, total: int, ncols: int) -> int:
+    """Column containing global sample ``g`` (0 <= g < total).
+
+    Column c covers [floor(c*total/ncols), floor((c+1)*total/ncols)); the
+    containing column is the largest c with floor(c*total/ncols) <= g, i.e.
+    c = floor(((g+1)*ncols - 1) / total).  Exact integer arithmetic.
+    """
+    return ((g + 1) * ncols - 1) // total
+
+
+def column_bounds(total: int, ncols: int) -> np.ndarray:
+    """Global sample boundaries (ncols+1,) of the pixel columns (int64)."""
+    c = np.arange(ncols + 1, dtype=np.int64)
+    return (c * np.int64(total)) // np.int64(ncols)
+
+
+def _segment_minmax(xp, x, starts, ends, method: str):
+    """min/max of x[starts[i]:ends[i]] for contiguous, non-empty, sorted segments
+    that tile x[starts[0]:ends[-1]].  Returns device arrays."""
+    if method == "reduceat":
+        try:
+            if np.issubdtype(x.dtype, np.floating):
+                mins = xp.fmin.reduceat(x, starts)
+                maxs = xp.fmax.reduceat(x, starts)
+            else:
+                mins = xp.minimum.reduceat(x, starts)
+                maxs = xp.maximum.reduceat(x, starts)
+            return mins, maxs
+        except Exception:  # noqa: BLE001 - e.g. a CuPy without (f)min.reduceat: use the padded gather
+            pass
+    # Padded gather: every segment is read as a row of length Lmax; indices past
+    # the segment end are clamped to its last element (repeats do not change
+    # min/max), so no fill value / dtype juggling is needed.
+    lengths = ends - starts
+    lmax = int(lengths.max())
+    idx = starts[:, None] + xp.arange(lmax, dtype=starts.dtype)[None, :]
+    idx = xp.minimum(idx, (ends - 1)[:, None])
+    g = x[idx]
+    if np.issubdtype(g.dtype, np.floating):
+        nan = xp.isnan(g)
+        allnan = nan.all(axis=1)
+        mins = xp.where(nan, xp.inf, g).min(axis=1)
+        maxs = xp.where(nan, -xp.inf, g).max(axis=1)
+        mins = xp.where(allnan, xp.nan, mins)
+        maxs = xp.where(allnan, xp.nan, maxs)
+    else:
+        mins = g.min(axis=1)
+        maxs = g.max(axis=1)
+    return mins, maxs
+
+
+def column_minmax(x, start: int, total: int, ncols: int, *, _method: str = "reduceat"):
+    """Per-pixel-column min/max of one partition of a long stream.
+
+    ``x`` is one partition (NumPy or CuPy 1-D array) covering global samples
+    ``[start, start+len(x))`` of a stream of ``total`` samples; the stream maps
+    onto ``ncols`` pixel columns, column ``c`` covering global samples
+    ``[floor(c*total/ncols), floor((c+1)*total/ncols))``.
+
+    Returns ``(first_col, mins, maxs)``: ``mins``/``maxs`` are NumPy float32
+    arrays for columns ``first_col .. first_col+len(mins)-1`` touched by this
+    partition (partial columns included).  Columns that contain no samples at
+    all (possible when ``ncols > total``) are NaN.  NaN samples are ignored.
+    All per-sample work happens in the array namespace of ``x``; only the small
+    per-column result is transferred to the host.
+    """
+    start = int(start)
+    total = int(total)
+    ncols = int(ncols)
+    if total <= 0 or ncols <= 0:
+        raise ValueError("total and ncols must be positive")
+    xp = _xp(x)
+    x = xp.asarray(x).reshape(-1)
+    n = int(x.shape[0])
+    if n == 0:
+        empty = np.empty(0, dtype=np.float32)
+        return 0, empty, empty.copy()
+    if start < 0 or start + n > total:
+        raise ValueError(f"partition [{start}, {start + n}) outside stream [0, {total})")
+    first = _col_of(start, total, ncols)
+    last = _col_of(start + n - 1, total, ncols)
+    # Boundaries of columns first..last (host side, tiny), in local coordinates.
+    c = np.arange(first, last + 2, dtype=np.int64)
+    b = (c * np.int64(total)) // np.int64(ncols) - start
+    lo = np.clip(b[:-1], 0, n)
+    hi = np.clip(b[1:], 0, n)
+    nonempty = hi > lo
+    mins = np.full(last - first + 1, np.nan, dtype=np.float32)
+    maxs = mins.copy()
+    starts_h = lo[nonempty]
+    ends_h = hi[nonempty]
+    starts = xp.asarray(starts_h)
+    ends = xp.asarray(ends_h)
+    dmin, dmax = _segment_minmax(xp, x, starts, ends, _method)
+    mins[nonempty] = _to_numpy(dmin).astype(np.float32)
+    maxs[nonempty] = _to_numpy(dmax).astype(np.float32)
+    return first, mins, maxs
+
+
+def combine_minmax(parts: Iterable[tuple[int, Any, Any]], ncols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Combine per-partition ``(first_col, mins, maxs)`` into full-length
+    ``(mins, maxs)`` of ``ncols`` float32 values (NaN where no data); partial
+    columns shared by neighbouring partitions are merged with min/max."""
+    ncols = int(ncols)
+    mins = np.full(ncols, np.nan, dtype=np.float32)
+    maxs = np.full(ncols, np.nan, dtype=np.float32)
+    for first, pmin, pmax in parts:
+        pmin = np.asarray(_to_numpy(pmin), dtype=np.float32).reshape(-1)
+        pmax = np.asarray(_to_numpy(pmax), dtype=np.float32).reshape(-1)
+        if pmin.size == 0:
+            continue
+        first = int(first)
+        sl = slice(first, first + pmin.size)
+        if first < 0 or first + pmin.size > ncols:
+            raise ValueError(f"part columns [{first}, {first + pmin.size}) outside [0, {ncols})")
+        np.fmin(mins[sl], pmin, out=mins[sl])
+        np.fmax(maxs[sl], pmax, out=maxs[sl])
+    return mins, maxs
+
+
+# --------------------------------------------------------------------------
+# Part 2: the report
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class ReportData:
+    title: str
+    summary: dict
+    fs: float
+    total_samples: int
+    stream_min: np.ndarray
+    stream_max: np.ndarray
+    length_hist_counts: np.ndarray
+    length_hist_edges: np.ndarray
+    length_bounds: tuple[int, int]
+    aligned_beats: np.ndarray
+    train_loss: list[float]
+    test_loss: float
+    latent_mu: np.ndarray
+    latent_score: np.ndarray
+    threshold: float
+    score_all: np.ndarray
+    top: list[dict]
+    anomaly_times_s: np.ndarray
+    truth_labels: np.ndarray | None = None
+
+
+_DPI = 100
+_LABEL_NAMES = {0: "normal", 1: "PVC", 2: "artifact"}
+_LABEL_COLOURS = {0: "#9e9e9e", 1: "#e6550d", 2: "#6a51a3"}
+_ENVELOPE = "#1f5fa6"
+_FLAG = "#d62728"
+
+
+def _fmt_hms(seconds: float, with_seconds: bool = True) -> str:
+    if seconds is None or not np.isfinite(seconds):
+        return "–"
+    s = int(round(float(seconds))) if with_seconds else int(float(seconds))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if with_seconds else f"{h}:{m:02d}"
+
+
+def _fmt_num(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, (bool, np.bool_)):
+        return str(bool(v))
+    if isinstance(v, (int, np.integer)):
+        return f"{int(v):,}"
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        if not np.isfinite(v):
+            return str(v)
+        if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-3):
+            return f"{v:.{digits - 1}e}"
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=_DPI)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _new_fig(w: float, h: float, layout: str | None = "constrained"):
+    from matplotlib.figure import Figure  # noqa: PLC0415  (no pyplot, Agg canvas on save)
+
+    return Figure(figsize=(w, h), dpi=_DPI, layout=layout)
+
+
+def _hours_formatter():
+    from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
+
+    return FuncFormatter(lambda v, _pos: _fmt_hms(v * 3600.0, with_seconds=v * 3600 < 600) if v >= 0 else "")
+
+
+def _no_data(ax, msg: str = "no data") -> None:
+    ax.text(0.5, 0.5, msg, ha="center", va="center", transform=ax.transAxes, color="#888")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _style(ax) -> None:
+    ax.grid(True, lw=0.4, alpha=0.5)
+    for s in ("top", "right"):
+        ax.spines[s].set_visible(False)
+    ax.tick_params(labelsize=8)
+
+
+# ---- individual figures ----------------------------------------------------
+
+
+def _fig_stream(d: ReportData) -> str:
+    fig = _new_fig(13.0, 3.4)
+    gs = fig.add_gridspec(2, 1, height_ratios=[1.0, 0.13])
+    ax = fig.add_subplot(gs[0])
+    rug = fig.add_subplot(gs[1], sharex=ax)
+    mn = np.asarray(d.stream_min, dtype=np.float64).reshape(-1)
+    mx = np.asarray(d.stream_max, dtype=np.float64).reshape(-1)
+    fs = float(d.fs) if d.fs else 1.0
+    dur_h = float(d.total_samples) / fs / 3600.0
+    ncols = mn.size
+    if ncols and np.isfinite(mn).any():
+        centres = (np.arange(ncols) + 0.5) * (float(d.total_samples) / ncols) / fs / 3600.0
+        ax.fill_between(centres, mn, mx, color=_ENVELOPE, lw=0.0, alpha=0.85, step="mid")
+        lo, hi = np.nanpercentile(mn, 0.2), np.nanpercentile(mx, 99.8)
+        pad = 0.08 * (hi - lo if hi > lo else 1.0)
+        ax.set_ylim(min(lo, np.nanmedian(mn)) - pad, max(hi, np.nanmedian(mx)) + pad)
+    else:
+        _no_data(ax)
+    ax.set_xlim(0, dur_h if dur_h > 0 else 1)
+    ax.set_ylabel("amplitude", fontsize=9)
+    ax.set_title(
+        f"Whole recording, min/max envelope over {ncols:,} pixel columns (y clipped to 0.2–99.8 percentile)",
+        fontsize=10,
+        loc="left",
+    )
+    _style(ax)
+    ax.tick_params(labelbottom=False)
+    t = np.asarray(d.anomaly_times_s, dtype=np.float64).reshape(-1) / 3600.0
+    if t.size:
+        rug.vlines(t, 0, 1, color=_FLAG, lw=0.6, alpha=0.7)
+    rug.set_ylim(0, 1)
+    rug.set_yticks([])
+    rug.set_ylabel(f"flagged\n({t.size:,})", fontsize=8, rotation=0, ha="right", va="center")
+    rug.xaxis.set_major_formatter(_hours_formatter())
+    rug.set_xlabel("time (h:mm)", fontsize=9)
+    rug.tick_params(labelsize=8)
+    for s in ("top", "right", "left"):
+        rug.spines[s].set_visible(False)
+    return _png(fig)
+
+
+def _fig_lengths(d: ReportData) -> str:
+    fig = _new_fig(6.4, 3.4)
+    ax = fig.add_subplot()
+    counts = np.asarray(d.length_hist_counts, dtype=np.float64).reshape(-1)
+    edges = np.asarray(d.length_hist_edges, dtype=np.float64).reshape(-1)
+    if counts.size and edges.size == counts.size + 1:
+        ax.stairs(counts, edges, fill=True, color="#4c72b0", alpha=0.9)
+        if counts.max() > 0 and counts.max() / max(counts[counts > 0].min(), 1) > 200:
+            ax.set_yscale("log")
+        lo, hi = d.length_bounds
+        ax.axvspan(lo, hi, color="#2ca02c", alpha=0.15, label=f"kept {int(lo)}–{int(hi)}")
+        ax.axvline(lo, color="#2ca02c", lw=1.2)
+        ax.axvline(hi, color="#2ca02c", lw=1.2)
+        ax.legend(fontsize=8, loc="upper right", frameon=False)
+        if d.fs:
+            sec = ax.secondary_xaxis("top", functions=(lambda v: v / d.fs * 1e3, lambda v: v * d.fs / 1e3))
+            sec.set_xlabel("ms", fontsize=8)
+            sec.tick_params(labelsize=7)
+    else:
+        _no_data(ax)
+    ax.set_xlabel("beat length (samples)", fontsize=9)
+    ax.set_ylabel("beats", fontsize=9)
+    _style(ax)
+    return _png(fig)
+
+
+def _fig_aligned(d: ReportData) -> str:
+    fig = _new_fig(6.4, 3.4)
+    ax = fig.add_subplot()
+    a = np.asarray(d.aligned_beats, dtype=np.float64)
+    if a.ndim == 2 and a.size:
+        fs = float(d.fs) if d.fs else 1.0
+        t = np.arange(a.shape[1]) / fs * 1e3
+        ax.plot(t, a.T, lw=0.6, alpha=0.55, color="#4c72b0")
+        ax.plot(t, np.median(a, axis=0), lw=1.6, color="#111", label="median")
+        ax.legend(fontsize=8, frameon=False)
+        ax.set_title(f"{a.shape[0]} typical kept beats, zero padded to {a.shape[1]} samples", fontsize=9, loc="left")
+        ax.set_xlabel("time from beat start (ms)" if d.fs else "sample", fontsize=9)
+    else:
+        _no_data(ax)
+    ax.set_ylabel("amplitude", fontsize=9)
+    _style(ax)
+    return _png(fig)
+
+
+def _fig_training(d: ReportData) -> str:
+    fig = _new_fig(6.4, 3.4)
+    ax = fig.add_subplot()
+    tl = np.asarray(list(d.train_loss) if d.train_loss is not None else [], dtype=np.float64)
+    has = False
+    if tl.size:
+        ep = np.arange(1, tl.size + 1)
+        ax.plot(ep, tl, marker="o", ms=3, lw=1.4, color="#4c72b0", label="train loss")
+        has = True
+    if d.test_loss is not None and np.isfinite(d.test_loss):
+        ax.axhline(float(d.test_loss), color="#dd8452", lw=1.4, ls="--", label=f"test loss {float(d.test_loss):.4g}")
+        has = True
+    if has:
+        ax.legend(fontsize=8, frameon=False)
+        allv = np.concatenate([tl[np.isfinite(tl)], [float(d.test_loss)] if d.test_loss is not None else []])
+        allv = allv[np.isfinite(allv)]
+        if allv.size and allv.min() > 0 and allv.max() / allv.min() > 30:
+            ax.set_yscale("log")
+        if tl.size:
+            from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    else:
+        _no_data(ax)
+    ax.set_xlabel("epoch", fontsize=9)
+    ax.set_ylabel("loss", fontsize=9)
+    _style(ax)
+    return _png(fig)
+
+
+def _fig_scores(d: ReportData) -> str:
+    fig = _new_fig(6.4, 3.4)
+    ax = fig.add_subplot()
+    s = np.asarray(d.score_all, dtype=np.float64).reshape(-1)
+    s = s[np.isfinite(s)]
+    if s.size:
+        ax.hist(s, bins=120, color="#4c72b0", log=True)
+        thr = float(d.threshold)
+        n_above = int((s >= thr).sum())
+        ax.axvline(thr, color=_FLAG, lw=1.4, label=f"threshold {thr:.4g}  ({n_above:,} ≥)")
+        ax.legend(fontsize=8, frameon=False)
+    else:
+        _no_data(ax)
+    ax.set_xlabel("anomaly score", fontsize=9)
+    ax.set_ylabel("beats (log)", fontsize=9)
+    _style(ax)
+    return _png(fig)
+
+
+def _fig_latent(d: ReportData) -> str:
+    mu = np.asarray(d.latent_mu, dtype=np.float64)
+    sc = np.asarray(d.latent_score, dtype=np.float64).reshape(-1)
+    labels = None if d.truth_labels is None else np.asarray(d.truth_labels).reshape(-1)
+    two = labels is not None and labels.size == sc.size and sc.size > 0
+    fig = _new_fig(13.0 if two else 7.6, 5.0)
+    axes = [fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)] if two else [fig.add_subplot()]
+    ax = axes[0]
+    if mu.ndim != 2 or mu.shape[0] == 0 or mu.shape[1] < 2 or sc.size != mu.shape[0]:
+        _no_data(ax)
+        return _png(fig)
+    x, y = mu[:, 0], mu[:, 1]
+    order = np.argsort(sc, kind="stable")  # high scores drawn last (on top)
+    fin = sc[np.isfinite(sc)]
+    vmin, vmax = (np.percentile(fin, 1), np.percentile(fin, 99.5)) if fin.size else (0, 1)
+    if vmax <= vmin:
+        vmax = vmin + 1e-9
+    m = mu.shape[0]
+    size = 4 if m > 5000 else 9
+    sca = ax.scatter(x[order], y[order], c=sc[order], s=size, cmap="viridis", vmin=vmin, vmax=vmax, lw=0)
+    flagged = sc >= float(d.threshold)
+    if flagged.any():
+        ax.scatter(
+            x[flagged], y[flagged], s=size * 5, facecolors="none", edgecolors=_FLAG, lw=0.7,
+            label=f"flagged ({int(flagged.sum()):,})",
+        )
+        ax.legend(fontsize=8, loc="best", frameon=True, framealpha=0.8)
+    cb = fig.colorbar(sca, ax=ax, extend="both", shrink=0.9)
+    cb.set_label("anomaly score", fontsize=9)
+    cb.ax.tick_params(labelsize=8)
+    ax.set_title(f"latent means of {m:,} test beats, coloured by score", fontsize=10, loc="left")
+    ax.set_xlabel("z₁", fontsize=9)
+    ax.set_ylabel("z₂", fontsize=9)
+    _style(ax)
+    # Zoom on the bulk: outliers can stretch the axes a lot.
+    for arr, setter in ((x, ax.set_xlim), (y, ax.set_ylim)):
+        f = arr[np.isfinite(arr)]
+        if f.size:
+            lo, hi = np.percentile(f, [0.05, 99.95])
+            pad = 0.08 * (hi - lo if hi > lo else 1.0)
+            setter(lo - pad, hi + pad)
+    if two:
+        ax2 = axes[1]
+        ax2.sharex(ax)
+        ax2.sharey(ax)
+        uniq = [int(u) for u in np.unique(labels)]
+        # draw the common class first so rare classes stay visible
+        uniq.sort(key=lambda u: -(labels == u).sum())
+        for u in uniq:
+            sel = labels == u
+            ax2.scatter(
+                x[sel], y[sel], s=size if u == 0 else size * 2.5, lw=0,
+                color=_LABEL_COLOURS.get(u, "#17becf"), alpha=0.8 if u else 0.5,
+                label=f"{_LABEL_NAMES.get(u, str(u))} ({int(sel.sum()):,})",
+            )
+        ax2.legend(fontsize=8, markerscale=2.5, frameon=True, framealpha=0.8)
+        ax2.set_title("same points, coloured by ground-truth label", fontsize=10, loc="left")
+        ax2.set_xlabel("z₁", fontsize=9)
+        _style(ax2)
+    return _png(fig)
+
+
+def _fig_top(d: ReportData, limit: int = 12) -> str | None:
+    top = list(d.top or [])[:limit]
+    if not top:
+        return None
+    ncol = 4 if len(top) > 4 else len(top)
+    nrow = math.ceil(len(top) / ncol)
+    height = 2.25 * nrow + 0.3
+    # Fixed margins instead of constrained layout: much faster for a dozen axes.
+    fig = _new_fig(13.0, height, layout=None)
+    fig.subplots_adjust(left=0.04, right=0.99, top=1 - 0.32 / height, bottom=0.5 / height, wspace=0.18,
+                        hspace=0.5)
+    fs = float(d.fs) if d.fs else 1.0
+    for i, a in enumerate(top):
+        ax = fig.add_subplot(nrow, ncol, i + 1)
+        ctx = np.asarray(a.get("context", []), dtype=np.float64).reshape(-1)
+        c0 = int(a.get("context_start", a.get("start", 0)))
+        start = int(a.get("start", c0))
+        length = int(a.get("length", 0))
+        if ctx.size:
+            t = (c0 + np.arange(ctx.size)) / fs - start / fs  # seconds relative to the beat start
+            ax.plot(t, ctx, lw=0.7, color="#222")
+            ax.axvspan(0.0, length / fs, color=_FLAG, alpha=0.2, lw=0)
+            ax.set_xlim(t[0], t[-1])
+        else:
+            _no_data(ax)
+        time_s = a.get("time_s", start / fs)
+        title = f"#{i + 1}  {_fmt_hms(time_s)}  score {_fmt_num(a.get('score'), 3)}"
+        if a.get("label"):
+            title += f"  [{a['label']}]"
+        ax.set_title(title, fontsize=8.5, loc="left")
+        _style(ax)
+        ax.tick_params(labelsize=7)
+        if i // ncol == nrow - 1:
+            ax.set_xlabel("s from beat start", fontsize=8)
+    return _png(fig)
+
+
+# ---- HTML ------------------------------------------------------------------
+
+_CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:0;background:#f4f5f7;color:#1d232b}
+main{max-width:1340px;margin:0 auto;padding:18px 24px 40px}
+h1{font-size:1.6em;margin:.2em 0 .1em}
+h2{font-size:1.15em;margin:1.6em 0 .5em;border-bottom:2px solid #d7dbe0;padding-bottom:.2em}
+h3{font-size:1em;margin:.2em 0 .4em}
+.sub{color:#5a6470;margin:0 0 1em;font-size:.9em}
+.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(150px,1fr));gap:10px}
+.card{background:#fff;border-radius:8px;padding:9px 12px;box-shadow:0 1px 2px rgba(0,0,0,.08)}
+.card .k{font-size:.75em;color:#5a6470;text-transform:uppercase;letter-spacing:.04em}
+.card .v{font-size:1.25em;font-weight:600;margin-top:2px;overflow-wrap:anywhere}
+.card.alert .v{color:#b3261e}
+.card.long .v{font-size:.95em;padding-top:.2em}
+.row{display:grid;grid-template-columns:1fr 1fr;gap:14px}
+.panel{background:#fff;border-radius:8px;padding:10px 12px;box-shadow:0 1px 2px rgba(0,0,0,.08);overflow-x:auto}
+.panel img{max-width:100%;height:auto;display:block;margin:0 auto}
+.note{color:#5a6470;font-size:.85em;margin:.3em 0 0}
+table{border-collapse:collapse;font-size:.88em;background:#fff}
+th,td{padding:4px 10px;border-bottom:1px solid #e3e6ea;text-align:right;white-space:nowrap}
+th{background:#eef0f3;font-weight:600}
+td.l,th.l{text-align:left}
+.tables{display:flex;flex-wrap:wrap;gap:14px;align-items:flex-start;margin-top:12px}
+@media (max-width:900px){.row{grid-template-columns:1fr}}
+"""
+
+
+def _img(b64: str, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
+
+
+def _card(key: str, value: str, alert: bool = False) -> str:
+    cls = "card alert" if alert else "card"
+    if len(value) > 10:
+        cls += " long"
+    return f'<div class="{cls}"><div class="k">{html.escape(key)}</div><div class="v">{html.escape(value)}</div></div>'
+
+
+def _summary_cards(d: ReportData) -> str:
+    s = d.summary or {}
+    fs = float(d.fs) if d.fs else float(s.get("fs") or 0)
+    samples = s.get("samples", d.total_samples)
+    dur = (float(samples) / fs) if fs else float("nan")
+    cards = [
+        _card("samples", _fmt_num(int(samples)) if samples is not None else "–"),
+        _card("duration (h:mm)", _fmt_hms(dur, with_seconds=False)),
+        _card("sampling rate", f"{_fmt_num(fs)} Hz" if fs else "–"),
+        _card("beats detected", _fmt_num(s.get("beats_detected"))),
+        _card("beats kept", _fmt_num(s.get("beats_kept"))),
+    ]
+    pf = s.get("pruned_fraction")
+    cards.append(_card("pruned", f"{100.0 * float(pf):.2f} %" if pf is not None else "–"))
+    cards.append(_card("anomalies flagged", _fmt_num(s.get("anomalies_flagged")), alert=True))
+    cards.append(_card("test loss", _fmt_num(s.get("test_loss", d.test_loss))))
+    cards.append(_card("device", _fmt_num(s.get("device"))))
+    cards.append(_card("workers", _fmt_num(s.get("workers"))))
+    eng = s.get("engine") or {}
+    if isinstance(eng, dict):
+        cards.append(_card("engine backend", _fmt_num(eng.get("backend"))))
+        cards.append(_card("engine max |err|", _fmt_num(eng.get("max_abs_err"), 3)))
+    else:
+        cards.append(_card("engine", _fmt_num(eng)))
+    truth = s.get("truth")
+    if isinstance(truth, dict) and truth:
+        for k, name in (("se", "truth Se"), ("ppv", "truth PPV"), ("auc", "truth AUC")):
+            if truth.get(k) is not None:
+                cards.append(_card(name, f"{float(truth[k]):.3f}"))
+    return '<div class="cards">' + "".join(cards) + "</div>"
+
+
+_CONSUMED = {
+    "samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss", "anomalies_flagged",
+    "device", "workers", "engine", "timings_s", "truth",
+}
+
+
+def _timings_table(d: ReportData) -> str:
+    t = (d.summary or {}).get("timings_s") or {}
+    if not isinstance(t, dict) or not t:
+        return ""
+    rows = []
+    tot = 0.0
+    for k, v in t.items():
+        try:
+            fv = float(v)
+        except (TypeError, ValueError):
+            rows.append(f'<tr><td class="l">{html.escape(str(k))}</td><td>{html.escape(str(v))}</td><td></td></tr>')
+            continue
+        tot += fv
+        rows.append((k, fv))
+    out = []
+    for r in rows:
+        if isinstance(r, str):
+            out.append(r)
+        else:
+            k, fv = r
+            pct = f"{100.0 * fv / tot:.1f} %" if tot > 0 else ""
+            out.append(f'<tr><td class="l">{html.escape(str(k))}</td><td>{fv:.2f}</td><td>{pct}</td></tr>')
+    out.append(f'<tr><th class="l">sum</th><th>{tot:.2f}</th><th></th></tr>')
+    return (
+        '<table><thead><tr><th class="l">stage</th><th>seconds</th><th>share</th></tr></thead><tbody>'
+        + "".join(out) + "</tbody></table>"
+    )
+
+
+def _other_table(d: ReportData) -> str:
+    s = d.summary or {}
+    rows = []
+    for k, v in s.items():
+        if k in _CONSUMED:
+            continue
+        if isinstance(v, dict):
+            v = ", ".join(f"{kk}={_fmt_num(vv)}" for kk, vv in v.items())
+        elif isinstance(v, (list, tuple)) and len(v) > 8:
+            v = f"[{len(v)} items]"
+        rows.append(f'<tr><td class="l">{html.escape(str(k))}</td><td class="l">{html.escape(_fmt_num(v))}</td></tr>')
+    if not rows:
+        return ""
+    return '<table><thead><tr><th class="l">setting</th><th class="l">value</th></tr></thead><tbody>' + "".join(rows) + "</tbody></table>"
+
+
+def _top_table(d: ReportData, limit: int = 50) -> str:
+    top = list(d.top or [])[:limit]
+    if not top:
+        return '<p class="note">No anomalies flagged.</p>'
+    has_label = any(a.get("label") for a in top)
+    head = ["rank", "beat", "start (sample)", "time", "length", "length (ms)", "score"] + (["label"] if has_label else [])
+    fs = float(d.fs) if d.fs else 0.0
+    rows = []
+    for i, a in enumerate(top):
+        length = a.get("length")
+        start = a.get("start")
+        time_s = a.get("time_s", (float(start) / fs) if (start is not None and fs) else None)
+        cells = [
+            str(i + 1),
+            _fmt_num(a.get("beat")),
+            _fmt_num(start),
+            _fmt_hms(time_s) if time_s is not None else "–",
+            _fmt_num(length),
+            f"{1e3 * float(length) / fs:.0f}" if (length is not None and fs) else "–",
+            _fmt_num(a.get("score"), 4),
+        ]
+        if has_label:
+            cells.append(str(a.get("label") or ""))
+        rows.append(
+            "<tr>" + "".join(f'<td{" class=l" if j == 7 else ""}>{html.escape(c)}</td>' for j, c in enumerate(cells))
+            + "</tr>"
+        )
+    return (
+        "<table><thead><tr>"
+        + "".join(f'<th{" class=l" if j == 7 else ""}>{html.escape(h)}</th>' for j, h in enumerate(head))
+        + "</tr></thead><tbody>"
+        + "".join(rows) + "</tbody></table>"
+    )
+
+
+def render_report_html(data: ReportData) -> str:
+    """Build the complete, self-contained HTML document as a string."""
+    d = data
+    title = html.escape(str(d.title))
+    fs = float(d.fs) if d.fs else 0.0
+    dur_s = float(d.total_samples) / fs if fs else float("nan")
+    n_flag = int(np.asarray(d.anomaly_times_s).size)
+    n_top = min(len(d.top or []), 12)
+    parts: list[str] = []
+    parts.append(
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\"><title>{title}</title>"
+        f"<style>{_CSS}</style></head><body><main>"
+    )
+    parts.append(f"<h1>{title}</h1>")
+    parts.append(
+        f'<p class="sub">{_fmt_num(int(d.total_samples))} samples at {_fmt_num(fs)} Hz '
+        f"({html.escape(_fmt_hms(dur_s))}), {n_flag:,} beats flagged above score threshold "
+        f"{html.escape(_fmt_num(float(d.threshold)))}.</p>"
+    )
+    parts.append('<section id="summary"><h2>Summary</h2>')
+    parts.append(_summary_cards(d))
+    tt, ot = _timings_table(d), _other_table(d)
+    if tt or ot:
+        parts.append('<div class="tables">')
+        if tt:
+            parts.append(f'<div><h3>Per-stage timings</h3>{tt}</div>')
+        if ot:
+            parts.append(f"<div><h3>Other details</h3>{ot}</div>")
+        parts.append("</div>")
+    parts.append("</section>")
+
+    parts.append('<section id="stream"><h2>Whole stream</h2><div class="panel">')
+    parts.append(_img(_fig_stream(d), "min/max envelope of the whole recording with flagged beats"))
+    parts.append('<p class="note">Each pixel column shows the minimum and maximum of the samples it covers; '
+                 "red ticks below mark the start of every flagged beat.</p></div></section>")
+
+    parts.append('<section id="beats"><h2>Beats</h2><div class="row">')
+    parts.append('<div class="panel"><h3>Beat-length histogram</h3>' + _img(_fig_lengths(d), "beat length histogram")
+                 + '<p class="note">Shaded band: kept length range; beats outside it are pruned.</p></div>')
+    parts.append('<div class="panel"><h3>Aligned beats</h3>' + _img(_fig_aligned(d), "aligned beats overlay")
+                 + '<p class="note">Overlay of typical kept beats; a sharp common QRS means good alignment.</p></div>')
+    parts.append("</div></section>")
+
+    parts.append('<section id="model"><h2>Model</h2><div class="row">')
+    parts.append('<div class="panel"><h3>Training curve</h3>' + _img(_fig_training(d), "training curve") + "</div>")
+    parts.append('<div class="panel"><h3>Anomaly score distribution</h3>' + _img(_fig_scores(d), "score histogram")
+                 + '<p class="note">All kept beats; the red line is the flagging threshold.</p></div>')
+    parts.append("</div>")
+    parts.append('<div class="panel" style="margin-top:14px"><h3>Latent space</h3>' + _img(_fig_latent(d), "latent space")
+                 + '<p class="note">Flagged beats (score ≥ threshold) are circled in red.</p></div>')
+    parts.append("</section>")
+
+    parts.append(f'<section id="anomalies"><h2>Top anomalies</h2>')
+    top_png = _fig_top(d)
+    if top_png is not None:
+        parts.append(f'<div class="panel"><h3>Top {n_top} in context</h3>' + _img(top_png, "top anomalies")
+                     + '<p class="note">Shaded: the flagged beat. Titles: rank, time (h:mm:ss), score.</p></div>')
+    parts.append('<div class="panel" style="margin-top:14px"><h3>Table</h3>' + _top_table(d) + "</div>")
+    parts.append("</section>")
+    parts.append('<p class="note" style="margin-top:2em">Generated by beatflow. Self-contained file: no external resources.</p>')
+    parts.append("</main></body></html>\n")
+    return "".join(parts)
+
+
+def write_report(path, data: ReportData) -> None:
+    """Render ``data`` and write one self-contained HTML file atomically."""
+    path = os.fspath(path)
+    doc = render_report_html(data)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(doc)
+    os.replace(tmp, path)

@@ -1,0 +1,474 @@
+"""Synthetic long ECG recordings with known beats, for testing beat detection and anomaly scoring.
+
+The generator is vectorised NumPy (no loop over beats except chunking) and deterministic for a
+seed. Its parts, each drawn from its own child stream of ``np.random.SeedSequence(seed)`` so that
+beat timing, labels and morphology do not depend on the sampling rate:
+
+* **Rhythm** -- an integral pulse frequency modulation model: the instantaneous heart rate is a
+  day-long drift of the mean rate (60..95 bpm) plus LF (~0.1 Hz) and respiratory HF (~0.25 Hz)
+  modulation; beats fall where the integrated rate crosses whole numbers, then get a small
+  random jitter. Normal RR intervals stay within 0.47..0.98 s.
+* **Beats** -- each beat is a sum of five (possibly asymmetric) Gaussian waves P, Q, R, S, T in the
+  spirit of McSharry's ECGSYN, with widths in seconds, per-beat jitter, ~±10 % respiratory
+  amplitude modulation, and a T wave whose delay scales with ``sqrt(RR)`` (QT ~ sqrt(RR)). Normal
+  R is about 1 mV and the QRS about 90 ms wide.
+* **PVCs** (label 1) -- premature (coupling 0.55..0.75 x RR, at least 0.41 s) with a full
+  compensatory pause (the next normal beat keeps its sinus time, ~2 RR after the previous normal
+  one) unless that pause would exceed 1 s, where the sinus rhythm resets instead; so every
+  beat-to-beat interval lies in 0.41..1.0 s (100..256 samples at 250 Hz). No P wave, a wide
+  (~140 ms) high-amplitude (~1.8 mV) QRS, mostly positive, and a broad discordant T wave.
+* **Artifacts** (label 2) -- a 0.2..0.6 s burst (band-limited noise, or a motion-like transient)
+  over one normal beat, kept short enough that its neighbours' QRS complexes are untouched.
+* **Noise** -- baseline wander (a few 0.05..0.5 Hz sinusoids, a respiratory component and a slow
+  random drift), white noise, and a small 50 Hz hum.
+
+Beat windows are rendered in chunks and accumulated into the stream with ``np.bincount``, so a
+20 h recording at 250 Hz (18 M samples) takes a few seconds and a few hundred MB.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["LABEL_NAMES", "SyntheticECG", "synthesize_ecg", "truth_path"]
+
+LABEL_NAMES = {0: "normal", 1: "pvc", 2: "artifact"}
+
+# Coarse time grid (Hz) for the slow processes (heart rate, respiration, baseline wander).
+_GRID_FS = 10.0
+# Beat window relative to the R fiducial (seconds): covers the P wave and a late PVC T wave.
+_WIN_PRE_S = 0.30
+_WIN_POST_S = 0.62
+# Half-width (seconds) of the region searched for the QRS main deflection.
+_QRS_HALF_S = 0.06
+# Normal RR limits (seconds).
+_RR_MIN_S = 0.47
+_RR_MAX_S = 0.98
+# Shortest PVC coupling interval and longest post-PVC pause (seconds): every beat-to-beat interval
+# stays within 0.41..1.0 s, i.e. 100..256 samples at 250 Hz (the segmenter's beat lengths).
+_PVC_MIN_COUPLING_S = 0.41
+_MAX_PAUSE_S = 1.0
+_BEAT_CHUNK = 2048
+_SAMPLE_CHUNK = 1 << 20
+# Wave slots: P, Q, R, S, T.
+_N_WAVES = 5
+
+
+def truth_path(path) -> Path:
+    """Where :meth:`SyntheticECG.save` writes the truth of a signal saved at ``path``.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        Path of the signal (``.npy`` is appended if missing).
+
+    Returns
+    -------
+    pathlib.Path
+        ``<stem>.truth.npz`` next to the signal file.
+    """
+    p = _signal_path(path)
+    return p.with_name(p.name[: -len(".npy")] + ".truth.npz")
+
+
+def _signal_path(path) -> Path:
+    p = Path(path)
+    return p if p.name.endswith(".npy") else p.with_name(p.name + ".npy")
+
+
+@dataclass(eq=False)
+class SyntheticECG:
+    """A synthetic ECG stream and its ground truth.
+
+    Attributes
+    ----------
+    signal : numpy.ndarray
+        float32, shape ``(n_samples,)``, millivolts.
+    fs : float
+        Sampling rate in Hz.
+    r_peaks : numpy.ndarray
+        int64, sorted sample index of each true beat's QRS main deflection (R peak; the trough
+        for a negative PVC).
+    labels : numpy.ndarray
+        int8 per beat: 0 normal, 1 PVC, 2 artifact-corrupted (see :data:`LABEL_NAMES`).
+    """
+
+    signal: np.ndarray
+    fs: float
+    r_peaks: np.ndarray
+    labels: np.ndarray
+
+    @property
+    def duration_s(self) -> float:
+        """Length of the stream in seconds."""
+        return self.signal.shape[0] / self.fs
+
+    def save(self, path) -> None:
+        """Write the signal as a float32 ``.npy`` and the truth next to it.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            Signal path; ``.npy`` is appended if missing. The truth (``r_peaks``, ``labels``,
+            ``fs``) goes to :func:`truth_path` ``(path)``, i.e. ``<stem>.truth.npz``. Parent
+            folders are created.
+
+        Returns
+        -------
+        None
+        """
+        sig = _signal_path(path)
+        sig.parent.mkdir(parents=True, exist_ok=True)
+        np.save(sig, np.ascontiguousarray(self.signal, dtype=np.float32))
+        np.savez(truth_path(sig), r_peaks=np.asarray(self.r_peaks, np.int64),
+                 labels=np.asarray(self.labels, np.int8), fs=np.float64(self.fs))
+
+    @classmethod
+    def load(cls, path, *, mmap: bool = False) -> "SyntheticECG":
+        """Read what :meth:`save` wrote.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            Signal path given to :meth:`save`.
+        mmap : bool, optional
+            Memory-map the signal instead of reading it.
+
+        Returns
+        -------
+        SyntheticECG
+        """
+        sig = _signal_path(path)
+        signal = np.load(sig, mmap_mode="r" if mmap else None)
+        with np.load(truth_path(sig)) as t:
+            return cls(signal=signal, fs=float(t["fs"]), r_peaks=t["r_peaks"].astype(np.int64),
+                       labels=t["labels"].astype(np.int8))
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+def _check_number(name: str, value, lo: float, hi: float = math.inf, *, lo_open=False,
+                  hi_open=True) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    bad_lo = v <= lo if lo_open else v < lo
+    bad_hi = v >= hi if hi_open else v > hi
+    if bad_lo or bad_hi:
+        lb = "(" if lo_open else "["
+        rb = ")" if hi_open else "]"
+        raise ValueError(f"{name} must be in {lb}{lo:g}, {hi:g}{rb}, got {value!r}")
+    return v
+
+
+def _smooth_noise(rng: np.random.Generator, n_grid: int, knot_s: float) -> np.ndarray:
+    """A smooth random process on the coarse grid: N(0, 1) knots every ``knot_s`` seconds,
+    cosine-interpolated (``n_grid`` values, one per ``1 / _GRID_FS`` s)."""
+    m = max(1, int(round(knot_s * _GRID_FS)))  # grid points per knot
+    knots = rng.standard_normal(n_grid // m + 2)
+    w = 0.5 - 0.5 * np.cos(np.pi * np.arange(m) / m)
+    return (knots[:-1, None] * (1.0 - w) + knots[1:, None] * w).ravel()[:n_grid]
+
+
+def _rhythm(rng: np.random.Generator, duration_s: float):
+    """Normal beat times (s) and the respiratory phase on the coarse grid.
+
+    Returns
+    -------
+    t_beats : ndarray of float64, sinus beat times in [_WIN_PRE_S, ...) (not yet cut at the end)
+    tg : ndarray, coarse grid times
+    resp_phase : ndarray, respiratory phase (rad) on ``tg``
+    """
+    tg = np.arange(0.0, duration_s + 5.0, 1.0 / _GRID_FS)
+    # Mean heart rate: circadian drift plus slow random excursions, kept in 60..95 bpm.
+    hr_centre = rng.uniform(72.0, 80.0)
+    circ = rng.uniform(6.0, 10.0) * np.sin(2 * np.pi * tg / 86400.0 + rng.uniform(0, 2 * np.pi))
+    slow = 4.0 * _smooth_noise(rng, tg.size, 600.0) + 2.0 * _smooth_noise(rng, tg.size, 60.0)
+    hr_mean = np.clip(hr_centre + circ + slow, 60.0, 95.0)
+    # LF (~0.1 Hz, Mayer waves) with a slowly wandering frequency and amplitude.
+    f_lf = np.clip(0.1 + 0.01 * _smooth_noise(rng, tg.size, 120.0), 0.07, 0.14)
+    ph_lf = 2 * np.pi * np.cumsum(f_lf) / _GRID_FS + rng.uniform(0, 2 * np.pi)
+    a_lf = rng.uniform(1.0, 2.5) * (1.0 + 0.3 * _smooth_noise(rng, tg.size, 300.0))
+    # Respiration (~0.25 Hz) drives RSA (HF) and, later, amplitude modulation and wander.
+    f_resp = np.clip(rng.uniform(0.22, 0.28) + 0.02 * _smooth_noise(rng, tg.size, 60.0), 0.15, 0.40)
+    resp_phase = 2 * np.pi * np.cumsum(f_resp) / _GRID_FS + rng.uniform(0, 2 * np.pi)
+    a_hf = rng.uniform(1.5, 3.5) * (1.0 + 0.3 * _smooth_noise(rng, tg.size, 300.0))
+    hr = hr_mean + a_lf * np.sin(ph_lf) + a_hf * np.sin(resp_phase)
+    hr = np.clip(hr, 60.0 / _RR_MAX_S + 0.5, 60.0 / _RR_MIN_S - 0.5)
+    # IPFM: a beat wherever the integrated rate crosses an integer.
+    beat_phase = np.concatenate([[0.0], np.cumsum(hr[:-1] / 60.0) / _GRID_FS])
+    n_beats = int(beat_phase[-1] - 1.0)
+    t = np.interp(np.arange(n_beats) + rng.uniform(0.0, 1.0), beat_phase, tg)
+    rr = np.diff(t) + rng.normal(0.0, 0.006, max(n_beats - 1, 0))
+    rr = np.clip(rr, _RR_MIN_S, _RR_MAX_S)
+    t0 = _WIN_PRE_S + 0.02 + rng.uniform(0.0, 0.5)
+    t = t0 + np.concatenate([[0.0], np.cumsum(rr)])
+    return t, tg, resp_phase
+
+
+def _morphology(rng: np.random.Generator, rr: np.ndarray, is_pvc: np.ndarray, gain: np.ndarray):
+    """Per-beat wave parameters, arrays of shape (n_beats, 5): amp (mV), mu, sigma_l, sigma_r (s)."""
+    n = rr.shape[0]
+    shape = (n, _N_WAVES)
+    j = lambda s: 1.0 + s * rng.standard_normal(shape)  # noqa: E731 - relative jitter
+    sq = np.sqrt(rr)[:, None]
+    # Normal beats: P, Q, R, S, T.
+    amp = np.array([0.12, -0.08, 1.00, -0.22, 0.30]) * j(np.array([0.12, 0.15, 0.05, 0.12, 0.10]))
+    mu = np.zeros(shape)
+    mu[:, 0] = -(0.14 + 0.04 * rr)
+    mu[:, 1] = -0.028
+    mu[:, 3] = 0.027
+    mu[:, 4] = 0.27 * sq[:, 0]
+    mu += rng.normal(0.0, 1.0, shape) * np.array([0.004, 0.001, 0.0, 0.001, 0.006])
+    sl = np.array([0.025, 0.0085, 0.0105, 0.011, 0.055]) * j(np.array([0.08, 0.05, 0.04, 0.05, 0.08]))
+    sr = sl.copy()
+    sr[:, 4] = 0.040 * j(0.08)[:, 4]
+    sl[:, 4] *= sq[:, 0] / math.sqrt(0.8)
+
+    k = np.flatnonzero(is_pvc)
+    if k.size:
+        # Two ectopic foci per record: focus 0 positive, focus 1 of random polarity (25 % of PVCs).
+        pol1 = 1.0 if rng.random() < 0.5 else -1.0
+        focus_gain = rng.uniform(0.9, 1.2, 2)
+        focus = (rng.random(k.size) < 0.25).astype(np.int64)
+        pol = np.where(focus == 1, pol1, 1.0)
+        g = focus_gain[focus]
+        m = k.size
+        jj = lambda s: 1.0 + s * rng.standard_normal(m)  # noqa: E731
+        amp[k] = 0.0
+        mu[k] = 0.0
+        amp[k, 2] = pol * 1.8 * g * jj(0.08)  # wide main deflection
+        sl[k, 2] = 0.020 * jj(0.05)
+        sr[k, 2] = 0.028 * jj(0.05)
+        amp[k, 3] = -pol * 0.35 * g * jj(0.15)  # terminal opposite deflection
+        mu[k, 3] = 0.055 + 0.002 * rng.standard_normal(m)
+        sl[k, 3] = sr[k, 3] = 0.020 * jj(0.05)
+        amp[k, 4] = -pol * 0.50 * g * jj(0.10)  # broad discordant T
+        mu[k, 4] = 0.30 * sq[k, 0] + 0.03 + 0.005 * rng.standard_normal(m)
+        sl[k, 4] = 0.075 * jj(0.06)
+        sr[k, 4] = 0.055 * jj(0.06)
+        sl[k, 0] = sr[k, 0] = sl[k, 1] = sr[k, 1] = 0.01  # unused slots (amplitude 0)
+    amp *= gain[:, None]
+    return amp, mu, sl, sr
+
+
+def _render_beats(out: np.ndarray, fs: float, t: np.ndarray, amp, mu, sl, sr) -> np.ndarray:
+    """Add every beat's waveform into ``out``; return each beat's QRS main-deflection sample."""
+    w0 = int(math.ceil(_WIN_PRE_S * fs))
+    w1 = int(math.ceil(_WIN_POST_S * fs))
+    cols = np.arange(-w0, w1 + 1)
+    # Each wave is evaluated only over the part of the window where it is not negligible (> ~4
+    # sigma from its centre for every beat): P before the QRS, Q/R/S around it, T after it.
+    spans = [(-_WIN_PRE_S, 0.0), (-0.12, 0.16), (-0.12, 0.16), (-0.12, 0.16), (-0.08, _WIN_POST_S)]
+    spans = [slice(max(0, w0 + int(math.floor(lo * fs))), min(cols.size, w0 + int(math.ceil(hi * fs)) + 1))
+             for lo, hi in spans]
+    q = int(math.ceil(_QRS_HALF_S * fs))
+    qrs = slice(w0 - q, w0 + q + 1)
+    r_idx = np.empty(t.shape[0], np.int64)
+    f32 = np.float32
+    for a in range(0, t.shape[0], _BEAT_CHUNK):
+        b = min(a + _BEAT_CHUNK, t.shape[0])
+        pos = t[a:b] * fs
+        start = np.floor(pos).astype(np.int64)
+        frac = (start - pos) / fs  # <= 0: the fiducial lies frac seconds after sample ``start``
+        x = (cols[None, :] / fs + frac[:, None]).astype(f32)  # seconds relative to the fiducial
+        wave = np.zeros(x.shape, f32)
+        for w, span in enumerate(spans):
+            d = x[:, span] - mu[a:b, w, None].astype(f32)
+            inv = np.where(d < 0, (1.0 / sl[a:b, w, None]).astype(f32), (1.0 / sr[a:b, w, None]).astype(f32))
+            d *= inv
+            d *= d
+            d *= f32(-0.5)
+            np.exp(d, out=d)
+            d *= amp[a:b, w, None].astype(f32)
+            wave[:, span] += d
+        r_idx[a:b] = start + (np.argmax(np.abs(wave[:, qrs]), axis=1) - q)
+        idx = start[:, None] + cols[None, :]
+        lo = int(idx[0, 0])
+        hi = int(idx[-1, -1]) + 1
+        acc = np.bincount((idx - lo).ravel(), weights=wave.ravel(), minlength=hi - lo)
+        out[lo:hi] += acc.astype(f32)
+    return r_idx
+
+
+def _render_artifacts(out: np.ndarray, rng: np.random.Generator, fs: float, centre_s: np.ndarray,
+                      half_s: np.ndarray) -> None:
+    """Add short bursts (band-limited noise or motion-like transients) centred at ``centre_s``."""
+    m = centre_s.shape[0]
+    if m == 0:
+        return
+    n = out.shape[0]
+    lmax = int(math.ceil(2 * half_s.max() * fs)) + 1
+    start = np.round((centre_s - half_s) * fs).astype(np.int64)
+    length = np.round(2 * half_s * fs).astype(np.int64) + 1
+    c = np.arange(lmax)
+    u = c[None, :] / np.maximum(length - 1, 1)[:, None]  # 0..1 across each burst
+    inside = c[None, :] < length[:, None]
+    tt = c[None, :] / fs
+    env = np.where(inside, np.sin(np.pi * np.clip(u, 0.0, 1.0)) ** 2, 0.0)
+    # Band-limited noise: a handful of random sinusoids 1..45 Hz (below 0.4 fs).
+    fmax = min(45.0, 0.4 * fs)
+    burst = np.zeros((m, lmax))
+    for _ in range(8):
+        f = rng.uniform(1.0, fmax, m)[:, None]
+        burst += rng.uniform(0.3, 1.0, m)[:, None] * np.sin(2 * np.pi * f * tt + rng.uniform(0, 2 * np.pi, m)[:, None])
+    burst /= np.maximum(np.abs(burst * env).max(axis=1, keepdims=True), 1e-9)
+    # Motion-like transient: an asymmetric bump (fast rise, slower fall) plus some noise.
+    peak = rng.uniform(0.2, 0.5, m)[:, None]
+    bump = np.where(u < peak, np.sin(0.5 * np.pi * u / peak), np.cos(0.5 * np.pi * (u - peak) / (1 - peak)))
+    bump = np.where(inside, bump, 0.0) * np.where(rng.random(m) < 0.5, 1.0, -1.0)[:, None]
+    motion = rng.random(m) < 0.4
+    shape = np.where(motion[:, None], bump + 0.3 * burst * env, burst * env)
+    a_mv = np.where(motion, rng.uniform(0.8, 2.5, m), rng.uniform(0.6, 2.0, m))
+    shape *= a_mv[:, None]
+    idx = start[:, None] + c[None, :]
+    ok = inside & (idx >= 0) & (idx < n)
+    np.add.at(out, idx[ok], shape[ok].astype(np.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# public entry point
+# ----------------------------------------------------------------------------------------------
+
+def synthesize_ecg(hours: float = 20.0, fs: float = 250.0, seed: int = 0, *,
+                   pvc_rate: float = 0.02, artifacts_per_hour: float = 4.0,
+                   noise_mv: float = 0.03, wander_mv: float = 0.15,
+                   powerline_mv: float = 0.01) -> SyntheticECG:
+    """Generate a reproducible synthetic single-lead ECG with labelled beats.
+
+    Parameters
+    ----------
+    hours : float, optional
+        Duration in hours (> 0, at least 2 seconds). ``n_samples = round(hours * 3600 * fs)``.
+    fs : float, optional
+        Sampling rate in Hz (>= 100). All widths are in seconds, so the waveform is the same at
+        any rate; beat times, labels and morphology do not depend on ``fs``.
+    seed : int, optional
+        Seed (non-negative int) of ``np.random.SeedSequence``; same seed, same recording.
+    pvc_rate : float, optional
+        Probability that a beat is a premature ventricular contraction, in [0, 1).
+    artifacts_per_hour : float, optional
+        Mean number (Poisson) of artifact bursts per hour, >= 0; each corrupts one normal beat.
+    noise_mv : float, optional
+        Standard deviation of the white noise, mV (>= 0).
+    wander_mv : float, optional
+        Scale of the baseline wander, mV (>= 0); its peaks are about this size.
+    powerline_mv : float, optional
+        Amplitude of a 50 Hz hum, mV (>= 0; 0 disables it).
+
+    Returns
+    -------
+    SyntheticECG
+        ``signal`` (float32, mV), ``fs``, sorted ``r_peaks`` (int64; each beat's QRS main
+        deflection, whole window inside the signal) and ``labels`` (int8: 0 normal, 1 PVC,
+        2 artifact).
+
+    Raises
+    ------
+    ValueError
+        If an argument is out of range.
+    """
+    hours = _check_number("hours", hours, 0.0, lo_open=True)
+    fs = _check_number("fs", fs, 100.0)
+    pvc_rate = _check_number("pvc_rate", pvc_rate, 0.0, 1.0)
+    artifacts_per_hour = _check_number("artifacts_per_hour", artifacts_per_hour, 0.0)
+    noise_mv = _check_number("noise_mv", noise_mv, 0.0)
+    wander_mv = _check_number("wander_mv", wander_mv, 0.0)
+    powerline_mv = _check_number("powerline_mv", powerline_mv, 0.0)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    n = int(round(hours * 3600.0 * fs))
+    if n / fs < 2.0:
+        raise ValueError(f"hours must give at least 2 s of signal, got {hours!r} h")
+    if n > 2**31:
+        raise ValueError(f"hours * 3600 * fs must stay below 2**31 samples, got {n}")
+    duration = n / fs
+
+    s_rhythm, s_labels, s_morph, s_art, s_noise, s_wander = np.random.SeedSequence(int(seed)).spawn(6)
+    rng_lab = np.random.default_rng(s_labels)
+
+    # --- rhythm and labels (independent of fs) ---
+    # Twice the duration: PVCs shorten the beat sequence, which must still reach the end.
+    t, tg, resp_phase = _rhythm(np.random.default_rng(s_rhythm), 2.0 * duration + 10.0)
+    rr = np.diff(t, prepend=t[0] - (t[1] - t[0] if t.size > 1 else 0.8))  # sinus RR ending at each beat
+    is_pvc = rng_lab.random(t.size) < pvc_rate
+    is_pvc[0] = False
+    coupling = rng_lab.uniform(0.55, 0.75, t.size)
+    # Work on the gaps between beats. A PVC comes early after the beat before it; the sinus beat
+    # after it keeps its sinus time (full compensatory pause) unless that pause would exceed
+    # _MAX_PAUSE_S, in which case the sinus rhythm resets (every later beat moves earlier).
+    gap = np.diff(t, prepend=t[0])
+    gap[is_pvc] = np.maximum(coupling * rr, np.minimum(_PVC_MIN_COUPLING_S, 0.85 * rr))[is_pvc]
+    after = np.flatnonzero(is_pvc[:-1] & ~is_pvc[1:]) + 1
+    gap[after] = np.minimum(rr[after - 1] - gap[after - 1] + rr[after], _MAX_PAUSE_S)
+    t = t[0] + np.cumsum(gap)
+    # Keep beats whose whole window lies inside the signal.
+    pos = np.floor(t * fs).astype(np.int64)
+    keep = (pos - int(math.ceil(_WIN_PRE_S * fs)) >= 0) & (pos + int(math.ceil(_WIN_POST_S * fs)) < n)
+    t, rr, is_pvc = t[keep], rr[keep], is_pvc[keep]
+    if t.size == 0:
+        raise ValueError(f"hours={hours!r} is too short to hold a beat")
+    labels = is_pvc.astype(np.int8)
+
+    # Artifacts: Poisson count over normal beats that have both neighbours.
+    rng_art = np.random.default_rng(s_art)
+    n_art = rng_art.poisson(artifacts_per_hour * hours)
+    eligible = np.flatnonzero(labels == 0)
+    eligible = eligible[(eligible > 0) & (eligible < t.size - 1)]
+    n_art = int(min(n_art, eligible.size))
+    art = np.sort(rng_art.choice(eligible, n_art, replace=False)) if n_art else np.zeros(0, np.int64)
+    labels[art] = 2
+
+    # --- beats ---
+    resp_at_beat = np.interp(t, tg, resp_phase)
+    rng_m = np.random.default_rng(s_morph)
+    gain = rng_m.uniform(0.9, 1.1) * (1.0 + 0.1 * np.sin(resp_at_beat + 0.5))
+    gain *= 1.0 + 0.05 * np.interp(t, tg, _smooth_noise(rng_m, tg.size, 1800.0))
+    amp, mu, sl, sr = _morphology(rng_m, rr, is_pvc, gain)
+    signal = np.zeros(n, np.float32)
+    r_peaks = _render_beats(signal, fs, t, amp, mu, sl, sr)
+
+    # --- artifact bursts ---
+    if n_art:
+        shift = rng_art.uniform(-0.05, 0.05, n_art)
+        gap = np.minimum(t[art] - t[art - 1], t[art + 1] - t[art])
+        half = np.minimum(rng_art.uniform(0.1, 0.3, n_art), gap - 0.08 - np.abs(shift))
+        _render_artifacts(signal, rng_art, fs, t[art] + shift, half)
+
+    # --- baseline wander (on the coarse grid, interpolated), hum and white noise ---
+    rng_w = np.random.default_rng(s_wander)
+    wander = np.zeros_like(tg)
+    if wander_mv > 0:
+        for (f_lo, f_hi), share in (((0.05, 0.12), 0.5), ((0.12, 0.25), 0.3), ((0.25, 0.5), 0.15)):
+            a = wander_mv * share * rng_w.uniform(0.7, 1.3) * (1.0 + 0.4 * _smooth_noise(rng_w, tg.size, 600.0))
+            wander += a * np.sin(2 * np.pi * rng_w.uniform(f_lo, f_hi) * tg + rng_w.uniform(0, 2 * np.pi))
+        wander += 0.25 * wander_mv * np.sin(resp_phase + rng_w.uniform(0, 2 * np.pi))
+        wander += 0.4 * wander_mv * _smooth_noise(rng_w, tg.size, 20.0)
+    hum_phase = rng_w.uniform(0.0, 1.0)  # in cycles
+    rng_n = np.random.default_rng(s_noise)
+    step = 50.0 / fs
+    for a in range(0, n, _SAMPLE_CHUNK):
+        b = min(a + _SAMPLE_CHUNK, n)
+        i = np.arange(a, b, dtype=np.float64)
+        chunk = np.interp(i / fs, tg, wander)
+        seg = signal[a:b]
+        seg += chunk.astype(np.float32)
+        if powerline_mv > 0:
+            hum = (np.mod(i * step + hum_phase, 1.0) * (2 * np.pi)).astype(np.float32)
+            np.sin(hum, out=hum)
+            hum *= np.float32(powerline_mv)
+            seg += hum
+        if noise_mv > 0:
+            noise = rng_n.standard_normal(b - a, dtype=np.float32)
+            noise *= np.float32(noise_mv)
+            seg += noise
+    order = np.argsort(r_peaks, kind="stable")  # already sorted; guards against ties
+    return SyntheticECG(signal=signal, fs=fs, r_peaks=r_peaks[order], labels=labels[order])

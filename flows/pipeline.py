@@ -1,0 +1,278 @@
+"""The end-to-end flow: load → segment → embed → train → engine → score → report.
+
+Partitions of the stream are mapped over the Dask workers; each partition's arrays stay in its
+worker (futures). The flow itself only sees small results and writes the outputs, into a
+temporary folder renamed at the end, so a failed run leaves no partial output.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+from prefect import flow, get_run_logger, unmapped
+from prefect.futures import wait
+
+from beatflow.errors import InputError
+from beatflow.params import DEFAULT_FS, SegmentParams
+from beatflow.partitions import assemble_halos, plan_beats
+from beatflow.reading import open_source
+from beatflow.scoring import anomaly_table, robust_threshold
+from tasks import stages as T
+
+N_COLUMNS = 4000  # pixel columns of the whole-stream picture
+N_TOP = 12
+
+
+def default_out_dir() -> Path:
+    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+class _Stopwatch:
+    def __init__(self):
+        self.t0 = self.last = time.perf_counter()
+        self.times: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times[name] = round(now - self.last, 3)
+        self.last = now
+
+    def total(self) -> dict:
+        return {**self.times, "total": round(time.perf_counter() - self.t0, 3)}
+
+
+@flow(name="beatflow", log_prints=True)
+def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: float | None = None,
+                     lead: int = 0, hours: float = 20.0, seed: int = 0, out: str | None = None,
+                     device: str = "cpu", workers: int = 2, partitions: int | None = None,
+                     epochs: int = 10, batch_size: int = 1024) -> dict:
+    """Find abnormal heartbeats in a long ECG and write ``summary.json``, ``anomalies.parquet``,
+    ``report.html``, the model and the engine to ``out``.
+
+    Parameters
+    ----------
+    input : str, optional
+        CSV / Parquet / ``.npy`` file or WFDB folder; synthetic ECG (``hours`` long) when omitted.
+    column, fs, lead : optional
+        Column of a CSV/Parquet file, its sampling rate (default 250 Hz), WFDB channel.
+    hours, seed : float, int
+        Length and seed of the synthetic ECG (the seed also fixes the train/test split).
+    out : str, optional
+        Output folder (default ``runs/<timestamp>``); must not exist yet.
+    device : {"cpu", "gpu"}
+        Resolved device the task runner was built for.
+    workers, partitions : int
+        Dask workers (for the summary) and partitions of the stream (default 4 per worker).
+    epochs, batch_size : int
+        VAE training.
+    """
+    log = get_run_logger()
+    sw = _Stopwatch()
+    final = Path(out) if out else default_out_dir()
+    if final.exists() and any(final.iterdir()):
+        raise InputError(f"{final}: output folder exists and is not empty")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+    try:
+        summary = _run(log, sw, work, input, column, fs, lead, hours, seed, device, workers, partitions,
+                       epochs, batch_size)
+        if final.exists():
+            final.rmdir()
+        os.replace(work, final)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    log.info("outputs in %s", final)
+    summary["out"] = str(final)
+    return summary
+
+
+def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions, epochs,
+         batch_size) -> dict:
+    threads = max(1, os.cpu_count() or 1)
+    truth_path = None
+    if input is None:
+        input, truth_path = T.synthesize.submit(hours, fs or DEFAULT_FS, seed, str(work)).result()
+        sw.lap("synthesize")
+    source = open_source(input, column=column, fs=fs, lead=lead)
+    fs = source.fs
+    s = SegmentParams().samples(fs)
+    specs = source.plan(partitions or 2 * max(1, workers))
+    log.info("%s: %d recording(s), %d partitions, fs %g Hz", source.path, len(source.recordings), len(specs), fs)
+
+    # load (each partition on one worker, where it stays) and exchange the small halos
+    parts = T.load_partition.map(unmapped(source), specs, unmapped(device))
+    edges = [f.result() for f in T.partition_edges.map(parts, unmapped(s.halo))]
+    lengths = [e[0] for e in edges]
+    n_samples = {}
+    for sp, n in zip(specs, lengths):
+        n_samples[sp.recording] = n_samples.get(sp.recording, 0) + n
+    total = sum(lengths)
+    if total < 2 * s.upper + s.kernel:
+        raise InputError(f"{source.path}: {total} samples is too short for a beat "
+                         f"(need at least {2 * s.upper + s.kernel} at {fs:g} Hz)")
+    lefts, rights, firsts = assemble_halos(specs, lengths, [e[1] for e in edges], [e[2] for e in edges], s.halo)
+    rec_offset, acc = {}, 0
+    for r in range(len(source.recordings)):
+        rec_offset[r] = acc
+        acc += n_samples.get(r, 0)
+    # the whole-stream picture (per pixel column) is computed while the rest goes on
+    overview_futures = T.stream_overview.map(
+        parts, [rec_offset[sp.recording] + firsts[k] for k, sp in enumerate(specs)], unmapped(total),
+        unmapped(N_COLUMNS))
+    sw.lap("load")
+
+    # segmentation
+    peaks = [f.result() for f in T.segment_partition.map(parts, lefts, rights, firsts, unmapped(s))]
+    plan = plan_beats(specs, firsts, n_samples, peaks, s)
+    if plan.n_detected == 0:
+        raise InputError(f"{source.path}: no heartbeats found (flat line or no QRS-like peaks)")
+    if plan.n_kept < 64:
+        raise InputError(f"{source.path}: only {plan.n_kept} beats of plausible length "
+                         f"({s.lower}..{s.upper} samples): too few to learn from")
+    pruned = 1.0 - plan.n_kept / plan.n_detected
+    log.info("segmentation: %d beats detected, %d kept, removed %.2f percent of the candidates",
+             plan.n_detected, plan.n_kept, 100 * pruned)
+    sw.lap("segment")
+
+    # pruning / embedding: each partition's kept beats become rows, on the partition's worker
+    kept = [plan.kept_of(k) for k in range(len(specs))]
+    embedded = T.embed_partition.map(parts, lefts, rights, firsts, [k[0] for k in kept], [k[1] for k in kept],
+                                     unmapped(s))
+    wait(embedded)
+    sw.lap("embed")
+
+    # training: once, on one worker, on the gathered matrix
+    trained = T.train_model.submit(embedded, str(work), epochs, batch_size, seed, threads).result()
+    log.info("training: train loss %s, test loss %.5f", ", ".join(f"{v:.4f}" for v in trained["train_loss"]),
+             trained["test_loss"])
+    sw.lap("train")
+
+    engine = T.build_engine.submit(trained["model"], trained["validation"], str(work), threads).result()
+    sw.lap("engine")
+
+    # scoring goes back out to the partitions' workers; offsets of recordings on one time axis
+    scored = [f.result() for f in T.score_partition.map(embedded, unmapped(engine["path"]),
+                                                         unmapped(trained["scale"]))]
+    scores = np.concatenate([sc for sc, _ in scored]) if scored else np.zeros(0, np.float32)
+    mu = np.concatenate([m for _, m in scored]) if scored else np.zeros((0, 2), np.float32)
+    threshold = robust_threshold(scores)
+    kb = np.flatnonzero(plan.kept)  # beat numbers of kept beats, in the same order as the rows
+    names = [r.name for r in source.recordings]
+    table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
+                          threshold, names)
+    table.to_parquet(work / "anomalies.parquet", index=False)
+    flagged = int(table["flagged"].sum())
+    log.info("scoring: %d of %d beats flagged (threshold %.4g)", flagged, len(table), threshold)
+    sw.lap("score")
+
+    truth = None
+    if truth_path:
+        truth = T.evaluate_truth.submit(truth_path, np.concatenate(peaks), plan.peak[kb], scores, fs).result()
+        log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
+
+    # report: whole-stream picture per partition, context of the top anomalies
+    overview = [f.result() for f in overview_futures]
+    top = table.nsmallest(N_TOP, "rank")
+    windows = {k: [] for k in range(len(specs))}
+    for _, row in top.iterrows():
+        b = int(row["beat"])
+        pad = int(fs)
+        windows[int(plan.owner[b])].append((int(row["start"]) - pad, int(row["start"]) + int(row["length"]) + pad))
+    ctx_lists = T.context_snippets.map(parts, lefts, rights, firsts, [windows[k] for k in range(len(specs))])
+    ctx = {k: f.result() for k, f in enumerate(ctx_lists)}
+    summary = _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers,
+                       specs, truth)
+    data = _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, table, top, ctx, overview,
+                        summary, truth, kb, rec_offset)
+    T.write_report.submit(str(work / "report.html"), data).result()
+    sw.lap("report")
+    summary["timings_s"] = sw.total()
+    (work / "summary.json").write_text(json.dumps(summary, indent=2))
+    for name in ("validation_beats.npy",):
+        (work / name).unlink(missing_ok=True)
+    _publish_artifacts(summary, top)
+    return summary
+
+
+def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers, specs,
+             truth) -> dict:
+    out = {
+        "input": source.path, "recordings": [r.name for r in source.recordings], "samples": int(total),
+        "fs": fs, "hours": total / fs / 3600, "partitions": len(specs), "beats_detected": plan.n_detected,
+        "beats_kept": plan.n_kept, "pruned_fraction": pruned, "train_loss": trained["train_loss"],
+        "test_loss": trained["test_loss"], "train_seconds": trained["seconds"], "anomalies_flagged": flagged,
+        "threshold": threshold, "device": device, "workers": workers,
+        "engine": {k: engine[k] for k in ("backend", "precision", "cache", "max_abs_err", "throughput_beats_per_s")},
+    }
+    if truth is not None:
+        out["truth"] = {k: v for k, v in truth.items() if not k.startswith("_")}
+    return out
+
+
+def _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, table, top, ctx, overview, summary,
+                 truth, kb, rec_offset):
+    from beatflow.report import ReportData, combine_minmax
+
+    smin, smax = combine_minmax(overview, N_COLUMNS)
+    counts, edges_ = np.histogram(plan.length, bins=np.arange(0, 3 * s.upper + 8, 4))
+    test_idx = np.asarray(trained["test_index"])
+    rng = np.random.default_rng(0)
+    sub = np.sort(rng.choice(test_idx, size=min(20000, len(test_idx)), replace=False))
+    truth_labels = None
+    if truth is not None:
+        m, labels = truth["_matched_labels"]
+        per_kept = np.zeros(len(kb), np.int64)
+        per_kept[m[m >= 0]] = labels[m >= 0]
+        truth_labels = per_kept[sub]
+    top_list = []
+    names = [r.name for r in source.recordings]
+    for _, row in top.iterrows():
+        b = int(row["beat"])
+        pieces = ctx[int(plan.owner[b])]
+        want = int(row["start"]) - int(fs)
+        piece = min(pieces, key=lambda p: abs(p[0] - want))
+        label = None
+        if truth_labels is not None:
+            label = {0: "normal", 1: "pvc", 2: "artifact"}[int(per_kept[np.searchsorted(kb, b)])]
+        top_list.append({"beat": b, "start": int(row["start"]), "time_s": float(row["time_s"]),
+                         "length": int(row["length"]), "score": float(row["score"]), "context": piece[1],
+                         "context_start": int(piece[0]),
+                         "label": (f"{names[int(plan.recording[b])]} " if len(names) > 1 else "") + (label or "")})
+    flagged_rows = table[table["flagged"]]
+    times = (flagged_rows["start"].to_numpy() + np.asarray([rec_offset[int(plan.recording[b])]
+                                                             for b in flagged_rows["beat"]], dtype=np.int64)) / fs
+    return ReportData(
+        title=f"beatflow: {Path(source.path).name}", summary=summary, fs=fs, total_samples=int(total),
+        stream_min=smin, stream_max=smax, length_hist_counts=counts, length_hist_edges=edges_,
+        length_bounds=(s.lower, s.upper), aligned_beats=trained["sample_rows"], train_loss=trained["train_loss"],
+        test_loss=trained["test_loss"], latent_mu=mu[sub], latent_score=scores[sub], threshold=threshold,
+        score_all=scores, top=top_list, anomaly_times_s=times, truth_labels=truth_labels)
+
+
+def _publish_artifacts(summary: dict, top) -> None:
+    """Prefect UI artifacts: a markdown summary and the table of top anomalies."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    lines = ["# beatflow run", "", "| | |", "|---|---|"]
+    for k in ("samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss",
+              "anomalies_flagged", "device", "workers"):
+        v = summary[k]
+        lines.append(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
+    e = summary["engine"]
+    lines.append(f"| engine | {e['backend']} ({e['precision']}), max abs err {e['max_abs_err']:.2e} |")
+    if "truth" in summary:
+        t = summary["truth"]
+        lines.append(f"| truth | Se {t['se']:.4f}, PPV {t['ppv']:.4f}, ROC-AUC {t['auc']:.4f} |")
+    lines.append(f"| total time | {summary['timings_s']['total']:.1f} s |")
+    create_markdown_artifact("\n".join(lines), key="beatflow-summary", description="beatflow run summary")
+    rows = [{k: (round(float(v), 4) if isinstance(v, float) else (v if isinstance(v, (int, str, bool)) else str(v)))
+             for k, v in r.items()} for r in top[["rank", "beat", "recording", "start", "time_s", "length", "score"]]
+            .astype({"recording": str}).to_dict("records")]
+    create_table_artifact(rows, key="beatflow-top-anomalies", description="most anomalous beats")

@@ -1,0 +1,111 @@
+"""The Dask side: one Prefect API for the run, and the task runner (LocalCluster or LocalCUDACluster).
+
+Every Dask worker process must talk to the same Prefect API as the flow; without one, each worker
+would start its own temporary server (slow, and SQLite locks). :func:`prefect_api` makes sure one
+exists, and :func:`make_task_runner` hands its URL to the workers' environment.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+from beatflow.errors import DeviceError
+
+
+@contextlib.contextmanager
+def prefect_api():
+    """Yield the Prefect API URL to use, starting one local server for the run if none is set.
+
+    A configured ``PREFECT_API_URL`` (a running ``prefect server start``, or a test harness) is used
+    as it is; otherwise one temporary server is started on 127.0.0.1 for the duration.
+    """
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    url = get_current_settings().api.url
+    if url:
+        yield url
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    server = SubprocessASGIServer()
+    server.start(timeout=120)
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            yield server.api_url
+            _flush_logs()
+    finally:
+        server.stop()
+
+
+def _flush_logs() -> None:
+    """Send the flow's buffered log records before the temporary server goes away."""
+    try:
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler.flush()
+    except Exception:  # best effort: logs are also on the console
+        pass
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for Dask worker processes: the flow's Prefect API, quiet analytics, one BLAS thread."""
+    from prefect.settings import get_current_settings
+
+    env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1"}
+    url = get_current_settings().api.url
+    if url:
+        env["PREFECT_API_URL"] = url
+    return env
+
+
+def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler: str | None = None,
+                     rmm_pool_size: str | None = None):
+    """The Dask task runner of a flow run.
+
+    Parameters
+    ----------
+    device : {"cpu", "gpu"}
+        ``cpu``: a ``distributed.LocalCluster`` of ``workers`` single-threaded processes.
+        ``gpu``: a ``dask_cuda.LocalCUDACluster`` (one worker per GPU) with one RMM pool per GPU.
+    workers : int, optional
+        Number of CPU workers (default: the number of cores, at least 2).
+    scheduler : str, optional
+        Address of a Dask scheduler that already runs (``tcp://host:port``): use it instead.
+    rmm_pool_size : str, optional
+        RMM pool per GPU (default ``"80%"`` of the device, leaving headroom for cuDNN/ORT).
+    """
+    from prefect_dask import DaskTaskRunner
+
+    if scheduler:
+        return DaskTaskRunner(address=scheduler)
+    env = worker_env()
+    if device == "gpu":
+        try:
+            import dask_cuda  # noqa: F401
+        except ImportError:
+            raise DeviceError("--device gpu needs dask-cuda and rmm (pip install 'beatflow[gpu]')") from None
+        return DaskTaskRunner(
+            cluster_class="dask_cuda.LocalCUDACluster",
+            cluster_kwargs={
+                "rmm_pool_size": rmm_pool_size or "80%",
+                "rmm_allocator_external_lib_list": ["cupy", "torch"],
+                "dashboard_address": "127.0.0.1:0",
+                "host": "127.0.0.1",
+                "env": {**env, "NUMBA_CUDA_MEMORY_MANAGER": "rmm.allocators.numba"},
+            },
+        )
+    n = workers or max(2, os.cpu_count() or 2)
+    return DaskTaskRunner(
+        cluster_class="distributed.LocalCluster",
+        cluster_kwargs={
+            "n_workers": n,
+            "threads_per_worker": 1,
+            "processes": True,
+            "host": "127.0.0.1",
+            "dashboard_address": "127.0.0.1:0",
+            "silence_logs": logging.WARNING,
+            "env": env,
+        },
+    )

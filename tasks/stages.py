@@ -1,0 +1,210 @@
+"""The pipeline's Prefect tasks: thin wrappers over ``beatflow`` run on Dask workers.
+
+Partition tasks return arrays that stay in their worker's memory (on its GPU on the GPU path) and
+are handed on as futures; they use ``NO_CACHE`` (the default cache key would pickle every input)
+and do not persist results. What reaches the flow process is small: peaks, scores, paths.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from beatflow import partitions as P
+from beatflow.backend import namespace, to_host, to_namespace
+from beatflow.params import SegmentSamples
+from beatflow.reading import PartitionSpec, Source
+
+#: tasks whose inputs or outputs are partition arrays
+partition_task = functools.partial(task, cache_policy=NO_CACHE, persist_result=False)
+
+
+@partition_task(name="synthesize-ecg")
+def synthesize(hours: float, fs: float, seed: int, folder: str) -> tuple[str, str]:
+    """Generate the synthetic ECG; write ``input.npy`` and the truth (``truth.npz``) to ``folder``."""
+    from beatflow.synth import synthesize_ecg
+
+    ecg = synthesize_ecg(hours=hours, fs=fs, seed=seed)
+    sig, truth = os.path.join(folder, "input.npy"), os.path.join(folder, "truth.npz")
+    np.save(sig, ecg.signal)
+    np.savez(truth, r_peaks=ecg.r_peaks, labels=ecg.labels, fs=ecg.fs)
+    get_run_logger().info("synthesized %.1f h at %g Hz: %d beats (%d PVC, %d artifacts)", hours, fs,
+                          len(ecg.r_peaks), int((ecg.labels == 1).sum()), int((ecg.labels == 2).sum()))
+    return sig, truth
+
+
+@partition_task(name="load-partition", retries=2, retry_delay_seconds=1,
+                retry_condition_fn=lambda t, tr, state: not _is_input_error(state))
+def load_partition(source: Source, spec: PartitionSpec, device: str):
+    """Read one partition (host), then one copy to the device on the GPU path."""
+    return to_namespace(source.read(spec), namespace(device))
+
+
+def _is_input_error(state) -> bool:
+    from beatflow.errors import InputError
+
+    try:
+        state.result()
+    except InputError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+@partition_task(name="partition-edges")
+def partition_edges(core, halo: int):
+    """Length and the head/tail slices a partition lends its neighbours as halos (host copies)."""
+    head, tail = P.edges(core, halo)
+    return int(core.shape[0]), to_host(head), to_host(tail)
+
+
+@partition_task(name="segment-partition")
+def segment_partition(core, left, right, first: int, s: SegmentSamples):
+    """Peaks of one partition (Ricker response + non-maximum suppression + local threshold)."""
+    xp = namespace(_device_of(core))
+    peaks = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, s)
+    return to_host(peaks)
+
+
+@partition_task(name="embed-partition")
+def embed_partition(core, left, right, first: int, start, length, s: SegmentSamples):
+    """Padded beat matrix of a partition's kept beats; stays on the worker (a future)."""
+    xp = namespace(_device_of(core))
+    return P.embed_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, start, length, s)
+
+
+@partition_task(name="stream-overview")
+def stream_overview(core, offset: int, total: int, ncols: int):
+    """Per-pixel-column min/max of a partition for the whole-stream picture."""
+    from beatflow.report import column_minmax
+
+    return column_minmax(core, offset, total, ncols)
+
+
+@partition_task(name="context-snippets")
+def context_snippets(core, left, right, first: int, windows):
+    """Small signal snippets around the top anomalies owned by this partition."""
+    xp = namespace(_device_of(core))
+    return P.snippets(core, to_namespace(left, xp), to_namespace(right, xp), first, windows)
+
+
+def _device_of(x) -> str:
+    from beatflow.backend import is_device_array
+
+    return "gpu" if is_device_array(x) else "cpu"
+
+
+@partition_task(name="train-vae")
+def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: int, threads: int,
+                n_rows_sample: int = 40) -> dict:
+    """Gather the beat matrix (once), scale it, train the LightVAE; save weights and a validation set.
+
+    Returns small things only: paths, losses, the test split, a few rows for the report.
+    """
+    import torch
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    from beatflow.model import save_model, train_vae
+
+    log = get_run_logger()
+    torch.set_num_threads(max(1, threads))
+    rows = [r for r, _ in embedded]
+    xp = namespace(_device_of(rows[0])) if rows else np
+    beats = xp.concatenate(rows)
+    p2p = xp.concatenate([p for _, p in embedded])
+    scale = float(to_host(xp.median(p2p))) or 1.0
+    beats /= scale
+    progress = create_progress_artifact(progress=0.0, description="VAE training (epochs done, %)")
+
+    def on_epoch(epoch: int, loss: float, elapsed: float) -> None:
+        log.info("epoch %d/%d  train loss per row %.5f  (%.1f s)", epoch, epochs, loss, elapsed)
+        update_progress_artifact(progress, progress=100.0 * epoch / epochs)
+
+    device = "cuda" if _device_of(beats) == "gpu" else "cpu"
+    data = torch.from_dlpack(beats) if device == "cuda" else torch.from_numpy(to_host(beats))
+    res = train_vae(data, epochs=epochs, batch_size=batch_size, seed=seed, device=device, on_epoch=on_epoch)
+    model_path = os.path.join(folder, "model.pt")
+    save_model(res.model, model_path)
+    rng = np.random.default_rng(seed)
+    val_idx = np.sort(rng.choice(res.test_index, size=min(4096, len(res.test_index)), replace=False))
+    val_path = os.path.join(folder, "validation_beats.npy")
+    np.save(val_path, to_host(beats[xp.asarray(val_idx)]))
+    sample = np.sort(rng.choice(res.train_index, size=min(n_rows_sample, len(res.train_index)), replace=False))
+    with open(os.path.join(folder, "model.json"), "w") as f:
+        json.dump({"scale": scale, "width": int(beats.shape[1]), "epochs": epochs, "batch_size": batch_size,
+                   "seed": seed, "train_loss": res.train_loss, "test_loss": res.test_loss}, f, indent=1)
+    return {
+        "model": model_path, "validation": val_path, "scale": scale, "train_loss": res.train_loss,
+        "test_loss": res.test_loss, "test_index": res.test_index, "seconds": res.seconds,
+        "sample_rows": to_host(beats[xp.asarray(sample)]) * scale, "rows": int(beats.shape[0]),
+    }
+
+
+@partition_task(name="build-engine")
+def build_engine(model_path: str, validation_path: str, folder: str, threads: int) -> dict:
+    """Export the trained scorer to ONNX, load it in ONNX Runtime, validate it against PyTorch."""
+    from beatflow.engine import OnnxRuntimeEngine, export_onnx, throughput, validate_engine
+    from beatflow.model import Scorer, load_model
+
+    model = load_model(model_path)
+    scorer = Scorer(model).eval()
+    val = np.load(validation_path)
+    path = os.path.join(folder, "engine.onnx")
+    t = time.perf_counter()
+    export_onnx(scorer, path, val.shape[1])
+    engine = OnnxRuntimeEngine.load(path, intra_op_num_threads=threads)
+    err = validate_engine(engine, scorer, val)
+    build_s = time.perf_counter() - t
+    tput = throughput(engine, val[: min(len(val), 1024)], 1024)
+    get_run_logger().info("engine onnxruntime: max abs err %.2e vs PyTorch, %.0f beats/s", err, tput)
+    return {"backend": "onnxruntime", "precision": "fp32", "path": path, "max_abs_err": err,
+            "build_s": build_s, "throughput_beats_per_s": tput, "cache": "built"}
+
+
+@functools.lru_cache(maxsize=4)
+def _engine(path: str):
+    from beatflow.engine import OnnxRuntimeEngine
+
+    return OnnxRuntimeEngine.load(path, intra_op_num_threads=1)
+
+
+@partition_task(name="score-partition")
+def score_partition(embedded, engine_path: str, scale: float):
+    """Anomaly score and latent mean of each kept beat of a partition, through the built engine."""
+    rows, _ = embedded
+    score, mu = _engine(engine_path).infer(to_host(rows) / np.float32(scale))
+    return score, mu
+
+
+@task(name="evaluate-truth", cache_policy=NO_CACHE, persist_result=False)
+def evaluate_truth(truth_path: str, peaks, kept_peaks, kept_scores, fs: float) -> dict:
+    """Detection (Se, PPV at 150 ms) and anomaly ROC-AUC against the synthetic truth."""
+    from beatflow.metrics import match_beats, roc_auc
+
+    t = np.load(truth_path)
+    tol = int(round(0.15 * fs))
+    det, _ = match_beats(peaks, t["r_peaks"], tol)
+    _, m = match_beats(kept_peaks, t["r_peaks"], tol)
+    ok = m >= 0
+    labels = t["labels"][ok]
+    auc = roc_auc(np.asarray(kept_scores)[m[ok]], labels > 0)
+    auc_pvc = roc_auc(np.asarray(kept_scores)[m[ok]][labels != 2], labels[labels != 2] == 1)
+    return {"se": det.se, "ppv": det.ppv, "f1": det.f1, "auc": auc, "auc_pvc": auc_pvc,
+            "true_beats": int(len(t["r_peaks"])), "abnormal": int((t["labels"] > 0).sum()),
+            "abnormal_scored": int((labels > 0).sum()), "_matched_labels": (m, t["labels"])}
+
+
+@task(name="write-report", cache_policy=NO_CACHE, persist_result=False)
+def write_report(path: str, data) -> str:
+    """Render ``report.html`` (self-contained) from the small results."""
+    from beatflow.report import write_report as render
+
+    render(path, data)
+    return path

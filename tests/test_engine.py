@@ -1,0 +1,123 @@
+"""Tests of beatflow.engine: ONNX export, the ONNX Runtime engine and its validation."""
+import copy
+import pickle
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from beatflow.engine import (
+    Engine,
+    EngineValidationError,
+    OnnxRuntimeEngine,
+    export_onnx,
+    throughput,
+    validate_engine,
+)
+from beatflow.model import LightVAE, Scorer, score_beats, train_vae
+
+WIDTH = 64
+
+
+def beats(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.linspace(0.0, 1.0, WIDTH, dtype=np.float32)
+    centre = 0.5 + 0.03 * rng.standard_normal((n, 1))
+    x = np.exp(-0.5 * ((t - centre) / 0.04) ** 2) + 0.05 * rng.standard_normal((n, WIDTH))
+    return x.astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    res = train_vae(beats(600, 0), epochs=2, batch_size=128, seed=3, lr=1e-2)
+    return Scorer(res.model)
+
+
+@pytest.fixture(scope="module")
+def onnx_path(scorer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("onnx") / "scorer.onnx"
+    assert export_onnx(scorer, path, WIDTH) == str(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(onnx_path):
+    return OnnxRuntimeEngine.load(onnx_path, intra_op_num_threads=1)
+
+
+def test_exported_graph_has_named_dynamic_io(onnx_path):
+    model = onnx.load(str(onnx_path))
+    onnx.checker.check_model(model)
+    (inp,) = model.graph.input
+    assert inp.name == "beats"
+    assert inp.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    dims = inp.type.tensor_type.shape.dim
+    assert len(dims) == 2 and dims[0].dim_param and not dims[0].dim_value and dims[1].dim_value == WIDTH
+    assert [o.name for o in model.graph.output] == ["score", "mu"]
+    assert isinstance(OnnxRuntimeEngine.load(onnx_path), Engine)
+
+
+@pytest.mark.parametrize("n", [1, 3, 1000])
+def test_ort_matches_torch_for_any_batch(engine, scorer, n):
+    x = beats(n, seed=10 + n)
+    ref_s, ref_mu = score_beats(scorer, x)
+    got_s, got_mu = engine.infer(x)
+    assert got_s.dtype == np.float32 and got_s.shape == (n,)
+    assert got_mu.dtype == np.float32 and got_mu.shape == (n, 2)
+    np.testing.assert_allclose(got_s, ref_s, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got_mu, ref_mu, atol=1e-4, rtol=0)
+
+
+def test_chunked_inference_equals_single_batch(engine):
+    x = beats(1000, seed=4).astype(np.float64)  # converted to float32 by infer
+    s1, m1 = engine.infer(x, batch_size=8192)
+    s2, m2 = engine.infer(x, batch_size=333)
+    np.testing.assert_allclose(s1, s2, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(m1, m2, atol=1e-6, rtol=1e-5)
+    s0, m0 = engine.infer(np.empty((0, WIDTH), np.float32))
+    assert s0.shape == (0,) and m0.shape == (0, 2)
+
+
+def test_validate_engine_accepts_the_right_engine(engine, scorer):
+    err = validate_engine(engine, scorer, beats(500, seed=5))
+    assert 0.0 <= err < 1e-4
+
+
+def test_validate_engine_rejects_a_wrong_engine(scorer, tmp_path):
+    wrong = copy.deepcopy(scorer)
+    with torch.no_grad():
+        wrong.vae.fc.bias.add_(0.5)
+    path = export_onnx(wrong, tmp_path / "wrong.onnx", WIDTH, dynamo=False)  # legacy exporter: fast
+    wrong_engine = OnnxRuntimeEngine.load(path)
+    x = beats(200, seed=6)
+    with pytest.raises(EngineValidationError, match=r"max abs error .* exceeds tolerance atol=0.0001") as info:
+        validate_engine(wrong_engine, scorer, x)
+    assert isinstance(info.value, RuntimeError)
+    assert "\n" not in str(info.value)
+    # ... while it does agree with the model it was exported from.
+    assert validate_engine(wrong_engine, wrong, x) < 1e-4
+
+
+def test_engine_pickles_and_saves(engine, scorer, tmp_path):
+    x = beats(50, seed=7)
+    clone = pickle.loads(pickle.dumps(engine))  # ships to Dask workers: bytes, not a session
+    np.testing.assert_array_equal(clone.infer(x)[0], engine.infer(x)[0])
+    engine.save(tmp_path / "copy.onnx")
+    again = OnnxRuntimeEngine.load(tmp_path / "copy.onnx")
+    np.testing.assert_array_equal(again.infer(x)[0], engine.infer(x)[0])
+    assert again.width == WIDTH
+
+
+def test_export_rejects_wrong_width(scorer, tmp_path):
+    with pytest.raises(ValueError):
+        export_onnx(scorer, tmp_path / "x.onnx", WIDTH * 2)
+
+
+def test_build_from_lightvae_and_throughput(tmp_path):
+    torch.manual_seed(0)
+    vae = LightVAE(WIDTH)
+    eng = OnnxRuntimeEngine.build(Scorer(vae), tmp_path / "fresh.onnx", dynamo=False)
+    assert validate_engine(eng, vae, beats(64, seed=8)) < 1e-4
+    rate = throughput(eng, beats(2048, seed=9), batch_size=512)
+    assert np.isfinite(rate) and rate > 0

@@ -1,0 +1,190 @@
+"""Tests of beatflow.model: the LightVAE, its loss, training, scoring and persistence."""
+import numpy as np
+import pytest
+import torch
+
+from beatflow.model import (
+    Downsample,
+    LightVAE,
+    Scorer,
+    Swish,
+    TrainResult,
+    load_model,
+    save_model,
+    score_beats,
+    train_vae,
+    vae_loss,
+)
+
+
+def synthetic_beats(n: int, width: int = 64, seed: int = 0) -> np.ndarray:
+    """Beat-like rows: a Gaussian bump with jittered position/height/width plus a slow wave and noise."""
+    rng = np.random.default_rng(seed)
+    t = np.linspace(0.0, 1.0, width, dtype=np.float32)
+    centre = 0.5 + 0.03 * rng.standard_normal((n, 1))
+    height = 1.0 + 0.1 * rng.standard_normal((n, 1))
+    sigma = 0.04 + 0.005 * rng.standard_normal((n, 1))
+    beats = height * np.exp(-0.5 * ((t - centre) / sigma) ** 2)
+    beats += 0.2 * np.sin(2 * np.pi * (t + 0.05 * rng.standard_normal((n, 1))))
+    beats += 0.02 * rng.standard_normal((n, width))
+    return beats.astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    beats = synthetic_beats(2000, 64, seed=0)
+    return beats, train_vae(beats, epochs=3, batch_size=256, seed=7, lr=1e-2)
+
+
+@pytest.mark.parametrize("width", [256, 64])
+def test_shapes(width):
+    torch.manual_seed(0)
+    model = LightVAE(width)
+    x = torch.randn(5, width)
+    recon, mu, logvar = model(x)
+    assert recon.shape == (5, width)
+    assert mu.shape == (5, 2) and logvar.shape == (5, 2)
+    score, mu2 = Scorer(model)(x)
+    assert score.shape == (5,) and mu2.shape == (5, 2)
+    torch.testing.assert_close(mu2, mu)
+
+
+@pytest.mark.parametrize("width", [0, 12, 100])
+def test_width_must_be_multiple_of_8(width):
+    with pytest.raises(ValueError):
+        LightVAE(width)
+
+
+def test_downsample_matches_naive_loop():
+    torch.manual_seed(1)
+    channels, length = 3, 20
+    x = torch.randn(2, channels, length, dtype=torch.float32)
+    out = Downsample(channels)(x)
+    assert out.shape == (2, channels, length // 2)
+    padded = torch.nn.functional.pad(x, (1, 1)).double()
+    ref = torch.zeros(2, channels, length // 2, dtype=torch.float64)
+    w = [0.25, 0.5, 0.25]
+    for b in range(2):
+        for c in range(channels):
+            for i in range(length // 2):
+                ref[b, c, i] = sum(w[k] * padded[b, c, 2 * i + k] for k in range(3))
+    torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=1e-6)
+    # The filter is fixed: not a parameter, so not trained.
+    assert list(Downsample(channels).parameters()) == []
+
+
+def test_swish_alpha_is_learnable():
+    act = Swish()
+    params = dict(act.named_parameters())
+    assert set(params) == {"alpha"}
+    assert params["alpha"].requires_grad and params["alpha"].item() == 1.0
+    x = torch.linspace(-3, 3, 7)
+    torch.testing.assert_close(act(x), x * torch.sigmoid(x))
+    act(x).sum().backward()
+    assert act.alpha.grad is not None and act.alpha.grad.item() != 0.0
+    # Every Swish of the model has its own alpha, all handed to the optimiser.
+    names = [n for n, _ in LightVAE(64).named_parameters() if n.endswith("alpha")]
+    assert len(names) == 5
+
+
+def test_vae_loss_matches_naive_reference():
+    torch.manual_seed(2)
+    b, d = 4, 16
+    x, recon = torch.randn(b, d), torch.randn(b, d)
+    mu, logvar = torch.randn(b, 2), torch.randn(b, 2)
+    total = 0.0
+    for i in range(b):
+        mse = sum((x[i, j].item() - recon[i, j].item()) ** 2 for j in range(d)) / d
+        kl = sum(1 + logvar[i, k].item() - mu[i, k].item() ** 2 - np.exp(logvar[i, k].item()) for k in range(2)) / 2
+        total += mse - 0.1 * kl
+    got = vae_loss(x, recon, mu, logvar)
+    assert got.ndim == 0
+    assert got.item() == pytest.approx(total, rel=1e-5)
+
+
+def test_eval_mode_is_deterministic_and_uses_mu():
+    torch.manual_seed(3)
+    model = LightVAE(64).eval()
+    x = torch.randn(3, 64)
+    r1, mu, _ = model(x)
+    r2, _, _ = model(x)
+    torch.testing.assert_close(r1, r2)
+    torch.testing.assert_close(r1, model.decode(mu))
+    model.train()
+    r3, _, _ = model(x)
+    assert not torch.allclose(r3, r1)  # sampled latent in training mode
+
+
+def test_training_decreases_loss_and_is_reproducible(trained):
+    beats, res = trained
+    assert isinstance(res, TrainResult)
+    assert len(res.train_loss) == 3
+    assert res.train_loss[-1] < res.train_loss[0]
+    assert np.isfinite(res.test_loss) and res.test_loss < res.train_loss[0]
+    assert res.train_index.dtype == np.int64 and res.test_index.dtype == np.int64
+    assert len(res.train_index) == 1500 and len(res.test_index) == 500
+    assert np.array_equal(np.sort(np.concatenate([res.train_index, res.test_index])), np.arange(2000))
+    np.testing.assert_array_equal(res.train_index, np.random.default_rng(7).permutation(2000)[:1500])
+    assert not res.model.training
+    assert next(res.model.parameters()).device.type == "cpu"
+    assert res.seconds > 0
+
+    calls = []
+    again = train_vae(torch.from_numpy(beats), epochs=3, batch_size=256, seed=7, lr=1e-2,
+                      on_epoch=lambda *a: calls.append(a))
+    assert again.train_loss == res.train_loss
+    assert again.test_loss == res.test_loss
+    assert [c[0] for c in calls] == [1, 2, 3]
+    assert [c[1] for c in calls] == res.train_loss
+    assert all(c[2] >= 0 for c in calls)
+    for p, q in zip(res.model.parameters(), again.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_other_seed_gives_other_split():
+    beats = synthetic_beats(200, 64, seed=1)
+    a = train_vae(beats, epochs=1, batch_size=64, seed=1)
+    b = train_vae(beats, epochs=1, batch_size=64, seed=2)
+    assert not np.array_equal(a.train_index, b.train_index)
+
+
+def test_scorer_flags_out_of_distribution_rows(trained):
+    beats, res = trained
+    normal = synthetic_beats(300, 64, seed=123)
+    rng = np.random.default_rng(5)
+    noise = rng.standard_normal((1, 64)).astype(np.float32)
+    spike = np.zeros((1, 64), np.float32)
+    spike[0, 10] = 5.0
+    inverted = -normal[:1]
+    scores, mu = score_beats(res.model, np.concatenate([normal, noise, spike, inverted]), batch_size=128)
+    assert scores.dtype == np.float32 and scores.shape == (303,)
+    assert mu.dtype == np.float32 and mu.shape == (303, 2)
+    typical = np.percentile(scores[:300], 99)
+    assert scores[300] > 3 * typical and scores[301] > 3 * typical, (scores[300:], typical)
+    assert scores[302] > typical, (scores[302], typical)
+
+
+def test_score_beats_matches_scorer_and_batches_agree(trained):
+    beats, res = trained
+    x = beats[:700]
+    s1, m1 = score_beats(res.model, x, batch_size=8192)
+    s2, m2 = score_beats(Scorer(res.model), torch.from_numpy(x), batch_size=64)
+    np.testing.assert_allclose(s1, s2, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m1, m2, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        recon = res.model.decode(res.model.encode(torch.from_numpy(x))[0]).numpy()
+    np.testing.assert_allclose(s1, ((x - recon) ** 2).mean(axis=1), rtol=1e-4, atol=1e-7)
+
+
+def test_save_load_roundtrip(tmp_path, trained):
+    beats, res = trained
+    path = tmp_path / "model.pt"
+    save_model(res.model, path)
+    loaded = load_model(path)
+    assert isinstance(loaded, LightVAE) and loaded.width == 64 and not loaded.training
+    s1, m1 = score_beats(res.model, beats[:100])
+    s2, m2 = score_beats(loaded, beats[:100])
+    np.testing.assert_array_equal(s1, s2)
+    np.testing.assert_array_equal(m1, m2)
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["width"] == 64 and "state_dict" in ckpt

@@ -1,0 +1,297 @@
+"""Tests for beatflow.report: per-pixel min/max aggregation and the HTML report."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+import pytest
+
+from beatflow.report import ReportData, column_bounds, column_minmax, combine_minmax, write_report
+
+
+# ---------------------------------------------------------------------------
+# column_minmax / combine_minmax
+# ---------------------------------------------------------------------------
+
+
+def _naive(x: np.ndarray, ncols: int):
+    total = x.size
+    mins = np.full(ncols, np.nan, dtype=np.float32)
+    maxs = np.full(ncols, np.nan, dtype=np.float32)
+    for c in range(ncols):
+        a = (c * total) // ncols
+        b = ((c + 1) * total) // ncols
+        if b > a:
+            seg = x[a:b]
+            seg = seg[~np.isnan(seg)] if np.issubdtype(seg.dtype, np.floating) else seg
+            if seg.size:
+                mins[c] = np.float32(seg.min())
+                maxs[c] = np.float32(seg.max())
+    return mins, maxs
+
+
+def _split(total: int, nparts: int, rng) -> list[int]:
+    """Uneven cut points (including empty and 1-sample partitions sometimes)."""
+    if nparts == 1:
+        return [0, total]
+    cuts = np.sort(rng.integers(0, total + 1, size=nparts - 1))
+    return [0, *cuts.tolist(), total]
+
+
+def _run(x, ncols, bounds, method="reduceat"):
+    total = x.size
+    parts = [column_minmax(x[a:b], a, total, ncols, _method=method) for a, b in zip(bounds[:-1], bounds[1:])]
+    return combine_minmax(parts, ncols)
+
+
+def _same(a, b):
+    np.testing.assert_array_equal(a, b)  # NaN == NaN positionally for assert_array_equal
+
+
+CASES = [
+    (1000, 100),
+    (1003, 97),
+    (10_007, 4000),
+    (12_345, 1),
+    (5, 5),
+    (37, 100),  # ncols > total: empty columns must be NaN
+    (1, 7),
+    (2, 3),
+]
+
+
+@pytest.mark.parametrize("total,ncols", CASES)
+@pytest.mark.parametrize("nparts", [1, 2, 7])
+@pytest.mark.parametrize("method", ["reduceat", "pad"])
+def test_minmax_matches_naive_any_partitioning(total, ncols, nparts, method):
+    rng = np.random.default_rng(total * 31 + ncols * 7 + nparts)
+    x = rng.standard_normal(total).astype(np.float32)
+    ref_min, ref_max = _naive(x, ncols)
+    one_min, one_max = _run(x, ncols, [0, total], method)
+    _same(one_min, ref_min)
+    _same(one_max, ref_max)
+    for trial in range(3):
+        bounds = _split(total, nparts, rng)
+        mins, maxs = _run(x, ncols, bounds, method)
+        _same(mins, one_min)
+        _same(maxs, one_max)
+        assert mins.dtype == np.float32 and maxs.dtype == np.float32
+        assert mins.shape == (ncols,)
+
+
+def test_minmax_more_columns_than_samples_nan():
+    total, ncols = 10, 25
+    x = np.arange(total, dtype=np.float64)
+    mins, maxs = _run(x, ncols, [0, 3, 4, 10])
+    b = column_bounds(total, ncols)
+    empty = b[1:] == b[:-1]
+    assert empty.sum() == ncols - total
+    assert np.isnan(mins[empty]).all() and np.isnan(maxs[empty]).all()
+    assert np.array_equal(np.sort(mins[~empty]), x)
+    assert np.array_equal(mins[~empty], maxs[~empty])
+
+
+def test_minmax_partial_columns_and_first_col():
+    # 100 samples, 10 columns of 10 samples: partition [15, 35) touches columns 1..3
+    x = np.arange(100, dtype=np.float64)
+    first, mins, maxs = column_minmax(x[15:35], 15, 100, 10)
+    assert first == 1
+    assert mins.tolist() == [15, 20, 30]
+    assert maxs.tolist() == [19, 29, 34]
+    assert isinstance(mins, np.ndarray) and mins.dtype == np.float32
+
+
+def test_minmax_int_dtype_and_nan_samples():
+    rng = np.random.default_rng(0)
+    xi = rng.integers(-2000, 2000, size=5000).astype(np.int16)
+    for method in ("reduceat", "pad"):
+        m, M = _run(xi, 333, _split(5000, 7, rng), method)
+        rm, rM = _naive(xi, 333)
+        _same(m, rm)
+        _same(M, rM)
+    xf = rng.standard_normal(3000)
+    xf[rng.integers(0, 3000, 200)] = np.nan
+    xf[100:140] = np.nan  # whole columns of NaN
+    for method in ("reduceat", "pad"):
+        one = _run(xf, 300, [0, 3000], method)
+        many = _run(xf, 300, _split(3000, 7, rng), method)
+        ref = _naive(xf, 300)
+        _same(one[0], ref[0])
+        _same(one[1], ref[1])
+        _same(many[0], one[0])
+        _same(many[1], one[1])
+
+
+def test_minmax_empty_partition_and_errors():
+    first, m, M = column_minmax(np.empty(0), 0, 10, 5)
+    assert m.size == 0 and M.size == 0
+    mins, maxs = combine_minmax([(first, m, M)], 5)
+    assert np.isnan(mins).all()
+    with pytest.raises(ValueError):
+        column_minmax(np.zeros(5), 8, 10, 5)
+
+
+def test_minmax_numpy_path_does_not_import_cupy(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def guarded(name, *a, **k):
+        if name == "cupy" or name.startswith("cupy."):
+            raise AssertionError("cupy imported for a NumPy array")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", guarded)
+    x = np.random.default_rng(1).standard_normal(1000)
+    mins, maxs = _run(x, 64, [0, 300, 1000])
+    ref = _naive(x, 64)
+    _same(mins, ref[0])
+    _same(maxs, ref[1])
+
+
+def test_minmax_cupy_if_available():
+    cp = pytest.importorskip("cupy")
+    try:
+        cp.cuda.runtime.getDeviceCount()
+    except Exception:  # pragma: no cover - no device
+        pytest.skip("no CUDA device")
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(20011).astype(np.float32)
+    xd = cp.asarray(x)
+    bounds = _split(x.size, 7, rng)
+    parts = [column_minmax(xd[a:b], a, x.size, 1500) for a, b in zip(bounds[:-1], bounds[1:])]
+    mins, maxs = combine_minmax(parts, 1500)
+    ref = _naive(x, 1500)
+    _same(mins, ref[0])
+    _same(maxs, ref[1])
+
+
+# ---------------------------------------------------------------------------
+# write_report
+# ---------------------------------------------------------------------------
+
+
+def _fake_data(title="beatflow <script>alert(1)</script> & co", m=600, ncols=400, truth=True, seed=0):
+    rng = np.random.default_rng(seed)
+    fs = 360.0
+    total = int(fs * 3600 * 1.5)
+    t = np.arange(200_000) / fs
+    sig = np.sin(2 * np.pi * 1.2 * t) ** 63 + 0.05 * rng.standard_normal(t.size)
+    x = np.interp(np.linspace(0, t.size - 1, total // 100), np.arange(t.size), sig)  # cheap stand-in
+    parts = [column_minmax(x[a:b], a, x.size, ncols) for a, b in ((0, 1000), (1000, x.size))]
+    smin, smax = combine_minmax(parts, ncols)
+    lengths = rng.normal(300, 25, 5000).astype(int)
+    counts, edges = np.histogram(lengths, bins=60)
+    D = 360
+    beats = np.zeros((20, D))
+    for i in range(20):
+        L = int(rng.integers(250, 340))
+        beats[i, :L] = np.exp(-0.5 * ((np.arange(L) - 60) / 6.0) ** 2) + 0.02 * rng.standard_normal(L)
+    mu = rng.standard_normal((m, 2))
+    score = np.abs(rng.standard_normal(m)) + np.hypot(*mu.T)
+    thr = float(np.quantile(score, 0.98))
+    score_all = np.abs(rng.standard_normal(4000)) * 2
+    top = []
+    for r in range(14):
+        start = int(rng.integers(1000, total - 2000))
+        c0 = start - int(fs)
+        top.append(
+            {
+                "beat": int(rng.integers(0, 9999)),
+                "start": start,
+                "time_s": start / fs,
+                "length": 290,
+                "score": float(10 - r * 0.3),
+                "context": np.sin(np.arange(int(3 * fs)) / 20.0),
+                "context_start": c0,
+                "label": ["pvc", "artifact", None, "<b>x</b>"][r % 4],
+            }
+        )
+    summary = {
+        "samples": total,
+        "fs": fs,
+        "beats_detected": 6400,
+        "beats_kept": 6200,
+        "pruned_fraction": 0.03125,
+        "test_loss": 0.0123,
+        "anomalies_flagged": 120,
+        "device": "cpu",
+        "workers": 2,
+        "engine": {"backend": "onnxruntime", "max_abs_err": 3.2e-6},
+        "timings_s": {"load": 1.2, "detect": 3.4, "train": 20.0, "score": 2.0, "report": 0.8},
+        "truth": {"se": 0.91, "ppv": 0.87, "auc": 0.975},
+        "seed": 0,
+    }
+    return ReportData(
+        title=title,
+        summary=summary,
+        fs=fs,
+        total_samples=total,
+        stream_min=smin,
+        stream_max=smax,
+        length_hist_counts=counts,
+        length_hist_edges=edges,
+        length_bounds=(240, 380),
+        aligned_beats=beats,
+        train_loss=[0.5 / (e + 1) for e in range(12)],
+        test_loss=0.045,
+        latent_mu=mu,
+        latent_score=score,
+        threshold=thr,
+        score_all=score_all,
+        top=top,
+        anomaly_times_s=np.sort(rng.uniform(0, total / fs, 120)),
+        truth_labels=rng.choice([0, 0, 0, 0, 1, 2], size=m) if truth else None,
+    )
+
+
+def test_write_report_self_contained(tmp_path):
+    out = tmp_path / "sub" / "report.html"
+    write_report(out, _fake_data())
+    files = list(out.parent.iterdir())
+    assert files == [out], files  # one file, no leftover .tmp
+    doc = out.read_text(encoding="utf-8")
+    assert doc.startswith("<!DOCTYPE html>")
+    assert doc.count("data:image/png;base64,") >= 6
+    for heading in ("Summary", "Per-stage timings", "Whole stream", "Beat-length histogram", "Aligned beats",
+                    "Training curve", "Latent space", "Anomaly score distribution", "Top anomalies"):
+        assert heading in doc, heading
+    # no external resources of any kind
+    assert not re.search(r"(src|href)\s*=\s*[\"']?\s*(https?:)?//", doc, re.I)
+    assert "http://" not in doc and "https://" not in doc
+    assert "<link" not in doc.lower() and "<script" not in doc.lower() and "@import" not in doc
+    # escaping: title and labels
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; co" in doc
+    assert "&lt;b&gt;x&lt;/b&gt;" in doc
+    # key figures present
+    for s in ("onnxruntime", "1:30", "0.975", "3.12 %", "detect"):
+        assert s in doc, s
+    assert out.stat().st_size < 3_000_000
+
+
+def test_write_report_degenerate_inputs(tmp_path):
+    d = _fake_data(title="empty run", truth=False)
+    d.top = []
+    d.train_loss = []
+    d.latent_mu = np.zeros((0, 2))
+    d.latent_score = np.zeros(0)
+    d.score_all = np.zeros(0)
+    d.anomaly_times_s = np.zeros(0)
+    d.aligned_beats = np.zeros((0, 10))
+    d.summary = {"timings_s": {}}
+    out = tmp_path / "r.html"
+    write_report(str(out), d)
+    doc = out.read_text(encoding="utf-8")
+    assert "No anomalies flagged" in doc
+    assert doc.count("data:image/png;base64,") >= 6
+
+
+def test_write_report_fast_realistic(tmp_path):
+    d = _fake_data(m=20_000, ncols=4000)
+    t0 = time.perf_counter()
+    write_report(tmp_path / "r.html", d)
+    dt = time.perf_counter() - t0
+    assert dt < 20.0, dt  # target is < ~8 s; generous bound for slow CI machines
+    assert (tmp_path / "r.html").stat().st_size < 3_000_000

@@ -1,0 +1,247 @@
+"""Tests of the synthetic ECG generator (beatflow.synth)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from beatflow.synth import LABEL_NAMES, SyntheticECG, synthesize_ecg, truth_path
+
+
+@pytest.fixture(scope="module")
+def hour():
+    """One hour at 250 Hz with default settings (shared by the statistical tests)."""
+    return synthesize_ecg(1.0, fs=250.0, seed=7)
+
+
+def _baseline(sig: np.ndarray, r: int, half: int) -> float:
+    return float(np.median(sig[max(r - half, 0) : r + half + 1]))
+
+
+def _half_amplitude_width(sig: np.ndarray, r: int, fs: float) -> float:
+    """Seconds around ``r`` where |sig - baseline| stays above half its value at ``r``."""
+    x = np.abs(sig[r - int(0.3 * fs) : r + int(0.3 * fs) + 1] - _baseline(sig, r, int(0.3 * fs)))
+    c = int(0.3 * fs)
+    above = x >= 0.5 * x[c]
+    lo = c
+    while lo > 0 and above[lo - 1]:
+        lo -= 1
+    hi = c
+    while hi < x.size - 1 and above[hi + 1]:
+        hi += 1
+    return (hi - lo + 1) / fs
+
+
+def test_label_names():
+    assert LABEL_NAMES == {0: "normal", 1: "pvc", 2: "artifact"}
+
+
+def test_deterministic_for_a_seed():
+    a = synthesize_ecg(0.05, seed=3)
+    b = synthesize_ecg(0.05, seed=3)
+    c = synthesize_ecg(0.05, seed=4)
+    np.testing.assert_array_equal(a.signal, b.signal)
+    np.testing.assert_array_equal(a.r_peaks, b.r_peaks)
+    np.testing.assert_array_equal(a.labels, b.labels)
+    assert a.signal.shape == c.signal.shape
+    assert not np.array_equal(a.signal, c.signal)
+    assert not np.array_equal(a.r_peaks[:20], c.r_peaks[:20])
+
+
+@pytest.mark.parametrize("fs", [250.0, 360.0])
+def test_shape_dtype_and_fs_scaling(fs):
+    hours = 0.05
+    e = synthesize_ecg(hours, fs=fs, seed=1)
+    assert isinstance(e, SyntheticECG)
+    assert e.fs == fs
+    assert e.signal.shape == (round(hours * 3600 * fs),)
+    assert e.signal.dtype == np.float32
+    assert np.isfinite(e.signal).all()
+    assert e.r_peaks.dtype == np.int64 and e.labels.dtype == np.int8
+    assert e.r_peaks.shape == e.labels.shape
+    assert e.duration_s == pytest.approx(hours * 3600, abs=1 / fs)
+
+
+def test_beat_times_do_not_depend_on_fs():
+    a = synthesize_ecg(0.05, fs=250.0, seed=2)
+    b = synthesize_ecg(0.05, fs=360.0, seed=2)
+    assert a.r_peaks.size == b.r_peaks.size
+    np.testing.assert_array_equal(a.labels, b.labels)
+    np.testing.assert_allclose(a.r_peaks / 250.0, b.r_peaks / 360.0, atol=0.012)
+
+
+def test_r_peaks_sorted_and_inside(hour):
+    e = hour
+    n = e.signal.size
+    assert np.all(np.diff(e.r_peaks) > 0)
+    # the whole beat (P wave before, T wave after) lies inside the signal
+    assert e.r_peaks[0] >= 0.25 * e.fs
+    assert e.r_peaks[-1] + 0.45 * e.fs < n
+    assert set(np.unique(e.labels)) <= {0, 1, 2}
+    assert 3600 / 1.0 <= e.r_peaks.size <= 3600 / 0.45
+
+
+def test_label_counts(hour):
+    counts = np.bincount(hour.labels, minlength=3)
+    frac = counts[1] / hour.labels.size
+    assert abs(frac - 0.02) < 0.008, frac
+    assert 1 <= counts[2] <= 15, counts
+    # the rates are honoured at other settings too
+    e = synthesize_ecg(0.25, seed=5, pvc_rate=0.1, artifacts_per_hour=40.0)
+    counts = np.bincount(e.labels, minlength=3)
+    assert abs(counts[1] / e.labels.size - 0.1) < 0.03, counts
+    assert 3 <= counts[2] <= 20, counts
+    e = synthesize_ecg(0.1, seed=5, pvc_rate=0.0, artifacts_per_hour=0.0)
+    assert np.all(e.labels == 0)
+
+
+def test_rr_intervals_and_pvc_timing(hour):
+    e = hour
+    r = e.r_peaks / e.fs
+    lab = e.labels
+    rr = np.diff(r)
+    sinus = lab != 1  # artifact beats keep their sinus timing
+    nn = sinus[:-1] & sinus[1:]
+    assert nn.sum() > 1000
+    assert rr[nn].min() >= 0.45 and rr[nn].max() <= 1.05, (rr[nn].min(), rr[nn].max())
+    assert rr[nn].std() > 0.01  # there is heart-rate variability
+    # PVCs preceded by two sinus beats and followed by one
+    i = np.flatnonzero(lab == 1)
+    i = i[(i >= 2) & (i < lab.size - 1)]
+    i = i[sinus[i - 1] & sinus[i - 2] & sinus[i + 1]]
+    assert i.size > 20
+    coupling = r[i] - r[i - 1]
+    prev_rr = r[i - 1] - r[i - 2]
+    assert np.all(coupling < prev_rr)
+    assert np.all(coupling / prev_rr < 0.85)
+    # compensatory pause: the next sinus beat about 2 RR after the previous sinus beat, unless
+    # that would make the pause longer than 1 s (then the sinus rhythm resets)
+    pause = r[i + 1] - r[i]
+    assert pause.max() <= 1.0 + 2 / e.fs
+    ratio = (r[i + 1] - r[i - 1]) / prev_rr
+    full = pause < 0.99
+    assert full.sum() > 10
+    assert np.all(np.abs(ratio[full] - 2.0) < 0.2), ratio[full]
+    assert np.all(ratio > 1.5)
+    # every beat-to-beat interval fits the segmenter's 100..256 samples at 250 Hz
+    d = np.diff(e.r_peaks)
+    assert d.min() >= 100 and d.max() <= 256, (d.min(), d.max())
+
+
+def test_beats_reach_the_end_of_the_signal():
+    e = synthesize_ecg(0.5, seed=8, pvc_rate=0.3)
+    assert (e.signal.size - e.r_peaks[-1]) / e.fs < 1.7
+    assert e.r_peaks[0] / e.fs < 1.0
+
+
+@pytest.mark.parametrize("fs", [250.0, 360.0])
+def test_r_peak_is_local_maximum_of_normal_beats(fs):
+    e = synthesize_ecg(0.15, fs=fs, seed=11)
+    sig = e.signal.astype(np.float64)
+    h40 = int(round(0.04 * fs))
+    offsets = []
+    for r in e.r_peaks[e.labels == 0]:
+        w = sig[r - h40 : r + h40 + 1] - _baseline(sig, r, int(0.3 * fs))
+        offsets.append(int(np.argmax(w)) - h40)
+        assert w[h40] > 0.4  # a clear positive R wave (mV) above the baseline
+    offsets = np.abs(np.array(offsets))
+    # the truth is the clean beat's peak sample; noise may move the sampled maximum by one
+    assert offsets.max() <= 2
+    assert np.mean(offsets <= 1) > 0.98
+    assert np.mean(offsets == 0) > 0.5
+
+
+def test_r_peak_exact_without_noise():
+    e = synthesize_ecg(0.1, fs=250.0, seed=12, noise_mv=0.0, powerline_mv=0.0)
+    sig = e.signal.astype(np.float64)
+    h = int(round(0.04 * e.fs))
+    for r, lab in zip(e.r_peaks, e.labels):
+        if lab == 2:
+            continue
+        w = np.abs(sig[r - h : r + h + 1] - _baseline(sig, r, int(0.3 * e.fs)))
+        assert abs(int(np.argmax(w)) - h) <= 1
+
+
+def test_pvc_morphology_differs():
+    fs = 250.0
+    e = synthesize_ecg(0.2, fs=fs, seed=13, pvc_rate=0.1, artifacts_per_hour=0.0)
+    sig = e.signal.astype(np.float64)
+    normal = e.r_peaks[e.labels == 0]
+    pvc = e.r_peaks[e.labels == 1]
+    assert pvc.size > 50
+    w_n = np.mean([_half_amplitude_width(sig, r, fs) for r in normal])
+    w_p = np.mean([_half_amplitude_width(sig, r, fs) for r in pvc])
+    assert 0.015 < w_n < 0.04, w_n
+    assert w_p > 1.6 * w_n, (w_n, w_p)
+    amp = lambda r: abs(sig[r] - _baseline(sig, r, int(0.3 * fs)))  # noqa: E731
+    a_n = np.median([amp(r) for r in normal])
+    a_p = np.median([amp(r) for r in pvc])
+    assert 0.7 < a_n < 1.3, a_n  # R about 1 mV
+    assert a_p > 1.2 * a_n, (a_n, a_p)
+
+
+def test_artifact_bursts_are_loud_and_short():
+    fs = 250.0
+    e = synthesize_ecg(0.25, fs=fs, seed=14, artifacts_per_hour=40.0, noise_mv=0.01)
+    sig = e.signal.astype(np.float64)
+    idx = np.flatnonzero(e.labels == 2)
+    assert idx.size >= 3
+
+    def hf_energy(r):  # sample-to-sample variation around the beat, QRS excluded
+        seg = np.r_[sig[r - int(0.3 * fs) : r - int(0.06 * fs)], sig[r + int(0.06 * fs) : r + int(0.3 * fs)]]
+        return np.std(np.diff(seg))
+
+    normal = e.r_peaks[e.labels == 0][:200]
+    assert np.median([hf_energy(e.r_peaks[i]) for i in idx]) > 5 * np.median([hf_energy(r) for r in normal])
+    # neighbours of an artifact beat keep a clean, detectable R peak
+    h = int(round(0.04 * fs))
+    for i in idx:
+        for j in (i - 1, i + 1):
+            if e.labels[j] != 0:
+                continue
+            r = e.r_peaks[j]
+            w = sig[r - h : r + h + 1] - _baseline(sig, r, int(0.3 * fs))
+            assert abs(int(np.argmax(w)) - h) <= 2
+
+
+def test_save_and_load(tmp_path):
+    e = synthesize_ecg(0.02, seed=9)
+    e.save(tmp_path / "sub" / "rec")
+    assert (tmp_path / "sub" / "rec.npy").exists()
+    assert truth_path(tmp_path / "sub" / "rec.npy") == tmp_path / "sub" / "rec.truth.npz"
+    x = np.load(tmp_path / "sub" / "rec.npy")
+    np.testing.assert_array_equal(x, e.signal)
+    with np.load(truth_path(tmp_path / "sub" / "rec")) as t:
+        np.testing.assert_array_equal(t["r_peaks"], e.r_peaks)
+        np.testing.assert_array_equal(t["labels"], e.labels)
+        assert float(t["fs"]) == e.fs
+    f = SyntheticECG.load(tmp_path / "sub" / "rec.npy")
+    np.testing.assert_array_equal(f.signal, e.signal)
+    np.testing.assert_array_equal(f.r_peaks, e.r_peaks)
+    assert f.fs == e.fs
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"hours": 0.0},
+        {"hours": -1.0},
+        {"hours": float("nan")},
+        {"hours": 1e-5},  # under 2 s
+        {"fs": 0.0},
+        {"fs": 50.0},
+        {"fs": float("inf")},
+        {"seed": -1},
+        {"seed": 1.5},
+        {"pvc_rate": 1.0},
+        {"pvc_rate": -0.1},
+        {"artifacts_per_hour": -1.0},
+        {"noise_mv": -0.01},
+        {"wander_mv": float("nan")},
+        {"powerline_mv": -1.0},
+        {"hours": "ten"},
+    ],
+)
+def test_bad_arguments_raise(kwargs):
+    args = {"hours": 0.01, **kwargs}
+    with pytest.raises(ValueError):
+        synthesize_ecg(**args)
