@@ -37,8 +37,9 @@ class Detection:
 def match_beats(detected, reference, tolerance: int):
     """One-to-one matching of detected to reference beat positions within ``tolerance`` samples.
 
-    Each reference beat takes the nearest detection not yet taken (both sorted, so a two-pointer
-    sweep in order of position suffices, as in the usual beat-by-beat comparison).
+    Reference beats are taken in order, each matched to the earliest detection not yet taken that
+    lies within its ``±tolerance`` window. All windows have the same width, so sorting by position
+    sorts them by their right end, and this greedy choice gives a maximum matching.
 
     Parameters
     ----------
@@ -53,19 +54,14 @@ def match_beats(detected, reference, tolerance: int):
     d = np.asarray(detected, dtype=np.int64)
     r = np.asarray(reference, dtype=np.int64)
     match = np.full(r.shape[0], -1, dtype=np.int64)
-    # candidates: nearest detection left and right of each reference
-    pos = np.searchsorted(d, r)
-    taken = np.zeros(d.shape[0], dtype=bool)
+    j = 0
     for i in range(r.shape[0]):
-        best, best_dist = -1, tolerance + 1
-        for j in (pos[i] - 1, pos[i], pos[i] + 1):
-            if 0 <= j < d.shape[0] and not taken[j]:
-                dist = abs(int(d[j]) - int(r[i]))
-                if dist < best_dist:
-                    best, best_dist = j, dist
-        if best >= 0:
-            match[i] = best
-            taken[best] = True
+        lo = r[i] - tolerance
+        while j < d.shape[0] and d[j] < lo:
+            j += 1
+        if j < d.shape[0] and d[j] <= r[i] + tolerance:
+            match[i] = j
+            j += 1
     tp = int((match >= 0).sum())
     return Detection(tp=tp, fp=int(d.shape[0] - tp), fn=int(r.shape[0] - tp)), match
 

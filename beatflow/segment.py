@@ -126,7 +126,9 @@ def detect_peaks(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] 
     amp, b0 = block_amplitude(env, first, s)
     heights = env[cand]
     blocks = (cand + first) // s.block - b0
-    keep = heights > s.ratio * amp[blocks]
+    # above the local threshold, and above float32 round-off of the signal's level (flat lines)
+    floor = 1e-5 * float(xp.abs(x).max()) if x.shape[0] else 0.0
+    keep = (heights > s.ratio * amp[blocks]) & (heights > floor)
     cand, heights = cand[keep], heights[keep]
     peaks = drop_refractory(cand, heights, s.refractory).astype(xp.int64) + first
     if core is not None:

@@ -33,6 +33,18 @@ def default_out_dir() -> Path:
     return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
+def raise_first_failure(futures) -> None:
+    """Wait for mapped futures and re-raise the first task's own error (e.g. a bad CSV line).
+
+    Without this, the tasks downstream of a failed one would report only that their input was not
+    ready. Results are not fetched: partition arrays stay on their workers.
+    """
+    wait(futures)
+    for f in futures:
+        if not f.state.is_completed():
+            f.result()  # raises the task's exception
+
+
 class _Stopwatch:
     def __init__(self):
         self.t0 = self.last = time.perf_counter()
@@ -108,6 +120,7 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
 
     # load (each partition on one worker, where it stays) and exchange the small halos
     parts = T.load_partition.map(unmapped(source), specs, unmapped(device))
+    raise_first_failure(parts)
     edges = [f.result() for f in T.partition_edges.map(parts, unmapped(s.halo))]
     lengths = [e[0] for e in edges]
     n_samples = {}
@@ -145,7 +158,7 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     kept = [plan.kept_of(k) for k in range(len(specs))]
     embedded = T.embed_partition.map(parts, lefts, rights, firsts, [k[0] for k in kept], [k[1] for k in kept],
                                      unmapped(s))
-    wait(embedded)
+    raise_first_failure(embedded)
     sw.lap("embed")
 
     # training: once, on one worker, on the gathered matrix

@@ -33,8 +33,10 @@ def prefect_api():
     server.start(timeout=120)
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-            yield server.api_url
-            _flush_logs()
+            try:
+                yield server.api_url
+            finally:
+                _flush_logs()
     finally:
         server.stop()
 
@@ -42,9 +44,9 @@ def prefect_api():
 def _flush_logs() -> None:
     """Send the flow's buffered log records before the temporary server goes away."""
     try:
-        from prefect.logging.handlers import APILogHandler
+        from prefect.logging.handlers import APILogWorker
 
-        APILogHandler.flush()
+        APILogWorker.drain_all(timeout=5)
     except Exception:  # best effort: logs are also on the console
         pass
 
@@ -78,6 +80,7 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
     """
     from prefect_dask import DaskTaskRunner
 
+    logging.getLogger("distributed").setLevel(logging.WARNING)  # the scheduler runs in this process
     if scheduler:
         return DaskTaskRunner(address=scheduler)
     env = worker_env()

@@ -1,0 +1,55 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+MITDB = ROOT.parent / "shared" / "data" / "mitdb"
+
+
+@pytest.fixture(scope="session")
+def mitdb() -> Path:
+    if not (MITDB / "101.hea").exists():
+        pytest.skip("MIT-BIH records not found at ../shared/data/mitdb")
+    return MITDB
+
+
+@pytest.fixture(scope="session")
+def synthetic_ecg():
+    from beatflow.synth import synthesize_ecg
+
+    return synthesize_ecg(hours=0.1, fs=250.0, seed=3)
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One real Prefect API server (127.0.0.1, free port) for the tests that run flows."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    server = SubprocessASGIServer(port=_free_port())
+    server.start(timeout=120)
+    with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        yield server.api_url
+    server.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(args, api_url, cwd=None, timeout=900):
+    """Run the ``beatflow`` command in a subprocess against the test server."""
+    import subprocess
+
+    env = {**os.environ, "PREFECT_API_URL": api_url, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "beatflow.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd or ROOT, timeout=timeout)

@@ -1,0 +1,116 @@
+"""The flow end to end on small data: a Dask LocalCluster of 2 workers, a real Prefect server."""
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import run_cli
+
+SUMMARY_KEYS = {"samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "train_loss", "test_loss",
+                "anomalies_flagged", "device", "workers", "engine", "timings_s", "truth"}
+
+
+def run_flow(out, **kw):
+    from flows.pipeline import ecg_anomaly_flow
+    from tasks.cluster import make_task_runner
+
+    runner = make_task_runner("cpu", 2)
+    return ecg_anomaly_flow.with_options(task_runner=runner)(out=str(out), device="cpu", workers=2, **kw)
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
+    out = tmp_path / "run"
+    summary = run_flow(out, hours=0.25, seed=5, epochs=3, partitions=3)
+    files = {p.name for p in out.iterdir()}
+    assert {"summary.json", "anomalies.parquet", "report.html", "model.pt", "engine.onnx"} <= files
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    saved = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(saved)
+    assert saved["samples"] == int(0.25 * 3600 * 250) and saved["partitions"] == 3
+    assert len(saved["train_loss"]) == 3 and saved["train_loss"][-1] < saved["train_loss"][0]
+    assert saved["truth"]["se"] > 0.99 and saved["truth"]["ppv"] > 0.99
+    assert saved["truth"]["auc"] > 0.8
+    assert saved["engine"]["max_abs_err"] < 1e-4 and saved["engine"]["backend"] == "onnxruntime"
+    assert {"load", "segment", "embed", "train", "engine", "score", "report", "total"} <= set(saved["timings_s"])
+    table = pd.read_parquet(out / "anomalies.parquet")
+    assert len(table) == saved["beats_kept"] and table["flagged"].sum() == saved["anomalies_flagged"]
+    assert list(table.columns) == ["beat", "recording", "start", "peak", "time_s", "length", "score", "flagged", "rank"]
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64") >= 6
+    assert summary["beats_kept"] == saved["beats_kept"]
+
+    # any partition count gives the same beats and (up to float noise) the same scores
+    other = run_flow(tmp_path / "run7", hours=0.25, seed=5, epochs=3, partitions=7)
+    t7 = pd.read_parquet(tmp_path / "run7" / "anomalies.parquet")
+    np.testing.assert_array_equal(t7["peak"], table["peak"])
+    np.testing.assert_allclose(t7["score"], table["score"], rtol=1e-4, atol=1e-6)
+    assert other["beats_detected"] == saved["beats_detected"]
+
+
+def test_cli_on_one_mitbih_record(prefect_server, mitdb, tmp_path):
+    import shutil
+
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    for ext in ("hea", "dat"):
+        shutil.copy(mitdb / f"119.{ext}", rec)
+    out = tmp_path / "out"
+    r = run_cli(["run", "--input", rec, "--epochs", "2", "--device", "cpu", "--workers", "2", "--out", out],
+                prefect_server)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["fs"] == 360 and s["samples"] == 650000 and s["recordings"] == ["119"]
+    # record 119 has 1987 annotated beats, many of them ventricular bigeminy
+    assert 1900 < s["beats_detected"] < 2100
+    assert "truth" not in s
+    assert "report.html" in r.stdout
+
+
+@pytest.mark.parametrize("content,message", [
+    ("heartbeats\n" + "0.1\n" * 300 + "zz\n" + "0.2\n" * 300, "line 302: cannot parse 'zz' as a number"),
+    ("heartbeats\n" + "0.5\n" * 20000, "no heartbeats found"),
+    ("heartbeats\n" + "0.5\n" * 100, "100 samples is too short for a beat"),
+])
+def test_cli_bad_input_inside_the_flow(prefect_server, tmp_path, content, message):
+    p = tmp_path / "in.csv"
+    p.write_text(content)
+    out = tmp_path / "out"
+    r = run_cli(["run", "--input", p, "--device", "cpu", "--workers", "2", "--out", out], prefect_server)
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"beatflow: error: {p}") and message in last, r.stderr[-2000:]
+    assert not out.exists() and not [q for q in tmp_path.iterdir() if q.name.endswith(".partial")]
+
+
+@pytest.mark.parametrize("setup,args,message", [
+    (None, ["--input", "{d}/missing.csv"], "missing.csv: no such file or folder"),
+    ("", ["--input", "{d}/in.csv"], "in.csv: empty file"),
+    ("heartbeats\n", ["--input", "{d}/in.csv"], "in.csv: header only, no samples"),
+    ("a,b\n1,2\n", ["--input", "{d}/in.csv", "--column", "c"], "unknown column 'c' (columns: a, b)"),
+    ("mkdir", ["--input", "{d}/empty"], "no WFDB records (.hea files) in this folder"),
+    (None, ["--hours", "-1"], "--hours must be positive"),
+])
+def test_cli_bad_input_before_the_flow(tmp_path, setup, args, message):
+    if setup == "mkdir":
+        (tmp_path / "empty").mkdir()
+    elif setup is not None:
+        (tmp_path / "in.csv").write_text(setup)
+    out = tmp_path / "out"
+    r = run_cli(["run", *[a.format(d=tmp_path) for a in args], "--out", out], "http://127.0.0.1:9/api", timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"beatflow: error: {r.stderr.split('error: ', 1)[1].strip()}"]
+    assert message in r.stderr and not out.exists()
+
+
+def test_cli_gpu_without_cuda_is_one_line(tmp_path):
+    r = run_cli(["run", "--device", "gpu", "--out", tmp_path / "o"], "http://127.0.0.1:9/api", timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().startswith("beatflow: error: --device gpu: no CUDA device")

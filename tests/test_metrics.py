@@ -1,0 +1,48 @@
+import numpy as np
+import pytest
+
+import naive
+from beatflow.metrics import match_beats, roc_auc
+from beatflow.scoring import anomaly_table, robust_threshold
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matching_is_maximal_on_random_beats(seed):
+    rng = np.random.default_rng(seed)
+    ref = np.sort(rng.choice(5000, 80, replace=False))
+    jitter = ref + rng.integers(-25, 26, ref.size)
+    det = np.sort(np.unique(np.concatenate([jitter[rng.random(ref.size) < 0.9], rng.choice(5000, 10)])))
+    d, match = match_beats(det, ref, 20)
+    assert d.tp == naive.match_count(det.tolist(), ref.tolist(), 20)
+    assert d.tp + d.fn == ref.size and d.tp + d.fp == det.size
+    ok = match >= 0
+    assert (np.abs(det[match[ok]] - ref[ok]) <= 20).all()
+    assert len(set(match[ok].tolist())) == ok.sum()
+
+
+def test_perfect_detection():
+    ref = np.arange(100, 10000, 250)
+    d, _ = match_beats(ref + 3, ref, 10)
+    assert d.se == 1.0 and d.ppv == 1.0 and d.f1 == 1.0
+
+
+def test_auc_and_threshold():
+    rng = np.random.default_rng(0)
+    s = np.exp(rng.normal(size=2000))
+    lab = np.zeros(2000, bool)
+    s[:20] *= 1000
+    lab[:20] = True
+    assert roc_auc(s, lab) > 0.99
+    assert np.isnan(roc_auc(s, np.zeros(2000, bool)))
+    t = robust_threshold(s)
+    flagged = s > t
+    assert flagged[:20].all() and flagged[20:].mean() < 0.01
+
+
+def test_anomaly_table_ranks():
+    t = anomaly_table([3, 5, 9], [0, 0, 1], [30, 50, 90], [20, 40, 80], [100, 110, 120], [0.1, 0.5, 0.3], 250.0,
+                      0.2, ["a", "b"])
+    assert t["rank"].tolist() == [3, 1, 2]
+    assert t["flagged"].tolist() == [False, True, True]
+    assert t["recording"].astype(str).tolist() == ["a", "a", "b"]
+    assert t["time_s"].tolist() == [0.08, 0.16, 0.32]
