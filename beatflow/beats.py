@@ -100,6 +100,10 @@ def embed(x, start, length, width: int, *, first: int = 0, baseline_samples: int
         Range of each beat's samples (for a stream-wide amplitude scale).
     """
     xp = namespace_of(x)
+    if xp is not np:  # warp-per-beat CUDA kernel (beatflow.kernels), same contract
+        from .kernels import embed_gpu
+
+        return embed_gpu(x, start, length, width, first=first, baseline_samples=baseline_samples)
     n = int(start.shape[0])
     rows = xp.zeros((n, width), dtype=xp.float32)
     p2p = xp.zeros(n, dtype=xp.float32)

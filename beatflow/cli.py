@@ -84,9 +84,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="beatflow", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
+    commands = {"run": cmd_run}
+    for module in ("evaluate", "engines"):  # subcommands that live beside the code they drive
+        try:
+            mod = __import__(f"beatflow.{module}", fromlist=["register"])
+        except ImportError:
+            continue
+        if hasattr(mod, "register"):
+            commands.update(mod.register(sub))
     args = parser.parse_args(argv)
     try:
-        return {"run": cmd_run}[args.command](args)
+        return commands[args.command](args)
     except BeatflowError as e:
         print(f"beatflow: error: {e}", file=sys.stderr)
         return 2

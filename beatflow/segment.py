@@ -55,6 +55,10 @@ def local_maxima(env, half_window: int):
     The 1-D non-maximum suppression of the seed (a dense gate becomes a sparse index list).
     """
     xp = namespace_of(env)
+    if xp is not np:  # the GPU has its own kernel (beatflow.kernels), tested against the same reference
+        from .kernels import local_maxima_gpu
+
+        return local_maxima_gpu(env, half_window)
     _, ndimage = scipy_for(xp)
     m = ndimage.maximum_filter1d(env, size=2 * half_window + 1, mode="nearest")
     return xp.flatnonzero((env == m) & (env > 0))
@@ -78,12 +82,13 @@ def block_amplitude(env, first: int, s: SegmentSamples):
     xp = namespace_of(env)
     n = env.shape[0]
     b0 = first // s.block
-    bounds = xp.arange((b0 + 1) * s.block - first, n, s.block)
-    starts = xp.concatenate([xp.zeros(1, dtype=bounds.dtype), bounds])
-    bmax = xp.maximum.reduceat(env, starts)
+    lead = first - b0 * s.block  # samples of block b0 before env[0]
+    nb = -(-(lead + n) // s.block)
+    # blocks are aligned to the stream: pad to whole blocks (with -inf, never a maximum), reshape
+    padded = xp.pad(env, (lead, nb * s.block - lead - n), constant_values=-np.inf)
+    bmax = padded.reshape(nb, s.block).max(axis=1)
     k = s.blocks
     padded = xp.pad(bmax, k, constant_values=np.nan)
-    nb = bmax.shape[0]
     win = xp.stack([padded[i : i + nb] for i in range(2 * k + 1)], axis=1)
     return xp.nanmedian(win, axis=1), b0
 
