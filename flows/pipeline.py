@@ -172,7 +172,7 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
 
     # scoring goes back out to the partitions' workers; offsets of recordings on one time axis
     scored = [f.result() for f in T.score_partition.map(embedded, unmapped(engine["path"]),
-                                                         unmapped(trained["scale"]))]
+                                                         unmapped(trained["model"]), unmapped(trained["scale"]))]
     scores = np.concatenate([sc for sc, _ in scored]) if scored else np.zeros(0, np.float32)
     mu = np.concatenate([m for _, m in scored]) if scored else np.zeros((0, 2), np.float32)
     threshold = robust_threshold(scores)

@@ -175,10 +175,27 @@ def _engine(path: str):
     return OnnxRuntimeEngine.load(path, intra_op_num_threads=1)
 
 
+@functools.lru_cache(maxsize=4)
+def _torch_scorer(model_path: str):
+    from beatflow.model import Scorer, load_model
+
+    return Scorer(load_model(model_path)).eval().cuda()
+
+
 @partition_task(name="score-partition")
-def score_partition(embedded, engine_path: str, scale: float):
-    """Anomaly score and latent mean of each kept beat of a partition, through the built engine."""
+def score_partition(embedded, engine_path: str, model_path: str, scale: float):
+    """Anomaly score and latent mean of each kept beat of a partition, through the built engine.
+
+    On the GPU the rows stay on the device: they reach PyTorch through DLPack (no copy) and only
+    the scores and latent means come back to the host.
+    """
     rows, _ = embedded
+    if _device_of(rows) == "gpu":
+        import torch
+
+        with torch.inference_mode():
+            score, mu = _torch_scorer(model_path)(torch.from_dlpack(rows) / scale)
+        return score.cpu().numpy(), mu.cpu().numpy()
     score, mu = _engine(engine_path).infer(to_host(rows) / np.float32(scale))
     return score, mu
 

@@ -1,0 +1,369 @@
+"""The two CUDA kernels of the GPU path (Numba CUDA): 1-D non-maximum suppression and beat embedding.
+
+``segment.local_maxima`` and ``beats.embed`` dispatch here when their input is a CuPy array; each
+wrapper has exactly the contract of the NumPy function it replaces and is tested against the same
+loop references (``tests/naive.py``).
+
+Zero copy
+    CuPy arrays go to the kernels as views (``cuda.as_cuda_array`` over their
+    ``__cuda_array_interface__``, no host round trip, no device copy), outputs are allocated with
+    CuPy, and the kernels are launched on CuPy's current stream so that they are ordered with the
+    CuPy work around them (no extra synchronisation).
+
+Simulator
+    With ``NUMBA_ENABLE_CUDASIM=1`` (set before Numba is imported) the same kernels run on the CPU
+    on NumPy arrays, so CI (no GPU, no CuPy) tests them. The simulator has no warp shuffles, so
+    there ``shfl_sync``/``shfl_down_sync``/``shfl_xor_sync`` are emulated through shared memory
+    and ``syncthreads``; this is exact because a block is then a single warp.
+
+Numba is imported lazily, on the first call (as STUMPY's gpu modules do): importing this module
+costs nothing, and without a CUDA GPU and without the simulator the wrappers raise
+:class:`~beatflow.errors.DeviceError`.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from .errors import DeviceError
+
+__all__ = ["local_maxima_gpu", "embed_gpu", "simulator_active"]
+
+WARP = 32
+_FULL_MASK = 0xFFFFFFFF
+_INF = math.inf
+# NMS: threads per block; a tile of ``_NMS_TPB + 2*half`` float64 must fit in shared memory
+_NMS_TPB = 256
+_SHARED_BYTES = 48 * 1024
+# embed: warps per block (one warp per beat)
+_EMBED_WARPS = 8
+# the simulator runs one Python thread per CUDA thread: few blocks, grid-stride loops do the rest
+_SIM_NMS_TPB = 64
+_SIM_MAX_BLOCKS = 4
+
+# set by _build() (module globals, so that the simulator can swap ``cuda`` inside the kernels)
+cuda = None
+_shfl_idx = _shfl_down = _shfl_xor = None
+_F64 = np.float64  # dtype of the shared tile (the simulator wants a dtype instance, see _build)
+
+
+def simulator_active() -> bool:
+    """Whether ``numba.cuda`` is the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` before Numba's import)."""
+    try:
+        from numba import cuda as c
+    except Exception:
+        return False
+    return c.is_available.__module__.endswith("simulator_init")
+
+
+# --- the simulator's stand-ins for warp shuffles ------------------------------------------------
+# Under the simulator a block is one warp (32 threads, see _launch_dims), so a block-wide barrier is
+# a warp barrier: every lane writes its value, waits, reads its source lane's, waits again.
+def _sim_exchange(value, src_lane):
+    buf = cuda.shared.array(WARP, np.float64)  # one buffer per launch (the simulator keys it by line)
+    lane = cuda.threadIdx.x % WARP
+    buf[lane] = value
+    cuda.syncthreads()
+    out = buf[src_lane]
+    cuda.syncthreads()
+    return type(value)(out)
+
+
+def _sim_shfl_idx(mask, value, src_lane):
+    return _sim_exchange(value, src_lane)
+
+
+def _sim_shfl_down(mask, value, delta):
+    lane = cuda.threadIdx.x % WARP
+    return _sim_exchange(value, lane + delta if lane + delta < WARP else lane)
+
+
+def _sim_shfl_xor(mask, value, lane_mask):
+    return _sim_exchange(value, (cuda.threadIdx.x % WARP) ^ lane_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _build():
+    """Import Numba CUDA and compile-define the kernels (once). Returns ``(kernels dict, simulator?)``."""
+    global cuda, _shfl_idx, _shfl_down, _shfl_xor, _F64
+    try:
+        from numba import cuda as numba_cuda
+    except Exception as e:  # numba absent or broken (numba-cuda on numpy 2.5: "no attribute 'row_stack'")
+        raise DeviceError(f"the GPU kernels need Numba CUDA (pip install numba-cuda): {e}") from e
+    sim = numba_cuda.is_available.__module__.endswith("simulator_init")
+    if not sim and not numba_cuda.is_available():
+        raise DeviceError("no CUDA GPU for the Numba kernels (beatflow.kernels); set NUMBA_ENABLE_CUDASIM=1 "
+                          "before Numba is imported to run them on the CPU simulator")
+    cuda = numba_cuda
+    if sim:
+        _shfl_idx, _shfl_down, _shfl_xor = _sim_shfl_idx, _sim_shfl_down, _sim_shfl_xor
+        _F64 = np.dtype(np.float64)  # its dynamic shared array reads dtype.itemsize
+    else:
+        _shfl_idx, _shfl_down, _shfl_xor = cuda.shfl_sync, cuda.shfl_down_sync, cuda.shfl_xor_sync
+
+    @cuda.jit
+    def nms_tiled(env, half, gate):
+        """gate[i] = env[i] > 0 and env[i] >= every env[j], |i - j| <= half (window clipped at the ends).
+
+        One thread per position; each block stages its tile plus a ``half`` halo on each side in
+        shared memory (dynamic, ``blockDim + 2*half`` float64). Out-of-range halo positions take the
+        edge value (mode="nearest"), which leaves the clipped window's maximum unchanged.
+        """
+        tile = cuda.shared.array(0, _F64)
+        tpb = cuda.blockDim.x
+        tid = cuda.threadIdx.x
+        n = env.shape[0]
+        span = tpb + 2 * half
+        for base in range(cuda.blockIdx.x * tpb, n, cuda.gridDim.x * tpb):  # uniform over the block
+            cuda.syncthreads()  # the previous tile is no longer read
+            for k in range(tid, span, tpb):
+                g = min(max(base - half + k, 0), n - 1)
+                tile[k] = env[g]
+            cuda.syncthreads()
+            i = base + tid
+            if i < n:
+                v = tile[tid + half]
+                keep = v > 0
+                if keep:
+                    for k in range(tid, tid + 2 * half + 1):
+                        if tile[k] > v:
+                            keep = False
+                            break
+                gate[i] = 1 if keep else 0
+
+    @cuda.jit
+    def nms_global(env, half, gate):
+        """Same as nms_tiled, reading global memory (for windows too wide for a shared tile)."""
+        n = env.shape[0]
+        for i in range(cuda.grid(1), n, cuda.gridsize(1)):
+            v = env[i]
+            keep = v > 0
+            if keep:
+                for j in range(max(i - half, 0), min(i + half + 1, n)):
+                    if env[j] > v:
+                        keep = False
+                        break
+            gate[i] = 1 if keep else 0
+
+    @cuda.jit
+    def embed_warp(x, start, length, first, width, baseline, rows, p2p, counter, beat_of_row):
+        """One warp per beat (grid-stride over beats). Writes compact rows in claim order.
+
+        Lane 0 checks ``0 < length <= width`` and claims the next output row with an atomic add on
+        ``counter``; the row is broadcast with shfl_sync. The baseline (mean of the first
+        ``baseline`` samples of the beat's window) is a shfl_xor_sync butterfly sum, the row is
+        written (samples minus baseline, then zeros) in a warp-stride loop that also tracks the
+        lane's min/max of the valid samples, reduced with shfl_down_sync. ``beat_of_row[row]`` is
+        the beat that claimed ``row`` (the order is nondeterministic).
+        """
+        n_beats = start.shape[0]
+        nx = x.shape[0]
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.grid(1) // WARP
+        n_warps = cuda.gridsize(1) // WARP
+        for beat in range(warp, n_beats, n_warps):  # uniform over the warp
+            ln = length[beat]
+            row = -1
+            if lane == 0:
+                if ln > 0 and ln <= width:
+                    row = cuda.atomic.add(counter, 0, 1)
+            row = _shfl_idx(_FULL_MASK, row, 0)
+            if row < 0:
+                continue  # skipped beat: whole warp
+            s = start[beat] - first
+            base = np.float32(0.0)
+            if baseline > 0:
+                nb = min(baseline, width)
+                acc = 0.0
+                for j in range(lane, nb, WARP):
+                    acc += np.float32(x[min(max(s + j, 0), nx - 1)])
+                off = WARP // 2
+                while off > 0:
+                    acc += _shfl_xor(_FULL_MASK, acc, off)
+                    off //= 2
+                base = np.float32(acc / nb)
+            lo = _INF
+            hi = -_INF
+            for j in range(lane, width, WARP):
+                v = np.float32(0.0)
+                if j < ln:
+                    v = np.float32(x[min(max(s + j, 0), nx - 1)]) - base
+                    lo = min(lo, v)
+                    hi = max(hi, v)
+                rows[row, j] = v
+            off = WARP // 2
+            while off > 0:
+                lo = min(lo, _shfl_down(_FULL_MASK, lo, off))
+                hi = max(hi, _shfl_down(_FULL_MASK, hi, off))
+                off //= 2
+            if lane == 0:
+                p2p[row] = np.float32(hi) - np.float32(lo)
+                beat_of_row[row] = beat
+
+    return {"nms_tiled": nms_tiled, "nms_global": nms_global, "embed_warp": embed_warp}, sim
+
+
+# --- host side -----------------------------------------------------------------------------------
+def _is_device(a) -> bool:
+    return hasattr(a, "__cuda_array_interface__")
+
+
+class _Ctx:
+    """Where one call's arrays live: ``xp`` (cupy on the GPU, numpy in the simulator), how kernel
+    arguments are passed, and the stream to launch on."""
+
+    def __init__(self, sim: bool):
+        self.sim = sim
+        if sim:
+            self.xp = np
+            self.stream = 0
+        else:
+            try:
+                import cupy
+            except ImportError as e:
+                raise DeviceError("the GPU kernels return CuPy arrays: install cupy") from e
+            self.xp = cupy
+            ptr = cupy.cuda.get_current_stream().ptr
+            self.stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
+
+    def arg(self, a):
+        """A kernel argument: NumPy itself in the simulator; a zero-copy Numba view of a CuPy array
+        (no synchronisation: the kernel runs on CuPy's stream, after the work that produced ``a``)."""
+        return a if self.sim else cuda.as_cuda_array(a, sync=False)
+
+    def array(self, a, dtype=None):
+        """``a`` in this call's namespace (no copy when it already is, with that dtype)."""
+        if self.sim:
+            if _is_device(a):
+                raise DeviceError("the CUDA simulator takes NumPy arrays, not device arrays")
+            return np.ascontiguousarray(a, dtype=dtype)
+        return self.xp.ascontiguousarray(self.xp.asarray(a), dtype=dtype)
+
+    def blocks(self, needed: int) -> int:
+        return max(1, min(needed, _SIM_MAX_BLOCKS)) if self.sim else max(1, needed)
+
+
+def _ctx_for(*arrays) -> tuple[_Ctx, bool]:
+    """The call's context, and whether results go back to the host (NumPy input on a real GPU)."""
+    kernels, sim = _build()
+    ctx = _Ctx(sim)
+    host_in = not sim and not any(_is_device(a) for a in arrays)
+    return ctx, host_in
+
+
+def local_maxima_gpu(env, half_window: int, *, tiled: bool | None = None):
+    """Indices where ``env`` is the maximum of its ``±half_window`` neighbourhood and positive.
+
+    Exactly :func:`beatflow.segment.local_maxima` (``maximum_filter1d(env, 2*half+1,
+    mode="nearest")``, gate ``env == max & env > 0``, flatnonzero): a 1-D non-maximum suppression
+    kernel, one thread per sample, writes a uint8 gate; the indices are ``flatnonzero(gate)``.
+
+    Parameters
+    ----------
+    env : CuPy array (or NumPy under the simulator), 1-D
+    half_window : int
+        Half width of the window (>= 0); the window is clipped at the ends.
+    tiled : bool, optional
+        Stage tiles with their halo in shared memory (default: when the tile fits in 48 KiB).
+
+    Returns
+    -------
+    int64 array of indices, in the namespace of ``env``.
+    """
+    half = int(half_window)
+    if half < 0:
+        raise ValueError(f"half_window must be >= 0, got {half}")
+    ctx, host_in = _ctx_for(env)
+    kernels, _ = _build()
+    xp = ctx.xp
+    env = ctx.array(env)
+    if env.ndim != 1:
+        raise ValueError(f"env must be 1-D, got shape {env.shape}")
+    n = int(env.shape[0])
+    if n == 0:
+        out = xp.zeros(0, dtype=xp.int64)
+        return xp.asnumpy(out) if host_in else out
+    gate = xp.empty(n, dtype=xp.uint8)
+    tpb = _SIM_NMS_TPB if ctx.sim else _NMS_TPB
+    shared = (tpb + 2 * half) * 8
+    if tiled is None:
+        tiled = shared <= _SHARED_BYTES
+    if tiled:
+        kern = kernels["nms_tiled"]
+        kern[ctx.blocks(-(-n // tpb)), tpb, ctx.stream, shared](ctx.arg(env), half, ctx.arg(gate))
+    else:
+        kern = kernels["nms_global"]
+        kern[ctx.blocks(-(-n // tpb)), tpb, ctx.stream](ctx.arg(env), half, ctx.arg(gate))
+    out = xp.flatnonzero(gate).astype(xp.int64, copy=False)
+    return xp.asnumpy(out) if host_in else out
+
+
+def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples: int = 0):
+    """Each beat in a row of a zero-padded ``(n, width)`` float32 matrix, and its peak-to-peak.
+
+    Exactly :func:`beatflow.beats.embed` for beats with ``0 < length <= width`` lying in ``x``: row
+    ``i`` is ``x[start[i]-first : start[i]-first+length[i]]`` (as float32) minus, when
+    ``baseline_samples > 0``, the mean of the first ``min(baseline_samples, width)`` samples of the
+    beat's window, then zeros; ``p2p[i]`` is the range of the row's valid samples.
+
+    A beat with ``length <= 0`` or ``length > width`` is skipped: its row is all zeros and its p2p 0
+    (``beats.embed`` leaves those undefined). Reads are clipped to ``x``, writes to the output, so a
+    bad ``start`` cannot touch memory outside the arrays.
+
+    Row order: the kernel runs one warp per beat and each warp claims its output row with an atomic
+    counter, so rows come out of the kernel in a nondeterministic order; it records
+    ``beat_of_row[row] = beat`` and the wrapper scatters ``out[beat_of_row] = rows``, so the result
+    is in beat order, the same as ``beats.embed`` (and deterministic). Unclaimed rows (skipped beats)
+    are sent to a spare last row that is dropped, so no device-to-host synchronisation is needed.
+
+    Parameters
+    ----------
+    x : CuPy array (or NumPy under the simulator), 1-D
+        Samples ``[first, first + len(x))`` of the recording.
+    start, length : int arrays (any namespace)
+        Global start and length of each beat.
+    width : int
+        Row width D.
+    first : int
+        Global index of ``x[0]``.
+    baseline_samples : int
+        If > 0, subtract each beat's mean over its first ``baseline_samples`` samples.
+
+    Returns
+    -------
+    rows : float32 (n, width), p2p : float32 (n,), in the namespace of ``x``.
+    """
+    width = int(width)
+    if width <= 0:
+        raise ValueError(f"width must be positive, got {width}")
+    ctx, host_in = _ctx_for(x, start, length)
+    kernels, _ = _build()
+    xp = ctx.xp
+    x = ctx.array(x)
+    start = ctx.array(start, dtype=np.int64).reshape(-1)
+    length = ctx.array(length, dtype=np.int64).reshape(-1)
+    n = int(start.shape[0])
+    if length.shape[0] != n:
+        raise ValueError(f"start and length differ in size: {n} != {length.shape[0]}")
+    if n == 0:
+        rows, p2p = xp.zeros((0, width), dtype=xp.float32), xp.zeros(0, dtype=xp.float32)
+    else:
+        rows_c = xp.empty((n, width), dtype=xp.float32)  # rows in claim order
+        p2p_c = xp.empty(n, dtype=xp.float32)
+        beat_of_row = xp.full(n, n, dtype=xp.int64)  # unclaimed rows -> the spare row n
+        counter = xp.zeros(1, dtype=xp.int32)
+        warps = 1 if ctx.sim else _EMBED_WARPS  # simulator: a block is one warp (shuffle emulation)
+        kern = kernels["embed_warp"]
+        kern[ctx.blocks(-(-n // warps)), warps * WARP, ctx.stream](
+            ctx.arg(x), ctx.arg(start), ctx.arg(length), int(first), width, max(0, int(baseline_samples)),
+            ctx.arg(rows_c), ctx.arg(p2p_c), ctx.arg(counter), ctx.arg(beat_of_row))
+        rows = xp.zeros((n + 1, width), dtype=xp.float32)
+        p2p = xp.zeros(n + 1, dtype=xp.float32)
+        rows[beat_of_row] = rows_c  # back to beat order
+        p2p[beat_of_row] = p2p_c
+        rows, p2p = rows[:n], p2p[:n]
+    if host_in:
+        return xp.asnumpy(rows), xp.asnumpy(p2p)
+    return rows, p2p

@@ -1,0 +1,96 @@
+"""Stage times of the pipeline on the 20-hour synthetic ECG, and segmentation beside NeuroKit2.
+
+    .venv/bin/python bench/pipeline_bench.py [--hours 20] [--end-to-end]
+
+Prints a markdown table (paste into bench/RESULTS.md with the command, machine and date). With
+``--end-to-end`` it also runs ``beatflow run`` (the default job) and reports its per-stage times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def timed(fn, *a, **k):
+    t = time.perf_counter()
+    out = fn(*a, **k)
+    return out, time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hours", type=float, default=20.0)
+    ap.add_argument("--end-to-end", action="store_true")
+    ap.add_argument("--skip-neurokit", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+
+    from beatflow.beats import beats_from_peaks, embed, prune_mask
+    from beatflow.metrics import match_beats
+    from beatflow.params import SegmentParams
+    from beatflow.segment import detect_peaks
+    from beatflow.synth import synthesize_ecg
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    rows = []
+    ecg, t = timed(synthesize_ecg, args.hours, 250.0, 0)
+    x, fs, n = ecg.signal, ecg.fs, ecg.signal.shape[0]
+    rows.append(("synthesize", t, n / t, ""))
+    s = SegmentParams().samples(fs)
+    tol = int(0.15 * fs)
+    peaks, t = timed(detect_peaks, x, s)
+    d, _ = match_beats(peaks, ecg.r_peaks, tol)
+    seg_rate = n / t
+    rows.append(("segment (beatflow, whole stream)", t, seg_rate, f"Se {d.se:.4f} PPV {d.ppv:.4f}"))
+    if not args.skip_neurokit:
+        import neurokit2 as nk
+
+        (_, info), t = timed(nk.ecg_peaks, x, sampling_rate=int(fs))
+        d2, _ = match_beats(np.asarray(info["ECG_R_Peaks"]), ecg.r_peaks, tol)
+        rows.append(("segment (NeuroKit2 ecg_peaks)", t, n / t, f"Se {d2.se:.4f} PPV {d2.ppv:.4f}; "
+                     f"beatflow {seg_rate / (n / t):.1f}x"))
+        cleaned, t1 = timed(nk.ecg_clean, x, sampling_rate=int(fs))
+        (_, info), t2 = timed(nk.ecg_peaks, cleaned, sampling_rate=int(fs))
+        d3, _ = match_beats(np.asarray(info["ECG_R_Peaks"]), ecg.r_peaks, tol)
+        rows.append(("segment (NeuroKit2 ecg_clean + ecg_peaks)", t1 + t2, n / (t1 + t2),
+                     f"Se {d3.se:.4f} PPV {d3.ppv:.4f}; beatflow {seg_rate / (n / (t1 + t2)):.1f}x"))
+    peak, start, length = beats_from_peaks(peaks, s, n)
+    kept = prune_mask(length, s.lower, s.upper)
+    (rows_, p2p), t = timed(embed, x, start[kept], length[kept], s.width, baseline_samples=s.pre // 2)
+    rows.append(("prune + embed", t, n / t, f"{kept.sum()} rows x {s.width}"))
+    if args.end_to_end:
+        out = Path(tempfile.mkdtemp()) / "run"
+        t = time.perf_counter()
+        r = subprocess.run([str(ROOT / ".venv/bin/beatflow"), "run", "--hours", str(args.hours), "--out", str(out)],
+                           capture_output=True, text=True, cwd=ROOT)
+        wall = time.perf_counter() - t
+        if r.returncode:
+            print(r.stderr[-3000:])
+            sys.exit(1)
+        summ = json.loads((out / "summary.json").read_text())
+        for k, v in summ["timings_s"].items():
+            rows.append((f"beatflow run: {k}", v, n / v if k == "total" else float("nan"), ""))
+        rows.append(("beatflow run: command wall time (server + cluster start included)", wall, n / wall,
+                     f"Se {summ['truth']['se']:.4f} PPV {summ['truth']['ppv']:.4f} AUC {summ['truth']['auc']:.4f}"))
+    print(f"\n{args.hours:g} h synthetic ECG at {fs:g} Hz = {n} samples; {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}\n")
+    print("| stage | seconds | samples/s | notes |\n|---|---:|---:|---|")
+    for name, sec, rate, note in rows:
+        print(f"| {name} | {sec:.2f} | {rate / 1e6:.1f} M | {note} |" if rate == rate else f"| {name} | {sec:.2f} | | {note} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""What `prefect deploy` / `serve` need beyond prefect.yaml."""

@@ -1,0 +1,22 @@
+"""Deployment entry points: flows that choose their task runner from their parameters.
+
+A deployment runs the flow function directly, so the Dask task runner (CPU LocalCluster or
+GPU LocalCUDACluster) is chosen here, from the parameters a user sets in the Prefect UI.
+"""
+from __future__ import annotations
+
+from prefect import flow
+
+from beatflow.backend import resolve_device
+from flows.pipeline import ecg_anomaly_flow
+from tasks.cluster import make_task_runner
+
+
+@flow(name="train-and-score", log_prints=True)
+def train_and_score(input: str | None = None, device: str = "auto", workers: int = 2, hours: float = 20.0,
+                    seed: int = 0, out: str | None = None, epochs: int = 10) -> dict:
+    """Run the full pipeline (segment, embed, train, build the engine, score, report)."""
+    dev = resolve_device(device)
+    runner = make_task_runner(dev, workers)
+    return ecg_anomaly_flow.with_options(task_runner=runner)(
+        input=input, hours=hours, seed=seed, out=out, device=dev, workers=workers, epochs=epochs)
