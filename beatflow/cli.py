@@ -25,6 +25,28 @@ def _run_parser(sub) -> None:
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--out", help="output folder (default runs/<timestamp>); must not exist or be empty")
+    p.add_argument("--store", default=os.environ.get("BEATFLOW_STORE"),
+                   help="register the trained model in this store for `beatflow score` (default $BEATFLOW_STORE)")
+
+
+def _score_parser(sub) -> None:
+    p = sub.add_parser("score", help="score new recordings in an inbox with the latest trained model")
+    p.add_argument("--inbox", required=True, help="folder of new CSV/Parquet/npy files or WFDB records")
+    p.add_argument("--store", default=os.environ.get("BEATFLOW_STORE", ".beatflow"),
+                   help="results store holding the trained model (default $BEATFLOW_STORE or .beatflow)")
+    p.add_argument("--fs", type=float, help="sampling rate of CSV/Parquet/npy files (default 250)")
+    p.add_argument("--lead", type=int, default=0)
+
+
+def cmd_score(args) -> int:
+    from flows.score_new import score_new_recordings
+    from tasks.cluster import prefect_api
+
+    with prefect_api():
+        res = score_new_recordings(inbox=args.inbox, store=args.store, fs=args.fs, lead=args.lead)
+    for r in res["processed"]:
+        print(f"{r['status']:6s} {r['item']}: {r['beats']} beats, {r['flagged']} flagged {r['reason']}".rstrip())
+    return 0
 
 
 def _positive(name: str, v, allow_none=True) -> None:
@@ -58,7 +80,7 @@ def cmd_run(args) -> int:
         summary = ecg_anomaly_flow.with_options(task_runner=runner)(
             input=args.input, column=args.column, fs=args.fs, lead=args.lead, hours=args.hours, seed=args.seed,
             out=args.out, device=device, workers=workers, partitions=args.partitions, epochs=args.epochs,
-            batch_size=args.batch_size)
+            batch_size=args.batch_size, store=args.store)
     con = Console()
     t = Table(title="beatflow run", show_header=False)
     for k in ("samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss", "anomalies_flagged",
@@ -84,7 +106,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="beatflow", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
-    commands = {"run": cmd_run}
+    _score_parser(sub)
+    commands = {"run": cmd_run, "score": cmd_score}
     for module in ("evaluate", "engines"):  # subcommands that live beside the code they drive
         try:
             mod = __import__(f"beatflow.{module}", fromlist=["register"])

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
+import threading
+import weakref
 
 import numpy as np
 
@@ -40,12 +43,12 @@ _SHARED_BYTES = 48 * 1024
 # embed: warps per block (one warp per beat)
 _EMBED_WARPS = 8
 # the simulator runs one Python thread per CUDA thread: few blocks, grid-stride loops do the rest
-_SIM_NMS_TPB = 64
+_SIM_NMS_TPB = 32
 _SIM_MAX_BLOCKS = 4
 
 # set by _build() (module globals, so that the simulator can swap ``cuda`` inside the kernels)
 cuda = None
-_shfl_idx = _shfl_down = _shfl_xor = None
+_shfl_idx = _shfl_down = _shfl_xor = _syncthreads = None
 _F64 = np.float64  # dtype of the shared tile (the simulator wants a dtype instance, see _build)
 
 
@@ -58,17 +61,39 @@ def simulator_active() -> bool:
     return c.is_available.__module__.endswith("simulator_init")
 
 
-# --- the simulator's stand-ins for warp shuffles ------------------------------------------------
-# Under the simulator a block is one warp (32 threads, see _launch_dims), so a block-wide barrier is
-# a warp barrier: every lane writes its value, waits, reads its source lane's, waits again.
+# --- the simulator's stand-ins for barriers and warp shuffles -------------------------------------
+# The simulator runs each CUDA thread as a Python thread and has no warp shuffles. Here a barrier is
+# a threading.Barrier per block (the simulator's own syncthreads polls, ~20 ms a call on a busy
+# machine; this is ~1 ms), and a shuffle is an exchange through a per-block buffer between two
+# barriers. A shuffle is a warp operation, so kernels that shuffle run one-warp blocks there.
+_sim_lock = threading.Lock()
+_sim_blocks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # launch -> {block: state}
+
+
+def _sim_block_state():
+    launch = cuda  # the simulator's per-launch module object, swapped in while a kernel runs
+    block = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z)
+    with _sim_lock:
+        per_launch = _sim_blocks.setdefault(launch, {})
+        state = per_launch.get(block)
+        if state is None:
+            d = cuda.blockDim
+            state = per_launch[block] = (threading.Barrier(d.x * d.y * d.z), [None] * WARP)
+    return state
+
+
+def _sim_syncthreads():
+    _sim_block_state()[0].wait(timeout=120)  # a thread that failed breaks it instead of hanging the rest
+
+
 def _sim_exchange(value, src_lane):
-    buf = cuda.shared.array(WARP, np.float64)  # one buffer per launch (the simulator keys it by line)
+    barrier, buf = _sim_block_state()
     lane = cuda.threadIdx.x % WARP
     buf[lane] = value
-    cuda.syncthreads()
+    barrier.wait(timeout=120)
     out = buf[src_lane]
-    cuda.syncthreads()
-    return type(value)(out)
+    barrier.wait(timeout=120)
+    return out
 
 
 def _sim_shfl_idx(mask, value, src_lane):
@@ -87,7 +112,7 @@ def _sim_shfl_xor(mask, value, lane_mask):
 @functools.lru_cache(maxsize=None)
 def _build():
     """Import Numba CUDA and compile-define the kernels (once). Returns ``(kernels dict, simulator?)``."""
-    global cuda, _shfl_idx, _shfl_down, _shfl_xor, _F64
+    global cuda, _shfl_idx, _shfl_down, _shfl_xor, _syncthreads, _F64
     try:
         from numba import cuda as numba_cuda
     except Exception as e:  # numba absent or broken (numba-cuda on numpy 2.5: "no attribute 'row_stack'")
@@ -99,9 +124,25 @@ def _build():
     cuda = numba_cuda
     if sim:
         _shfl_idx, _shfl_down, _shfl_xor = _sim_shfl_idx, _sim_shfl_down, _sim_shfl_xor
+        _syncthreads = _sim_syncthreads
         _F64 = np.dtype(np.float64)  # its dynamic shared array reads dtype.itemsize
     else:
-        _shfl_idx, _shfl_down, _shfl_xor = cuda.shfl_sync, cuda.shfl_down_sync, cuda.shfl_xor_sync
+        # thin device functions (inlined by LLVM) so that the kernels name one function either way
+        @cuda.jit(device=True)
+        def _shfl_idx(mask, value, src_lane):
+            return cuda.shfl_sync(mask, value, src_lane)
+
+        @cuda.jit(device=True)
+        def _shfl_down(mask, value, delta):
+            return cuda.shfl_down_sync(mask, value, delta)
+
+        @cuda.jit(device=True)
+        def _shfl_xor(mask, value, lane_mask):
+            return cuda.shfl_xor_sync(mask, value, lane_mask)
+
+        @cuda.jit(device=True)
+        def _syncthreads():
+            cuda.syncthreads()
 
     @cuda.jit
     def nms_tiled(env, half, gate):
@@ -117,11 +158,11 @@ def _build():
         n = env.shape[0]
         span = tpb + 2 * half
         for base in range(cuda.blockIdx.x * tpb, n, cuda.gridDim.x * tpb):  # uniform over the block
-            cuda.syncthreads()  # the previous tile is no longer read
+            _syncthreads()  # the previous tile is no longer read
             for k in range(tid, span, tpb):
                 g = min(max(base - half + k, 0), n - 1)
                 tile[k] = env[g]
-            cuda.syncthreads()
+            _syncthreads()
             i = base + tid
             if i < n:
                 v = tile[tid + half]
@@ -244,6 +285,20 @@ class _Ctx:
     def blocks(self, needed: int) -> int:
         return max(1, min(needed, _SIM_MAX_BLOCKS)) if self.sim else max(1, needed)
 
+    def launch(self, kernel, blocks: int, threads: int, shared: int, *args):
+        """``kernel[blocks, threads, stream, shared](*args)``. In the simulator the interpreter's
+        thread switch interval is cut while it runs: its block manager busy-polls, and with the
+        default 5 ms every barrier of its Python threads waits for the GIL."""
+        if not self.sim:
+            kernel[blocks, threads, self.stream, shared](*args)
+            return
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(min(old, 2e-4))
+        try:
+            kernel[blocks, threads, 0, shared](*args)
+        finally:
+            sys.setswitchinterval(old)
+
 
 def _ctx_for(*arrays) -> tuple[_Ctx, bool]:
     """The call's context, and whether results go back to the host (NumPy input on a real GPU)."""
@@ -291,11 +346,9 @@ def local_maxima_gpu(env, half_window: int, *, tiled: bool | None = None):
     if tiled is None:
         tiled = shared <= _SHARED_BYTES
     if tiled:
-        kern = kernels["nms_tiled"]
-        kern[ctx.blocks(-(-n // tpb)), tpb, ctx.stream, shared](ctx.arg(env), half, ctx.arg(gate))
+        ctx.launch(kernels["nms_tiled"], ctx.blocks(-(-n // tpb)), tpb, shared, ctx.arg(env), half, ctx.arg(gate))
     else:
-        kern = kernels["nms_global"]
-        kern[ctx.blocks(-(-n // tpb)), tpb, ctx.stream](ctx.arg(env), half, ctx.arg(gate))
+        ctx.launch(kernels["nms_global"], ctx.blocks(-(-n // tpb)), tpb, 0, ctx.arg(env), half, ctx.arg(gate))
     out = xp.flatnonzero(gate).astype(xp.int64, copy=False)
     return xp.asnumpy(out) if host_in else out
 
@@ -355,9 +408,8 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
         beat_of_row = xp.full(n, n, dtype=xp.int64)  # unclaimed rows -> the spare row n
         counter = xp.zeros(1, dtype=xp.int32)
         warps = 1 if ctx.sim else _EMBED_WARPS  # simulator: a block is one warp (shuffle emulation)
-        kern = kernels["embed_warp"]
-        kern[ctx.blocks(-(-n // warps)), warps * WARP, ctx.stream](
-            ctx.arg(x), ctx.arg(start), ctx.arg(length), int(first), width, max(0, int(baseline_samples)),
+        ctx.launch(
+            kernels["embed_warp"], ctx.blocks(-(-n // warps)), warps * WARP, 0, ctx.arg(x), ctx.arg(start), ctx.arg(length), int(first), width, max(0, int(baseline_samples)),
             ctx.arg(rows_c), ctx.arg(p2p_c), ctx.arg(counter), ctx.arg(beat_of_row))
         rows = xp.zeros((n + 1, width), dtype=xp.float32)
         p2p = xp.zeros(n + 1, dtype=xp.float32)

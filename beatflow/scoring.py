@@ -57,3 +57,47 @@ def anomaly_table(beat, recording, peak, start, length, score, fs: float, thresh
             "rank": rank.astype(np.int64),
         }
     )
+
+
+def score_recording(x, fs: float, infer, scale: float, threshold: float, width: int, name: str = "recording",
+                    params=None):
+    """Segment, embed and score one whole recording with an already trained model.
+
+    Parameters
+    ----------
+    x : array, 1-D
+        The recording.
+    infer : callable
+        ``infer(rows) -> (score, mu)``: an engine's ``infer``.
+    scale, threshold, width : float, float, int
+        From the trained model's metadata (``model.json``).
+
+    Returns
+    -------
+    pandas.DataFrame
+        The anomaly table of :func:`anomaly_table`.
+
+    Raises
+    ------
+    InputError
+        No beats, or a sampling rate that gives another row width than the model's.
+    """
+    from .beats import beats_from_peaks, embed, prune_mask
+    from .errors import InputError
+    from .params import SegmentParams
+    from .segment import detect_peaks
+
+    s = (params or SegmentParams()).samples(fs)
+    if s.width != width:
+        raise InputError(f"{name}: sampling rate {fs:g} Hz gives beat rows of {s.width} samples, "
+                         f"the model was trained on {width}")
+    peaks = detect_peaks(x, s)
+    peak, start, length = beats_from_peaks(peaks, s, x.shape[0])
+    kept = prune_mask(length, s.lower, s.upper)
+    if not kept.any():
+        raise InputError(f"{name}: no heartbeats found (flat line or no QRS-like peaks)")
+    rows, _ = embed(x, start[kept], length[kept], s.width, baseline_samples=max(1, s.pre // 2))
+    score, _ = infer(np.asarray(rows) / np.float32(scale))
+    kb = np.flatnonzero(kept)
+    return anomaly_table(kb, np.zeros(kb.shape[0], np.int64), peak[kept], start[kept], length[kept], score, fs,
+                         threshold, [name])

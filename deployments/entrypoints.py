@@ -14,9 +14,25 @@ from tasks.cluster import make_task_runner
 
 @flow(name="train-and-score", log_prints=True)
 def train_and_score(input: str | None = None, device: str = "auto", workers: int = 2, hours: float = 20.0,
-                    seed: int = 0, out: str | None = None, epochs: int = 10) -> dict:
+                    seed: int = 0, out: str | None = None, epochs: int = 10, store: str | None = ".beatflow") -> dict:
     """Run the full pipeline (segment, embed, train, build the engine, score, report)."""
     dev = resolve_device(device)
     runner = make_task_runner(dev, workers)
     return ecg_anomaly_flow.with_options(task_runner=runner)(
-        input=input, hours=hours, seed=seed, out=out, device=dev, workers=workers, epochs=epochs)
+        input=input, hours=hours, seed=seed, out=out, device=dev, workers=workers, epochs=epochs, store=store)
+
+
+@flow(name="benchmark", log_prints=True)
+def benchmark(hours: float = 20.0) -> str:
+    """Run bench/pipeline_bench.py and keep its table as a markdown artifact."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from prefect.artifacts import create_markdown_artifact
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "pipeline_bench.py"), "--hours", str(hours)],
+                       capture_output=True, text=True, cwd=root, check=True)
+    create_markdown_artifact(r.stdout, key="beatflow-benchmark", description="pipeline benchmark")
+    return r.stdout

@@ -63,7 +63,7 @@ class _Stopwatch:
 def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: float | None = None,
                      lead: int = 0, hours: float = 20.0, seed: int = 0, out: str | None = None,
                      device: str = "cpu", workers: int = 2, partitions: int | None = None,
-                     epochs: int = 10, batch_size: int = 1024) -> dict:
+                     epochs: int = 10, batch_size: int = 1024, store: str | None = None) -> dict:
     """Find abnormal heartbeats in a long ECG and write ``summary.json``, ``anomalies.parquet``,
     ``report.html``, the model and the engine to ``out``.
 
@@ -83,6 +83,9 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
         Dask workers (for the summary) and partitions of the stream (default 4 per worker).
     epochs, batch_size : int
         VAE training.
+    store : str, optional
+        A results store (``beatflow.store``): the trained model is registered there as the latest,
+        for the scheduled ``score-new-recordings`` flow.
     """
     log = get_run_logger()
     sw = _Stopwatch()
@@ -94,6 +97,12 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     try:
         summary = _run(log, sw, work, input, column, fs, lead, hours, seed, device, workers, partitions,
                        epochs, batch_size)
+        if store:
+            from beatflow.store import Store
+
+            meta = json.loads((work / "model.json").read_text())
+            summary["model_id"] = Store(store).register_model(work / "model.pt", meta)
+            log.info("model registered in %s as %s", store, summary["model_id"])
         if final.exists():
             final.rmdir()
         os.replace(work, final)
@@ -181,6 +190,9 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
                           threshold, names)
     table.to_parquet(work / "anomalies.parquet", index=False)
+    meta = json.loads((work / "model.json").read_text())
+    meta.update(threshold=threshold, fs=fs)
+    (work / "model.json").write_text(json.dumps(meta, indent=1))
     flagged = int(table["flagged"].sum())
     log.info("scoring: %d of %d beats flagged (threshold %.4g)", flagged, len(table), threshold)
     sw.lap("score")
@@ -202,6 +214,8 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     ctx = {k: f.result() for k, f in enumerate(ctx_lists)}
     summary = _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers,
                        specs, truth)
+    if truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end
+        summary["input"] = f"synthetic ECG ({hours:g} h, seed {seed}): input.npy, truth.npz"
     data = _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, table, top, ctx, overview,
                         summary, truth, kb, rec_offset)
     T.write_report.submit(str(work / "report.html"), data).result()
@@ -262,7 +276,7 @@ def _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, tab
     times = (flagged_rows["start"].to_numpy() + np.asarray([rec_offset[int(plan.recording[b])]
                                                              for b in flagged_rows["beat"]], dtype=np.int64)) / fs
     return ReportData(
-        title=f"beatflow: {Path(source.path).name}", summary=summary, fs=fs, total_samples=int(total),
+        title=f"beatflow: {Path(source.path).name if truth is None else 'synthetic ECG'}", summary=summary, fs=fs, total_samples=int(total),
         stream_min=smin, stream_max=smax, length_hist_counts=counts, length_hist_edges=edges_,
         length_bounds=(s.lower, s.upper), aligned_beats=trained["sample_rows"], train_loss=trained["train_loss"],
         test_loss=trained["test_loss"], latent_mu=mu[sub], latent_score=scores[sub], threshold=threshold,

@@ -35,6 +35,9 @@ def prefect_server():
     server.start(timeout=120)
     with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
         yield server.api_url
+        from tasks.cluster import _flush_logs
+
+        _flush_logs()
     server.stop()
 
 

@@ -1,0 +1,201 @@
+"""The CUDA kernels (beatflow.kernels) against the loop references of tests/naive.py.
+
+On a machine with a CUDA GPU and CuPy they run there, on CuPy arrays. Elsewhere they run under
+Numba's CUDA simulator (scripts/test.sh exports NUMBA_ENABLE_CUDASIM=1; this module also turns it
+on when Numba's CUDA target has not been imported yet). Sizes are small: the simulator runs one
+Python thread per CUDA thread.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import naive
+from beatflow import beats as B
+from beatflow import segment as S
+from beatflow.backend import cupy_available
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _mode():
+    """``"gpu"`` (CuPy + CUDA), ``"sim"`` (Numba's simulator) or None (neither can run here)."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        pass
+    elif cupy_available():
+        return "gpu"
+    elif "numba.cuda" not in sys.modules:  # not imported yet: it can still become the simulator
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+        if "numba.core.config" in sys.modules:
+            sys.modules["numba.core.config"].reload_config()
+    try:
+        from beatflow.kernels import simulator_active
+
+        return "sim" if simulator_active() else None
+    except Exception:
+        return None
+
+
+MODE = _mode()
+pytestmark = pytest.mark.skipif(MODE is None, reason="no CUDA GPU and the Numba CUDA simulator is not active")
+
+from beatflow.kernels import embed_gpu, local_maxima_gpu  # noqa: E402
+
+
+def dev(a):
+    """An input array for the kernels: CuPy on a GPU, NumPy under the simulator."""
+    if MODE == "gpu":
+        import cupy
+
+        return cupy.asarray(a)
+    return np.asarray(a)
+
+
+def host(a):
+    return a.get() if hasattr(a, "__cuda_array_interface__") else np.asarray(a)
+
+
+# --- non-maximum suppression ---------------------------------------------------------------------
+def _env_cases():
+    rng = np.random.default_rng(7)
+    env = np.abs(rng.normal(size=300))
+    env[rng.integers(0, 300, 25)] = 0.5  # ties
+    env[40:52] = 3.0  # a plateau: every sample of it is a maximum
+    env[100:110] = 0.0  # zeros are never maxima
+    env[0], env[-1] = 9.0, 8.0  # maxima at both ends (clipped window)
+    env[200:203] = [-1.0, -2.0, -1.0]  # negative values are not maxima either
+    return env
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_local_maxima_matches_loop(tiled):
+    env = _env_cases()
+    for name, env, halves in (("float64", env, (0, 1, 4, 50)), ("float32", env.astype(np.float32), (4,))):
+        for half in halves:
+            got = local_maxima_gpu(dev(env), half, tiled=tiled)
+            assert got.dtype == np.int64
+            want = naive.local_maxima(env, half)
+            np.testing.assert_array_equal(host(got), want, err_msg=f"{name} half={half} tiled={tiled}")
+            if name == "float64":
+                np.testing.assert_array_equal(want, S.local_maxima(env, half))  # the NumPy contract
+
+
+def test_local_maxima_short_and_flat():
+    for env in ([], [1.0], [0.0], [2.0, 2.0], [1.0, 3.0], [0.0, 0.0, 0.0], [5.0, 5.0, 5.0, 5.0, 5.0]):
+        env = np.asarray(env, dtype=np.float64)
+        for half in (1, 3):
+            got = host(local_maxima_gpu(dev(env), half))
+            np.testing.assert_array_equal(got, naive.local_maxima(env, half), err_msg=f"{env} half={half}")
+
+
+def test_local_maxima_grid_stride_over_many_tiles():
+    # more tiles than the simulator's blocks (and a window wider than a tile's halo is cheap to stage)
+    rng = np.random.default_rng(3)
+    env = np.round(np.abs(rng.normal(size=1100)), 1)  # rounding makes many ties
+    for half in (2, 70):
+        np.testing.assert_array_equal(host(local_maxima_gpu(dev(env), half)), naive.local_maxima(env, half))
+
+
+def test_local_maxima_rejects_negative_window():
+    with pytest.raises(ValueError):
+        local_maxima_gpu(dev(np.ones(4)), -1)
+
+
+# --- beat embedding ------------------------------------------------------------------------------
+def _beats(rng, nx, n, width, lo=1):
+    length = rng.integers(lo, width + 1, n)
+    start = rng.integers(0, nx - width, n)
+    return start, length
+
+
+def _check_embed(x, start, length, width, first, base):
+    """Kernel vs loop reference and beats.embed for valid beats (0 < length <= width), zeros for the others."""
+    got, p2p = embed_gpu(dev(x), dev(start + first), dev(length), width, first=first, baseline_samples=base)
+    got, p2p = host(got), host(p2p)
+    assert got.shape == (len(start), width) and got.dtype == np.float32 and p2p.dtype == np.float32
+    ok = (length > 0) & (length <= width)
+    # the loop averages a beat shorter than the baseline stretch over its own samples only
+    full = ok & (length >= base)
+    want, wp2p = naive.embed(x, start[full], length[full], width, baseline_samples=base)
+    # float32 round-off of the baseline mean (float64 in the kernel and the loop, float32 in NumPy)
+    tol = dict(rtol=0, atol=8 * np.finfo(np.float32).eps * (1 + float(np.abs(x).max())))
+    np.testing.assert_allclose(got[full], want, **tol)
+    np.testing.assert_allclose(p2p[full], wp2p, **tol)
+    assert not got[~ok].any() and not p2p[~ok].any()  # skipped beats: zero rows
+    # and the NumPy implementation it stands in for (same rows, same order)
+    np_rows, np_p2p = B.embed(x, start[ok] + first, length[ok], width, first=first, baseline_samples=base)
+    np.testing.assert_allclose(got[ok], np_rows, **tol)
+    np.testing.assert_allclose(p2p[ok], np_p2p, **tol)
+
+
+@pytest.mark.parametrize("width,first", [(64, 0), (256, 37), (376, 1000)])
+def test_embed_matches_loop(width, first):
+    rng = np.random.default_rng(width)
+    x = (rng.normal(size=3 * width) * 100 + 50).astype(np.float32)
+    start, length = _beats(rng, len(x), 9, width)
+    length[0], length[1] = width, 1  # full row; a single sample
+    for base in (0, 5):
+        _check_embed(x, start, length, width, first, base)
+
+
+def test_embed_skips_bad_lengths_and_keeps_beat_order():
+    rng = np.random.default_rng(11)
+    width = 64
+    x = rng.normal(size=900)  # float64 input: rows are float32 like beats.embed's
+    start, length = _beats(rng, len(x), 24, width)
+    length[[2, 9, 17]] = [0, width + 1, 5 * width]  # skipped; the rest fill rows out of claim order
+    _check_embed(x, start, length, width, 0, 3)
+
+
+def test_embed_beat_at_the_end_of_x():
+    x = np.arange(100, dtype=np.float32)
+    start, length = np.array([60, 0]), np.array([40, 10])
+    rows, p2p = embed_gpu(dev(x), dev(start), dev(length), 48)
+    np.testing.assert_array_equal(host(rows)[0, :40], x[60:])
+    assert not host(rows)[0, 40:].any()
+    np.testing.assert_array_equal(host(p2p), [39.0, 9.0])
+
+
+def test_embed_never_reads_outside_x():
+    # beats outside x break the contract; the kernel clips its reads (the simulator raises on any
+    # out-of-range index) and still writes only its own rows
+    x = np.ones(50, dtype=np.float32)
+    start, length = np.array([-20, 45, 500]), np.array([30, 30, 10])
+    rows, p2p = embed_gpu(dev(x), dev(start), dev(length), 32, baseline_samples=4)
+    assert host(rows).shape == (3, 32) and np.isfinite(host(rows)).all() and np.isfinite(host(p2p)).all()
+
+
+def test_embed_empty():
+    rows, p2p = embed_gpu(dev(np.ones(10, np.float32)), dev(np.zeros(0, np.int64)), dev(np.zeros(0, np.int64)), 16)
+    assert host(rows).shape == (0, 16) and host(p2p).shape == (0,)
+
+
+# --- without a GPU and without the simulator: one clear error -----------------------------------
+@pytest.mark.skipif(cupy_available(), reason="a CUDA GPU is present")
+def test_clear_error_without_cuda_or_simulator():
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    code = ("from beatflow.errors import DeviceError\nfrom beatflow.kernels import local_maxima_gpu\n"
+            "import numpy as np\ntry:\n    local_maxima_gpu(np.ones(3), 1)\nexcept DeviceError as e:\n"
+            "    print('DeviceError:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert "DeviceError:" in r.stdout, r.stdout + r.stderr
+
+
+# --- on a GPU: the dispatch from the NumPy-or-CuPy functions -------------------------------------
+@pytest.mark.skipif(MODE != "gpu", reason="needs CuPy on a CUDA GPU")
+def test_cupy_input_dispatches_to_kernels(synthetic_ecg):
+    from beatflow.params import SegmentParams
+
+    s = SegmentParams().samples(250.0)
+    x = synthetic_ecg.signal
+    peaks = S.detect_peaks(x, s)
+    gpeaks = S.detect_peaks(dev(x), s)
+    np.testing.assert_array_equal(host(gpeaks), peaks)
+    _, start, length = B.beats_from_peaks(peaks, s, len(x))
+    keep = B.prune_mask(length, s.lower, s.upper)
+    rows, p2p = B.embed(x, start[keep], length[keep], s.width, baseline_samples=12)
+    grows, gp2p = B.embed(dev(x), dev(start[keep]), dev(length[keep]), s.width, baseline_samples=12)
+    np.testing.assert_allclose(host(grows), rows, atol=1e-5)
+    np.testing.assert_allclose(host(gp2p), p2p, atol=1e-5)
