@@ -206,7 +206,7 @@ def _build():
         n_warps = cuda.gridsize(1) // WARP
         for beat in range(warp, n_beats, n_warps):  # uniform over the warp
             ln = length[beat]
-            row = -1
+            row = np.int32(-1)
             if lane == 0:
                 if ln > 0 and ln <= width:
                     row = cuda.atomic.add(counter, 0, 1)
@@ -225,8 +225,8 @@ def _build():
                     acc += _shfl_xor(_FULL_MASK, acc, off)
                     off //= 2
                 base = np.float32(acc / nb)
-            lo = _INF
-            hi = -_INF
+            lo = np.float32(_INF)  # float32 keeps each shuffle one 32-bit shfl
+            hi = np.float32(-_INF)
             for j in range(lane, width, WARP):
                 v = np.float32(0.0)
                 if j < ln:
@@ -240,7 +240,7 @@ def _build():
                 hi = max(hi, _shfl_down(_FULL_MASK, hi, off))
                 off //= 2
             if lane == 0:
-                p2p[row] = np.float32(hi) - np.float32(lo)
+                p2p[row] = hi - lo
                 beat_of_row[row] = beat
 
     return {"nms_tiled": nms_tiled, "nms_global": nms_global, "embed_warp": embed_warp}, sim

@@ -1,0 +1,59 @@
+"""prefect.yaml for real: deploy to a process work pool on a real server, start a worker, trigger
+`score-new-recordings` through the API, and see the run complete and the results appear."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from beatflow.store import Store
+from conftest import ROOT
+from test_score_new import trained_store  # noqa: F401  (fixture)
+
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+
+
+def test_deploy_worker_and_scheduled_scoring(prefect_server, trained_store, tmp_path):  # noqa: F811
+    from beatflow.synth import synthesize_ecg
+
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "BEATFLOW_HOME": str(ROOT),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    run = lambda *a: subprocess.run([PREFECT, *a], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)  # noqa: E731
+    r = run("work-pool", "create", "beatflow", "--type", "process", "--overwrite")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run("--no-prompt", "deploy", "--all")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("train-and-score", "score-new-recordings", "benchmark"):
+        assert name in r.stdout
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name("score-new-recordings/score-new-recordings")
+        assert dep.schedules and dep.schedules[0].schedule.cron == "0 2 * * *"
+
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    x = synthesize_ecg(hours=0.03, fs=250.0, seed=4).signal
+    (inbox / "night.csv").write_text("heartbeats\n" + "\n".join(f"{v:.5f}" for v in x) + "\n")
+
+    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "beatflow", "--limit", "1"], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        from prefect.deployments import run_deployment
+
+        flow_run = run_deployment("score-new-recordings/score-new-recordings", timeout=400,
+                                  parameters={"inbox": str(inbox), "store": str(trained_store)})
+        assert flow_run.state.is_completed(), flow_run.state
+    finally:
+        worker.terminate()
+        try:
+            out, _ = worker.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+    assert (inbox / "done" / "night.csv").exists()
+    df = Store(trained_store).read_results()
+    assert "night" in set(df["recording"].astype(str))
