@@ -13,8 +13,9 @@ Zero copy
 Simulator
     With ``NUMBA_ENABLE_CUDASIM=1`` (set before Numba is imported) the same kernels run on the CPU
     on NumPy arrays, so CI (no GPU, no CuPy) tests them. The simulator has no warp shuffles, so
-    there ``shfl_sync``/``shfl_down_sync``/``shfl_xor_sync`` are emulated through shared memory
-    and ``syncthreads``; this is exact because a block is then a single warp.
+    there ``shfl_sync``/``shfl_down_sync``/``shfl_xor_sync`` are emulated by an exchange buffer
+    between two per-block barriers (exact because the embedding kernel then runs one-warp blocks),
+    and ``syncthreads`` by a ``threading.Barrier`` (much faster than the simulator's own).
 
 Numba is imported lazily, on the first call (as STUMPY's gpu modules do): importing this module
 costs nothing, and without a CUDA GPU and without the simulator the wrappers raise
@@ -150,7 +151,9 @@ def _build():
 
         One thread per position; each block stages its tile plus a ``half`` halo on each side in
         shared memory (dynamic, ``blockDim + 2*half`` float64). Out-of-range halo positions take the
-        edge value (mode="nearest"), which leaves the clipped window's maximum unchanged.
+        edge value (mode="nearest"), which leaves the clipped window's maximum unchanged. Each thread
+        compares outwards from its sample and stops at the first larger one, so only (near-)maxima
+        scan the whole window.
         """
         tile = cuda.shared.array(0, _F64)
         tpb = cuda.blockDim.x
@@ -165,11 +168,12 @@ def _build():
             _syncthreads()
             i = base + tid
             if i < n:
-                v = tile[tid + half]
+                c = tid + half
+                v = tile[c]
                 keep = v > 0
-                if keep:
-                    for k in range(tid, tid + 2 * half + 1):
-                        if tile[k] > v:
+                if keep:  # outwards from the centre: a sample on a slope stops at d = 1
+                    for d in range(1, half + 1):
+                        if tile[c - d] > v or tile[c + d] > v:
                             keep = False
                             break
                 gate[i] = 1 if keep else 0
@@ -182,8 +186,8 @@ def _build():
             v = env[i]
             keep = v > 0
             if keep:
-                for j in range(max(i - half, 0), min(i + half + 1, n)):
-                    if env[j] > v:
+                for d in range(1, half + 1):
+                    if env[max(i - d, 0)] > v or env[min(i + d, n - 1)] > v:
                         keep = False
                         break
             gate[i] = 1 if keep else 0
@@ -408,9 +412,9 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
         beat_of_row = xp.full(n, n, dtype=xp.int64)  # unclaimed rows -> the spare row n
         counter = xp.zeros(1, dtype=xp.int32)
         warps = 1 if ctx.sim else _EMBED_WARPS  # simulator: a block is one warp (shuffle emulation)
-        ctx.launch(
-            kernels["embed_warp"], ctx.blocks(-(-n // warps)), warps * WARP, 0, ctx.arg(x), ctx.arg(start), ctx.arg(length), int(first), width, max(0, int(baseline_samples)),
-            ctx.arg(rows_c), ctx.arg(p2p_c), ctx.arg(counter), ctx.arg(beat_of_row))
+        ctx.launch(kernels["embed_warp"], ctx.blocks(-(-n // warps)), warps * WARP, 0,
+                   ctx.arg(x), ctx.arg(start), ctx.arg(length), int(first), width, max(0, int(baseline_samples)),
+                   ctx.arg(rows_c), ctx.arg(p2p_c), ctx.arg(counter), ctx.arg(beat_of_row))
         rows = xp.zeros((n + 1, width), dtype=xp.float32)
         p2p = xp.zeros(n + 1, dtype=xp.float32)
         rows[beat_of_row] = rows_c  # back to beat order
