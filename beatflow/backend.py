@@ -76,13 +76,58 @@ def namespace_of(x):
     return np
 
 
+#: bytes copied from a device to the host by this process (see :func:`transfer_stats`)
+_D2H_BYTES = [0]
+
+
 def to_host(x) -> np.ndarray:
-    """A NumPy array with the contents of ``x`` (a no-op for NumPy input)."""
+    """A NumPy array with the contents of ``x`` (a no-op for NumPy input).
+
+    Every device-to-host copy of beatflow goes through here and is counted.
+    """
     if is_device_array(x):
         import cupy
 
-        return cupy.asnumpy(x)
+        out = cupy.asnumpy(x)
+        _D2H_BYTES[0] += out.nbytes
+        return out
+    if hasattr(x, "is_cuda") and x.is_cuda:  # a torch tensor on the GPU
+        out = x.detach().cpu().numpy()
+        _D2H_BYTES[0] += out.nbytes
+        return out
     return np.asarray(x)
+
+
+def transfer_stats() -> dict:
+    """Device-to-host bytes of this process and, on a GPU worker, the RMM pool's use."""
+    out = {"d2h_bytes": int(_D2H_BYTES[0])}
+    try:
+        import rmm
+
+        mr = rmm.mr.get_current_device_resource()
+        while mr is not None:
+            if isinstance(mr, rmm.mr.StatisticsResourceAdaptor):
+                counts = mr.allocation_counts
+                out["rmm_peak_bytes"] = int(counts["peak_bytes"])
+                out["rmm_current_bytes"] = int(counts["current_bytes"])
+            if isinstance(mr, rmm.mr.PoolMemoryResource):
+                out["rmm_pool_bytes"] = int(mr.pool_size())
+            mr = getattr(mr, "upstream_mr", None)
+    except Exception:  # no rmm on CPU workers
+        pass
+    return out
+
+
+def track_rmm_statistics() -> bool:
+    """Wrap the current RMM resource (the worker's pool) in a statistics adaptor (peak use)."""
+    try:
+        import rmm
+    except ImportError:
+        return False
+    mr = rmm.mr.get_current_device_resource()
+    if not isinstance(mr, rmm.mr.StatisticsResourceAdaptor):
+        rmm.mr.set_current_device_resource(rmm.mr.StatisticsResourceAdaptor(mr))
+    return True
 
 
 def to_namespace(x, xp):

@@ -26,6 +26,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from .backend import namespace_of, to_host
+
 __all__ = [
     "column_minmax",
     "combine_minmax",
@@ -42,20 +44,12 @@ __all__ = [
 
 
 def _xp(x):
-    """Array namespace of ``x``: CuPy for CUDA arrays, NumPy otherwise."""
-    if hasattr(x, "__cuda_array_interface__"):
-        import cupy  # noqa: PLC0415  (only imported for device arrays)
-
-        return cupy
-    return np
+    """Array namespace of ``x`` (the one decision lives in :mod:`beatflow.backend`)."""
+    return namespace_of(x)
 
 
 def _to_numpy(a) -> np.ndarray:
-    if isinstance(a, np.ndarray):
-        return a
-    if hasattr(a, "get"):  # cupy.ndarray
-        return a.get()
-    return np.asarray(a)
+    return to_host(a)
 
 
 def _col_of(g: int, total: int, ncols: int) -> int:

@@ -116,8 +116,13 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
 
 def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions, epochs,
          batch_size) -> dict:
+    from beatflow.backend import track_rmm_statistics, transfer_stats
+    from tasks.cluster import run_on_workers
+
     threads = max(1, os.cpu_count() or 1)
     truth_path = None
+    if device == "gpu":
+        run_on_workers(track_rmm_statistics)
     if input is None:
         input, truth_path = T.synthesize.submit(hours, fs or DEFAULT_FS, seed, str(work)).result()
         sw.lap("synthesize")
@@ -220,6 +225,13 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
                         summary, truth, kb, rec_offset)
     T.write_report.submit(str(work / "report.html"), data).result()
     sw.lap("report")
+    stats = run_on_workers(transfer_stats)
+    summary["transfers"] = {
+        "d2h_bytes": int(sum(v.get("d2h_bytes", 0) for v in stats.values())),
+        "stream_bytes": int(total * 4),
+        "rmm_pool_bytes_per_worker": [v["rmm_pool_bytes"] for v in stats.values() if "rmm_pool_bytes" in v],
+        "rmm_peak_bytes_per_worker": [v["rmm_peak_bytes"] for v in stats.values() if "rmm_peak_bytes" in v],
+    }
     summary["timings_s"] = sw.total()
     (work / "summary.json").write_text(json.dumps(summary, indent=2))
     for name in ("validation_beats.npy",):

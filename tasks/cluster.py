@@ -128,3 +128,17 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
             "env": env,
         },
     )
+
+
+def run_on_workers(fn) -> dict:
+    """``fn()`` on every Dask worker of the current flow's cluster: ``{worker address: result}``.
+
+    Used for per-worker bookkeeping (RMM statistics, transfer counters); empty when no Dask client
+    is reachable (e.g. another task runner).
+    """
+    try:
+        from distributed import get_client
+
+        return get_client().run(fn)
+    except Exception:
+        return {}

@@ -195,7 +195,7 @@ def score_partition(embedded, engine_path: str, model_path: str, scale: float):
 
         with torch.inference_mode():
             score, mu = _torch_scorer(model_path)(torch.from_dlpack(rows) / scale)
-        return score.cpu().numpy(), mu.cpu().numpy()
+        return to_host(score), to_host(mu)
     score, mu = _engine(engine_path).infer(to_host(rows) / np.float32(scale))
     return score, mu
 
