@@ -63,7 +63,8 @@ class _Stopwatch:
 def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: float | None = None,
                      lead: int = 0, hours: float = 20.0, seed: int = 0, out: str | None = None,
                      device: str = "cpu", workers: int = 2, partitions: int | None = None,
-                     epochs: int = 10, batch_size: int = 1024, store: str | None = None) -> dict:
+                     epochs: int = 10, batch_size: int = 1024, store: str | None = None,
+                     cache: str | None = None) -> dict:
     """Find abnormal heartbeats in a long ECG and write ``summary.json``, ``anomalies.parquet``,
     ``report.html``, the model and the engine to ``out``.
 
@@ -86,6 +87,10 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     store : str, optional
         A results store (``beatflow.store``): the trained model is registered there as the latest,
         for the scheduled ``score-new-recordings`` flow.
+    cache : str, optional
+        A cache folder: segmentation and training results are keyed by the input's content hash,
+        the parameters and the code version, persisted there and reused by later runs (a run
+        killed during training resumes after its last finished task).
     """
     log = get_run_logger()
     sw = _Stopwatch()
@@ -96,7 +101,7 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
     try:
         summary = _run(log, sw, work, input, column, fs, lead, hours, seed, device, workers, partitions,
-                       epochs, batch_size)
+                       epochs, batch_size, cache)
         if store:
             from beatflow.store import Store
 
@@ -115,7 +120,9 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
 
 
 def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions, epochs,
-         batch_size) -> dict:
+         batch_size, cache=None) -> dict:
+    from tasks.caching import cached, code_version, input_digest, token
+
     from beatflow.backend import track_rmm_statistics, transfer_stats
     from tasks.cluster import run_on_workers
 
@@ -129,6 +136,12 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     source = open_source(input, column=column, fs=fs, lead=lead)
     fs = source.fs
     s = SegmentParams().samples(fs)
+    base_token = None
+    if cache:
+        digest = (token("synthetic", hours, fs, seed, code_version()) if truth_path
+                  else input_digest(input))
+        base_token = token(digest, column, fs, lead, s, code_version())
+        log.info("cache: %s (input %s)", cache, digest[:12])
     specs = source.plan(partitions or 2 * max(1, workers))
     log.info("%s: %d recording(s), %d partitions, fs %g Hz", source.path, len(source.recordings), len(specs), fs)
 
@@ -156,7 +169,10 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     sw.lap("load")
 
     # segmentation
-    peaks = [f.result() for f in T.segment_partition.map(parts, lefts, rights, firsts, unmapped(s))]
+    seg_tokens = [token(base_token, "segment", sp.recording, firsts[k], lengths[k]) if cache else None
+                  for k, sp in enumerate(specs)]
+    peaks = [f.result() for f in cached(T.segment_partition, cache).map(parts, lefts, rights, firsts, unmapped(s),
+                                                                          seg_tokens)]
     plan = plan_beats(specs, firsts, n_samples, peaks, s)
     if plan.n_detected == 0:
         raise InputError(f"{source.path}: no heartbeats found (flat line or no QRS-like peaks)")
@@ -176,7 +192,15 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     sw.lap("embed")
 
     # training: once, on one worker, on the gathered matrix
-    trained = T.train_model.submit(embedded, str(work), epochs, batch_size, seed, threads).result()
+    train_token = (token(base_token, "train", plan.start[plan.kept].tobytes(), plan.length[plan.kept].tobytes(),
+                         epochs, batch_size, seed) if cache else None)
+    model_folder = str(Path(cache).resolve() / "models" / train_token) if cache else str(work)
+    trained = cached(T.train_model, cache).submit(embedded, model_folder, epochs, batch_size, seed, threads,
+                                                  cache_token=train_token).result()
+    if cache:  # the cached model lives in the cache; the run's outputs get a copy
+        for name in ("model.pt", "model.json", "validation_beats.npy"):
+            shutil.copy(Path(model_folder) / name, work / name)
+        trained = {**trained, "model": str(work / "model.pt"), "validation": str(work / "validation_beats.npy")}
     log.info("training: train loss %s, test loss %.5f", ", ".join(f"{v:.4f}" for v in trained["train_loss"]),
              trained["test_loss"])
     sw.lap("train")

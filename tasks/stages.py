@@ -66,7 +66,7 @@ def partition_edges(core, halo: int):
 
 
 @partition_task(name="segment-partition")
-def segment_partition(core, left, right, first: int, s: SegmentSamples):
+def segment_partition(core, left, right, first: int, s: SegmentSamples, cache_token: str | None = None):
     """Peaks of one partition (Ricker response + non-maximum suppression + local threshold)."""
     xp = namespace(_device_of(core))
     peaks = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, s)
@@ -103,7 +103,7 @@ def _device_of(x) -> str:
 
 @partition_task(name="train-vae")
 def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: int, threads: int,
-                n_rows_sample: int = 40) -> dict:
+                n_rows_sample: int = 40, cache_token: str | None = None) -> dict:
     """Gather the beat matrix (once), scale it, train the LightVAE; save weights and a validation set.
 
     Returns small things only: paths, losses, the test split, a few rows for the report.
@@ -130,6 +130,7 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
     device = "cuda" if _device_of(beats) == "gpu" else "cpu"
     data = torch.from_dlpack(beats) if device == "cuda" else torch.from_numpy(to_host(beats))
     res = train_vae(data, epochs=epochs, batch_size=batch_size, seed=seed, device=device, on_epoch=on_epoch)
+    os.makedirs(folder, exist_ok=True)
     model_path = os.path.join(folder, "model.pt")
     save_model(res.model, model_path)
     rng = np.random.default_rng(seed)

@@ -114,3 +114,28 @@ def test_cli_bad_input_before_the_flow(tmp_path, setup, args, message):
 def test_cli_gpu_without_cuda_is_one_line(tmp_path):
     r = run_cli(["run", "--device", "gpu", "--out", tmp_path / "o"], "http://127.0.0.1:9/api", timeout=120)
     assert r.returncode == 2 and r.stderr.strip().startswith("beatflow: error: --device gpu: no CUDA device")
+
+
+def test_cache_reuses_segmentation_and_training(prefect_server, tmp_path):
+    """A second run of an unchanged input with --cache reuses the persisted segment and train results."""
+    from beatflow.synth import synthesize_ecg
+
+    x = synthesize_ecg(hours=0.1, fs=250.0, seed=8).signal
+    p = tmp_path / "in.csv"
+    p.write_text("heartbeats\n" + "\n".join(f"{v:.5f}" for v in x) + "\n")
+    cache = tmp_path / "cache"
+    args = ["run", "--input", p, "--epochs", "2", "--device", "cpu", "--workers", "2", "--cache", cache]
+    first = run_cli([*args, "--out", tmp_path / "a"], prefect_server)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run_cli([*args, "--out", tmp_path / "b"], prefect_server)
+    assert second.returncode == 0, second.stderr[-2000:]
+    log = second.stdout + second.stderr
+    assert "train-vae" in log and "Finished in state Cached" in log
+    assert log.count("Finished in state Cached") >= 1 + 4  # training and every segmentation partition
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("a", "b"))
+    assert a["train_loss"] == b["train_loss"] and a["beats_detected"] == b["beats_detected"]
+    assert (tmp_path / "a" / "model.pt").read_bytes() == (tmp_path / "b" / "model.pt").read_bytes()
+    # a changed input is a new key: recomputed, not served from the cache
+    p.write_text("heartbeats\n" + "\n".join(f"{v:.5f}" for v in x[::-1]) + "\n")
+    third = run_cli([*args, "--out", tmp_path / "c"], prefect_server)
+    assert third.returncode == 0 and "Finished in state Cached" not in third.stdout + third.stderr
