@@ -18,12 +18,15 @@ import numpy as np
 from prefect import flow, get_run_logger, unmapped
 from prefect.futures import wait
 
+from beatflow.backend import track_rmm_statistics, transfer_stats
 from beatflow.errors import InputError
 from beatflow.params import DEFAULT_FS, SegmentParams
 from beatflow.partitions import assemble_halos, plan_beats
 from beatflow.reading import open_source
 from beatflow.scoring import anomaly_table, robust_threshold
 from tasks import stages as T
+from tasks.caching import cached, code_version, input_digest, token
+from tasks.cluster import run_on_workers
 
 N_COLUMNS = 4000  # pixel columns of the whole-stream picture
 N_TOP = 12
@@ -121,11 +124,6 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
 
 def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions, epochs,
          batch_size, cache=None) -> dict:
-    from tasks.caching import cached, code_version, input_digest, token
-
-    from beatflow.backend import track_rmm_statistics, transfer_stats
-    from tasks.cluster import run_on_workers
-
     threads = max(1, os.cpu_count() or 1)
     truth_path = None
     if device == "gpu":
