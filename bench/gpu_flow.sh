@@ -11,20 +11,27 @@ HOURS=${HOURS:-20}
 run() {  # name, args...
   local name=$1; shift
   local t0=$(date +%s.%N)
-  python3 -m beatflow.cli run --hours "$HOURS" --out "/tmp/bf-$name" "$@" > "/tmp/bf-$name.log" 2>&1
+  # the log goes under $OUT as it is written, so a run stopped at its limit still tells where it was
+  timeout "${RUN_LIMIT:-240}" python3 -m beatflow.cli run --hours "$HOURS" --out "/tmp/bf-$name" "$@" \
+    > "$OUT/log-$name.txt" 2>&1
   local rc=$?
+  cp "$OUT/log-$name.txt" "/tmp/bf-$name.log"
   local t1=$(date +%s.%N)
   echo "== $name rc=$rc wall=$(python3 -c "print(round($t1-$t0,1))") s"
   grep -E "epoch|segmentation:|training:|scoring:|truth:|engine|error" "/tmp/bf-$name.log" | cut -c1-220 | tail -20
   [ -f "/tmp/bf-$name/summary.json" ] && cp "/tmp/bf-$name/summary.json" "$OUT/summary-$name.json"
-  [ $rc -ne 0 ] && tail -60 "/tmp/bf-$name.log" > "$OUT/log-$name.txt"
   return 0
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-run gpu-cold --device gpu
-run gpu-warm --device gpu
-[ -f /tmp/bf-gpu-warm/report.html ] && cp /tmp/bf-gpu-warm/report.html "$OUT/report-gpu.html"
-run cpu16 --device cpu --workers 16
+for r in ${RUNS:-gpu-cold gpu-warm cpu16}; do
+  case $r in
+    gpu-*) run "$r" --device gpu ;;
+    cpu16) run cpu16 --device cpu --workers 16 ;;
+  esac
+done
+for r in gpu-warm gpu-cold; do
+  [ -f "/tmp/bf-$r/report.html" ] && { cp "/tmp/bf-$r/report.html" "$OUT/report-gpu.html"; break; }
+done
 python3 - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
