@@ -27,6 +27,9 @@ def _run_parser(sub) -> None:
     p.add_argument("--out", help="output folder (default runs/<timestamp>); must not exist or be empty")
     p.add_argument("--store", default=os.environ.get("BEATFLOW_STORE"),
                    help="register the trained model in this store for `beatflow score` (default $BEATFLOW_STORE)")
+    p.add_argument("--engine", choices=("auto", "onnxruntime", "aoti", "tensorrt"), default="auto",
+                   help="inference engine backend (default: the best available)")
+    p.add_argument("--precision", choices=("fp32", "fp16", "bf16", "int8"), default="fp32")
     p.add_argument("--cache", default=os.environ.get("BEATFLOW_CACHE"),
                    help="reuse segmentation/training results from this cache folder (default $BEATFLOW_CACHE)")
 
@@ -82,7 +85,8 @@ def cmd_run(args) -> int:
         summary = ecg_anomaly_flow.with_options(task_runner=runner)(
             input=args.input, column=args.column, fs=args.fs, lead=args.lead, hours=args.hours, seed=args.seed,
             out=args.out, device=device, workers=workers, partitions=args.partitions, epochs=args.epochs,
-            batch_size=args.batch_size, store=args.store, cache=args.cache)
+            batch_size=args.batch_size, store=args.store, cache=args.cache, engine_backend=args.engine,
+            precision=args.precision)
     con = Console()
     t = Table(title="beatflow run", show_header=False)
     for k in ("samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss", "anomalies_flagged",

@@ -13,33 +13,64 @@ DEFAULT_FS = 250.0
 
 @dataclass(frozen=True)
 class SegmentParams:
-    """Beat segmentation and pruning parameters (seconds unless noted).
+    """Beat segmentation and pruning parameters (seconds unless noted); see :mod:`beatflow.segment`.
 
     Attributes
     ----------
     wavelet_width_s : float
-        Ricker (Mexican hat) width ``a``: its central lobe spans ``±a``; 25 ms matches an R wave.
+        σ of the derivative-of-Gaussian slope filter (8 ms: a band-pass around 20 Hz, the QRS band).
+    energy_window_s : float
+        The QRS energy envelope is the RMS of the slope over this window (about one QRS).
+    slope_width_s, slope_window_s : float
+        σ of the fine slope filter, and the ``±`` window of its steepest value around a peak
+        (the QRS-versus-T-wave measure).
     nms_half_window_s : float
-        A position is a local maximum if its |response| is the largest within ``±`` this.
+        A position is a candidate if its envelope is the largest within ``±`` this.
     refractory_s : float
-        Of two peaks closer than this, the smaller is dropped (no heart beats twice in 250 ms).
+        Of two accepted peaks closer than this, the smaller is dropped (the shortest RR interval in
+        the MIT-BIH records is 0.25 s, in ventricular tachycardia).
     threshold_ratio : float
-        A peak must exceed this fraction of the local amplitude.
+        A candidate above this fraction of the local amplitude is a beat (subject to the T-wave test).
+    weak_ratio : float
+        Candidates between this fraction and ``threshold_ratio`` are only taken by search-back.
     block_s, threshold_blocks : float, int
-        Local amplitude: median over ``±threshold_blocks`` blocks of each block's largest |response|.
+        Local amplitude: median over ``±threshold_blocks`` blocks of each block's largest envelope.
         Blocks are aligned to the stream, so any partitioning gives the same thresholds.
+    twave_window_s, twave_slope_ratio : float
+        A beat within this time of the previous beat whose steepest slope is below this fraction of
+        that beat's is taken for its T wave and dropped.
+    searchback_factor, searchback_margin : float
+        Search-back: in a gap longer than ``factor`` × the mean RR, a weak candidate at least
+        ``margin`` × RR from both neighbours is a missed beat.
+    rr_window_s : float
+        The mean RR around a candidate is taken over the beats within ``±`` this.
+    max_gap_s : float
+        Gaps are measured up to this length (keeps every decision local to a bounded window).
+    edge_s : float
+        Peaks this close to the ends of the stream are not trusted (a QRS cut by the record's end).
     pre_peak_s : float
         A beat starts this long before its detected peak (so its QRS is inside its row).
     min_length_s, max_length_s : float
         Kept beats have ``min <= length <= max`` (seed: 100..256 samples at 250 Hz).
     """
 
-    wavelet_width_s: float = 0.025
-    nms_half_window_s: float = 0.2
-    refractory_s: float = 0.3
-    threshold_ratio: float = 0.3
+    wavelet_width_s: float = 0.008
+    energy_window_s: float = 0.1
+    slope_width_s: float = 0.004
+    slope_window_s: float = 0.05
+    nms_half_window_s: float = 0.23
+    refractory_s: float = 0.25
+    threshold_ratio: float = 0.35
+    weak_ratio: float = 0.15
     block_s: float = 1.0
     threshold_blocks: int = 5
+    twave_window_s: float = 0.36
+    twave_slope_ratio: float = 0.4
+    searchback_factor: float = 1.66
+    searchback_margin: float = 0.3
+    rr_window_s: float = 5.0
+    max_gap_s: float = 3.0
+    edge_s: float = 0.05
     pre_peak_s: float = 0.1
     min_length_s: float = 0.4
     max_length_s: float = 1.024
@@ -50,17 +81,33 @@ class SegmentParams:
             raise ValueError(f"sampling rate must be positive, got {fs}")
         r = lambda s: max(1, int(round(s * fs)))  # noqa: E731
         a = max(1.0, self.wavelet_width_s * fs)
-        kernel = 2 * int(math.ceil(5 * a)) + 1
+        kernel = 2 * int(math.ceil(4 * a)) + 1
+        fine_a = max(0.5, self.slope_width_s * fs)
+        fine_kernel = 2 * int(math.ceil(4 * fine_a)) + 1
+        box = 2 * (r(self.energy_window_s) // 2) + 1
+        slope_half = r(self.slope_window_s)
         block = r(self.block_s)
         lower, upper = r(self.min_length_s), r(self.max_length_s)
         width = 8 * int(math.ceil(upper / 8))
         nms = r(self.nms_half_window_s)
         refractory = r(self.refractory_s)
+        twave = r(self.twave_window_s)
+        rr_window = r(self.rr_window_s)
+        max_gap = r(self.max_gap_s)
+        edge = int(round(self.edge_s * fs))
         pre = r(self.pre_peak_s)
-        halo = (self.threshold_blocks + 2) * block + kernel + 2 * max(nms, refractory) + upper + pre
-        return SegmentSamples(a=a, kernel=kernel, nms=nms, refractory=refractory, ratio=self.threshold_ratio,
-                              block=block, blocks=self.threshold_blocks, pre=pre, lower=lower, upper=upper,
-                              width=width, halo=int(halo))
+        # how far a decision about a peak looks (each step adds its radius to the one it builds on)
+        point = max(kernel // 2 + box // 2, fine_kernel // 2 + slope_half) + 1  # envelope, slope
+        strong = point + max(nms, (self.threshold_blocks + 1) * block)  # candidate and its threshold
+        accepted = strong + twave + refractory  # T-wave test, then refractory between neighbours
+        searched = accepted + max(rr_window, max_gap) + twave  # search-back, then its refractory
+        halo = max(accepted, searched) + edge + upper + pre  # + the beats a partition embeds
+        return SegmentSamples(a=a, kernel=kernel, fine_a=fine_a, fine_kernel=fine_kernel, box=box,
+                              slope_half=slope_half, nms=nms, refractory=refractory, ratio=self.threshold_ratio,
+                              weak_ratio=self.weak_ratio, block=block, blocks=self.threshold_blocks, twave=twave,
+                              twave_slope=self.twave_slope_ratio, searchback=self.searchback_factor,
+                              margin=self.searchback_margin, rr_window=rr_window, max_gap=max_gap, edge=edge,
+                              pre=pre, lower=lower, upper=upper, width=width, halo=int(halo))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,11 +120,23 @@ class SegmentSamples:
 
     a: float
     kernel: int
+    fine_a: float
+    fine_kernel: int
+    box: int
+    slope_half: int
     nms: int
     refractory: int
     ratio: float
+    weak_ratio: float
     block: int
     blocks: int
+    twave: int
+    twave_slope: float
+    searchback: float
+    margin: float
+    rr_window: int
+    max_gap: int
+    edge: int
     pre: int
     lower: int
     upper: int

@@ -1,8 +1,31 @@
-"""Beat segmentation: Ricker-wavelet response, 1-D non-maximum suppression, local thresholds.
+"""Beat segmentation: a QRS energy envelope, non-maximum suppression, adaptive thresholds, T-wave
+rejection and search-back.
 
-One implementation for NumPy and CuPy (the array namespace comes from the input). A stream may be
-cut into partitions: each is processed with a halo of its neighbours (``SegmentSamples.halo``) and
-keeps only the peaks in its own core, so the result does not depend on the partitioning.
+One implementation for NumPy and CuPy (the array namespace comes from the input); dense work is
+array code on the whole signal (a 3-point median, two FFT convolutions, a moving average, two
+moving maxima), the decisions are vectorised over the sparse candidate peaks.
+
+The steps of :func:`detect_peaks`:
+
+1. ``despike``: 3-point median (removes one-sample glitches and most pacemaker spikes);
+2. ``wavelet_response``: derivative of a Gaussian (σ ≈ 8 ms), a band-pass slope estimate with no
+   response to a constant or to slow baseline wander;
+3. ``energy_envelope``: root mean square of the slope over ~100 ms; QRS complexes are its
+   highest, narrowest peaks, T waves (slow) and baseline wander (slower) are much lower;
+4. ``local_maxima``: candidates are maxima of the envelope over ``±nms``;
+5. ``block_amplitude``: the local level, a median of 1 s block maxima over ``±blocks`` blocks;
+   a candidate above ``ratio`` × level is *strong*, one above ``weak_ratio`` × level is *weak*;
+6. ``t_wave_mask``: a strong candidate closer than ``twave`` to the previous strong one whose
+   steepest slope (fine derivative, σ ≈ 4 ms) is below ``twave_slope`` × that one's is a T wave;
+7. ``drop_refractory``: of two accepted peaks closer than ``refractory``, the smaller goes;
+8. ``search_back``: a weak candidate is accepted where the accepted beats around it leave a gap
+   longer than ``searchback`` × the local mean RR (beats within ``±rr_window``), if it is at least
+   ``margin`` × RR from both and not T-wave-like.
+
+A stream may be cut into partitions: each is processed with a halo of its neighbours
+(``SegmentSamples.halo``) and keeps only the peaks in its own core. Every decision above looks at
+a bounded neighbourhood (gaps are capped at ``max_gap``; blocks are aligned to the stream), and the
+halo covers the sum of those radii, so the result does not depend on the partitioning.
 """
 from __future__ import annotations
 
@@ -11,42 +34,98 @@ import numpy as np
 from .backend import namespace_of, scipy_for
 from .params import SegmentSamples
 
+_FAR = 1 << 40  # "no neighbour": farther than any gap that matters
 
-def ricker(points: int, a: float, xp=np):
-    """Ricker wavelet (negative second derivative of a Gaussian, "Mexican hat"), zero mean.
+
+def gaussian_derivative(points: int, sigma: float, xp=np):
+    """Derivative-of-Gaussian taps that estimate the slope (signal units per sample).
 
     Parameters
     ----------
     points : int
         Number of taps (odd, centred).
-    a : float
-        Width in samples: the central lobe spans ``[-a, a]``.
+    sigma : float
+        Gaussian width in samples.
     xp : module
         Array namespace of the result.
 
     Returns
     -------
     array, shape (points,), float64
-        ``A (1 - t²/a²) exp(-t²/2a²)`` with its small truncation mean removed so that a constant
-        (baseline) has no response.
+        ``k(t) = -t g(t) / Σ t² g(t)`` with ``g`` the Gaussian: antisymmetric (no response to a
+        constant), and convolving a unit ramp with it gives exactly 1.
     """
     t = xp.arange(points, dtype=xp.float64) - (points - 1) / 2.0
-    amp = 2.0 / (np.sqrt(3.0 * a) * np.pi**0.25)
-    w = amp * (1.0 - (t / a) ** 2) * xp.exp(-(t**2) / (2.0 * a**2))
-    return w - w.mean()
+    g = xp.exp(-(t**2) / (2.0 * sigma**2))
+    return -t * g / (t * t * g).sum()
+
+
+def despike(x):
+    """3-point running median, float64, same length; the ends are mirrored (``x[1]`` beyond ``x[0]``).
+
+    A one-sample glitch (a truncated last sample, a pacemaker spike) disappears, a QRS of several
+    samples does not.
+    """
+    xp = namespace_of(x)
+    x = x.astype(xp.float64, copy=False)
+    if x.shape[0] < 3:
+        return x.copy()
+    p = xp.pad(x, 1, mode="reflect")
+    a, b, c = p[:-2], p[1:-1], p[2:]
+    return xp.maximum(xp.minimum(a, b), xp.minimum(xp.maximum(a, b), c))
+
+
+def _convolve_edge(x, kernel):
+    """``x`` (float64) convolved with an odd ``kernel``, same length, ends padded with edge values."""
+    xp = namespace_of(x)
+    signal, _ = scipy_for(xp)
+    if x.shape[0] == 0:
+        return x.astype(xp.float64)
+    half = kernel.shape[0] // 2
+    padded = xp.pad(x, half, mode="edge")
+    return signal.fftconvolve(padded, kernel, mode="valid")
 
 
 def wavelet_response(x, s: SegmentSamples):
-    """FFT convolution of ``x`` with the Ricker wavelet, same length as ``x``, float64.
+    """Slope of the despiked signal: FFT convolution with the derivative of a Gaussian (σ = ``s.a``).
 
-    The ends are padded with the edge values (not zeros), so a baseline offset at the stream's ends
-    does not look like a beat.
+    Same length as ``x``, float64, signed. The ends are padded with the edge values, so a baseline
+    offset at the stream's ends does not look like a beat.
     """
-    xp = namespace_of(x)
-    signal, _ = scipy_for(xp)
-    half = s.kernel // 2
-    padded = xp.pad(x.astype(xp.float64, copy=False), half, mode="edge")
-    return signal.fftconvolve(padded, ricker(s.kernel, s.a, xp), mode="valid")
+    return _slope(despike(x), s.kernel, s.a)
+
+
+def _slope(xd, points: int, sigma: float):
+    """Derivative-of-Gaussian response of an already despiked signal."""
+    return _convolve_edge(xd, gaussian_derivative(points, sigma, namespace_of(xd)))
+
+
+def energy_envelope(y, s: SegmentSamples):
+    """Root mean square of ``y`` over a centred window of ``s.box`` samples (ends: nearest)."""
+    xp = namespace_of(y)
+    _, ndimage = scipy_for(xp)
+    if y.shape[0] == 0:
+        return y
+    e = ndimage.uniform_filter1d(y * y, size=s.box, mode="nearest")
+    return xp.sqrt(xp.maximum(e, 0.0))
+
+
+def slope_envelope(x, s: SegmentSamples):
+    """Steepest slope near each sample: max of |fine derivative-of-Gaussian response| over ``±s.slope_half``.
+
+    The fine derivative (σ = ``s.fine_a``) of the despiked signal; QRS complexes are much steeper
+    than T waves, which is what :func:`t_wave_mask` compares.
+    """
+    return _steepest(despike(x), s)
+
+
+def _steepest(xd, s: SegmentSamples):
+    xp = namespace_of(xd)
+    _, ndimage = scipy_for(xp)
+    if xd.shape[0] == 0:
+        return xd
+    d = xp.abs(_slope(xd, s.fine_kernel, s.fine_a))
+    return ndimage.maximum_filter1d(d, size=2 * s.slope_half + 1, mode="nearest")
 
 
 def local_maxima(env, half_window: int):
@@ -93,17 +172,90 @@ def block_amplitude(env, first: int, s: SegmentSamples):
     return xp.nanmedian(win, axis=1), b0
 
 
-def drop_refractory(peaks, heights, refractory: int):
-    """Of two consecutive peaks closer than ``refractory`` samples, drop the smaller one."""
+def refractory_mask(peaks, heights, refractory: int):
+    """Which peaks survive: of two consecutive peaks closer than ``refractory``, the smaller is dropped."""
     xp = namespace_of(peaks)
+    keep = xp.ones(peaks.shape[0], dtype=bool)
     if peaks.shape[0] < 2:
-        return peaks
+        return keep
     close = xp.diff(peaks) < refractory
     left_smaller = heights[:-1] < heights[1:]
-    drop = xp.zeros(peaks.shape[0], dtype=bool)
-    drop[:-1] |= close & left_smaller
-    drop[1:] |= close & ~left_smaller
-    return peaks[~drop]
+    keep[:-1] &= ~(close & left_smaller)
+    keep[1:] &= ~(close & ~left_smaller)
+    return keep
+
+
+def drop_refractory(peaks, heights, refractory: int):
+    """Of two consecutive peaks closer than ``refractory`` samples, drop the smaller one."""
+    return peaks[refractory_mask(peaks, heights, refractory)]
+
+
+def t_wave_mask(peaks, slopes, window: int, ratio: float):
+    """True for peaks that look like the T wave of the peak before them.
+
+    Peak ``i`` is T-wave-like when it lies less than ``window`` samples after peak ``i-1`` and its
+    steepest slope is below ``ratio`` times that of peak ``i-1`` (a QRS is steep, a T wave is not).
+    """
+    xp = namespace_of(peaks)
+    out = xp.zeros(peaks.shape[0], dtype=bool)
+    if peaks.shape[0] < 2:
+        return out
+    out[1:] = (xp.diff(peaks) < window) & (slopes[1:] < ratio * slopes[:-1])
+    return out
+
+
+def mean_rr(beats, at, window: int):
+    """Mean RR interval (samples) of the sorted ``beats`` within ``[at - window, at + window]``.
+
+    ``(last - first) / (count - 1)`` of the beats in the window; NaN where fewer than 3 beats lie in it.
+    """
+    xp = namespace_of(beats)
+    if beats.shape[0] == 0:
+        return xp.full(at.shape[0], np.nan)
+    lo = xp.searchsorted(beats, at - window, side="left")
+    hi = xp.searchsorted(beats, at + window, side="right") - 1
+    n = hi - lo
+    span = beats[xp.clip(hi, 0, beats.shape[0] - 1)] - beats[xp.clip(lo, 0, beats.shape[0] - 1)]
+    return xp.where(n >= 2, span / xp.maximum(n, 1), np.nan)
+
+
+def search_back(beats, beat_slopes, cand, cand_slopes, cand_heights, s: SegmentSamples):
+    """Which weak candidates fill a gap in the accepted beats (search-back for missed beats).
+
+    Parameters
+    ----------
+    beats, beat_slopes : arrays
+        Accepted beats (sorted sample indices) and their steepest slopes.
+    cand, cand_slopes, cand_heights : arrays
+        Weak candidates (sorted, none of them in ``beats``), their slopes and envelope heights.
+
+    Returns
+    -------
+    bool array over ``cand``
+        A candidate is accepted when, with ``rr`` the mean RR around it (:func:`mean_rr`) and the
+        distances to the previous and next accepted beats capped at ``s.max_gap``, the gap between
+        them exceeds ``s.searchback × rr``, both distances exceed ``s.margin × rr``, and it is not
+        T-wave-like against the previous beat (slope below ``s.twave_slope`` times its slope, when
+        that beat is within ``max_gap``). Of two accepted candidates closer than ``s.twave``, the
+        smaller goes.
+    """
+    xp = namespace_of(cand)
+    n = beats.shape[0]
+    if n < 2 or cand.shape[0] == 0:
+        return xp.zeros(cand.shape[0], dtype=bool)
+    i = xp.searchsorted(beats, cand)
+    prev = xp.where(i > 0, beats[xp.maximum(i - 1, 0)], -_FAR)
+    nxt = xp.where(i < n, beats[xp.minimum(i, n - 1)], _FAR)
+    dp = xp.minimum(cand - prev, s.max_gap)
+    dn = xp.minimum(nxt - cand, s.max_gap)
+    prev_slope = xp.where((i > 0) & (cand - prev <= s.max_gap), beat_slopes[xp.maximum(i - 1, 0)], 0.0)
+    rr = mean_rr(beats, cand, s.rr_window)
+    ok = ((dp + dn > s.searchback * rr) & (dp > s.margin * rr) & (dn > s.margin * rr)
+          & (cand_slopes >= s.twave_slope * prev_slope))
+    idx = xp.flatnonzero(ok)
+    keep = refractory_mask(cand[idx], cand_heights[idx], s.twave)
+    ok[idx[~keep]] = False
+    return ok
 
 
 def detect_peaks(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None):
@@ -123,19 +275,33 @@ def detect_peaks(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] 
     Returns
     -------
     array of int64
-        Sorted global sample indices of the detected peaks, in the namespace of ``x``.
+        Sorted global sample indices of the detected peaks (maxima of the QRS energy envelope),
+        in the namespace of ``x``.
     """
     xp = namespace_of(x)
-    env = xp.abs(wavelet_response(x, s))
+    n = x.shape[0]
+    if n == 0:
+        return xp.zeros(0, dtype=xp.int64)
+    xd = despike(x)
+    env = energy_envelope(_slope(xd, s.kernel, s.a), s)
     cand = local_maxima(env, s.nms)
+    # a peak within `edge` of the ends of x sees only padding on one side (a QRS cut by the end of
+    # the record); for a partition these are halo samples, never in its core
+    cand = cand[(cand >= s.edge) & (cand < n - s.edge)]
     amp, b0 = block_amplitude(env, first, s)
+    level = amp[(cand + first) // s.block - b0]
     heights = env[cand]
-    blocks = (cand + first) // s.block - b0
-    # above the local threshold, and above float32 round-off of the signal's level (flat lines)
-    floor = 1e-5 * float(xp.abs(x).max()) if x.shape[0] else 0.0
-    keep = (heights > s.ratio * amp[blocks]) & (heights > floor)
-    cand, heights = cand[keep], heights[keep]
-    peaks = drop_refractory(cand, heights, s.refractory).astype(xp.int64) + first
+    # above float round-off of the signal's level (flat lines), and above the weak threshold
+    floor = 1e-7 * float(xp.abs(x).max())
+    keep = (heights > s.weak_ratio * level) & (heights > floor)
+    cand, heights, level = cand[keep], heights[keep], level[keep]
+    slopes = _steepest(xd, s)[cand]
+    strong = xp.flatnonzero(heights > s.ratio * level)
+    strong = strong[~t_wave_mask(cand[strong], slopes[strong], s.twave, s.twave_slope)]
+    strong = strong[refractory_mask(cand[strong], heights[strong], s.refractory)]
+    weak = xp.flatnonzero(heights <= s.ratio * level)
+    added = weak[search_back(cand[strong], slopes[strong], cand[weak], slopes[weak], heights[weak], s)]
+    peaks = xp.sort(cand[xp.concatenate([strong, added])]).astype(xp.int64) + first
     if core is not None:
         peaks = peaks[(peaks >= core[0]) & (peaks < core[1])]
     return peaks

@@ -67,7 +67,7 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
                      lead: int = 0, hours: float = 20.0, seed: int = 0, out: str | None = None,
                      device: str = "cpu", workers: int = 2, partitions: int | None = None,
                      epochs: int = 10, batch_size: int = 1024, store: str | None = None,
-                     cache: str | None = None) -> dict:
+                     cache: str | None = None, engine_backend: str = "auto", precision: str = "fp32") -> dict:
     """Find abnormal heartbeats in a long ECG and write ``summary.json``, ``anomalies.parquet``,
     ``report.html``, the model and the engine to ``out``.
 
@@ -94,6 +94,9 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
         A cache folder: segmentation and training results are keyed by the input's content hash,
         the parameters and the code version, persisted there and reused by later runs (a run
         killed during training resumes after its last finished task).
+    engine_backend, precision : str
+        Inference engine (``auto|onnxruntime|aoti|tensorrt``) and its precision (``fp32``, ``fp16``,
+        ``bf16`` on GPU, ``int8`` on CPU); engines are cached by model hash and configuration.
     """
     log = get_run_logger()
     sw = _Stopwatch()
@@ -104,7 +107,7 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
     try:
         summary = _run(log, sw, work, input, column, fs, lead, hours, seed, device, workers, partitions,
-                       epochs, batch_size, cache)
+                       epochs, batch_size, cache, engine_backend, precision)
         if store:
             from beatflow.store import Store
 
@@ -123,7 +126,7 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
 
 
 def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions, epochs,
-         batch_size, cache=None) -> dict:
+         batch_size, cache=None, engine_backend="auto", precision="fp32") -> dict:
     threads = max(1, os.cpu_count() or 1)
     truth_path = None
     if device == "gpu":
@@ -203,12 +206,14 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
              trained["test_loss"])
     sw.lap("train")
 
-    engine = T.build_engine.submit(trained["model"], trained["validation"], str(work), threads).result()
+    engine = T.build_engine.submit(trained["model"], trained["validation"], threads, device, engine_backend,
+                                   precision).result()
+    shutil.copy(engine["path"], work / ("engine" + Path(engine["path"]).suffix))  # the run keeps its engine
     sw.lap("engine")
 
     # scoring goes back out to the partitions' workers; offsets of recordings on one time axis
     scored = [f.result() for f in T.score_partition.map(embedded, unmapped(engine["path"]),
-                                                         unmapped(trained["model"]), unmapped(trained["scale"]))]
+                                                         unmapped(trained["scale"]))]
     scores = np.concatenate([sc for sc, _ in scored]) if scored else np.zeros(0, np.float32)
     mu = np.concatenate([m for _, m in scored]) if scored else np.zeros((0, 2), np.float32)
     threshold = robust_threshold(scores)

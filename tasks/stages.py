@@ -149,56 +149,38 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
 
 
 @partition_task(name="build-engine")
-def build_engine(model_path: str, validation_path: str, folder: str, threads: int) -> dict:
-    """Export the trained scorer to ONNX, load it in ONNX Runtime, validate it against PyTorch."""
-    from beatflow.engine import OnnxRuntimeEngine, export_onnx, throughput, validate_engine
-    from beatflow.model import Scorer, load_model
+def build_engine(model_path: str, validation_path: str, threads: int, device: str = "cpu",
+                 backend: str = "auto", precision: str = "fp32") -> dict:
+    """The validated inference engine for the trained model, from the engine cache or built and cached."""
+    from beatflow.engines import build_or_load_engine
 
-    model = load_model(model_path)
-    scorer = Scorer(model).eval()
-    val = np.load(validation_path)
-    path = os.path.join(folder, "engine.onnx")
-    t = time.perf_counter()
-    export_onnx(scorer, path, val.shape[1])
-    engine = OnnxRuntimeEngine.load(path, intra_op_num_threads=threads)
-    err = validate_engine(engine, scorer, val)
-    build_s = time.perf_counter() - t
-    tput = throughput(engine, val[: min(len(val), 1024)], 1024)
-    get_run_logger().info("engine onnxruntime: max abs err %.2e vs PyTorch, %.0f beats/s", err, tput)
-    return {"backend": "onnxruntime", "precision": "fp32", "path": path, "max_abs_err": err,
-            "build_s": build_s, "throughput_beats_per_s": tput, "cache": "built"}
+    _, info = build_or_load_engine(model_path, np.load(validation_path), backend=backend, precision=precision,
+                                   device=device, threads=threads)
+    get_run_logger().info("engine %s %s on %s: %s, max abs err %.2e vs PyTorch, %.0f beats/s", info["backend"],
+                          info["precision"], info["device"], info["cache"], info["max_abs_err"],
+                          info["throughput_beats_per_s"])
+    return info
 
 
 @functools.lru_cache(maxsize=4)
 def _engine(path: str):
-    from beatflow.engine import OnnxRuntimeEngine
+    from beatflow.engines import load_engine
 
-    return OnnxRuntimeEngine.load(path, intra_op_num_threads=1)
-
-
-@functools.lru_cache(maxsize=4)
-def _torch_scorer(model_path: str):
-    from beatflow.model import Scorer, load_model
-
-    return Scorer(load_model(model_path)).eval().cuda()
+    return load_engine(path, threads=1)
 
 
 @partition_task(name="score-partition")
-def score_partition(embedded, engine_path: str, model_path: str, scale: float):
+def score_partition(embedded, engine_path: str, scale: float):
     """Anomaly score and latent mean of each kept beat of a partition, through the built engine.
 
-    On the GPU the rows stay on the device: they reach PyTorch through DLPack (no copy) and only
-    the scores and latent means come back to the host.
+    With a GPU engine the rows stay on the device (handed over by pointer); only the scores and
+    latent means come back to the host.
     """
     rows, _ = embedded
-    if _device_of(rows) == "gpu":
-        import torch
-
-        with torch.inference_mode():
-            score, mu = _torch_scorer(model_path)(torch.from_dlpack(rows) / scale)
-        return to_host(score), to_host(mu)
-    score, mu = _engine(engine_path).infer(to_host(rows) / np.float32(scale))
-    return score, mu
+    engine = _engine(engine_path)
+    x = rows / rows.dtype.type(scale) if engine.on_gpu else to_host(rows) / np.float32(scale)
+    score, mu = engine.infer(x)
+    return to_host(score), to_host(mu)
 
 
 @task(name="evaluate-truth", cache_policy=NO_CACHE, persist_result=False)

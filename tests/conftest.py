@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 MITDB = ROOT.parent / "shared" / "data" / "mitdb"
+# engines built by tests go to a throw-away cache (inherited by CLI subprocesses and Dask workers)
+os.environ.setdefault("BEATFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="beatflow-engine-cache-"))
 
 
 @pytest.fixture(scope="session")

@@ -6,13 +6,25 @@ import math
 import numpy as np
 
 
-def ricker(points: int, a: float) -> np.ndarray:
-    w = np.empty(points)
-    amp = 2.0 / (math.sqrt(3.0 * a) * math.pi**0.25)
-    for i in range(points):
-        t = i - (points - 1) / 2.0
-        w[i] = amp * (1.0 - (t / a) ** 2) * math.exp(-(t * t) / (2.0 * a * a))
-    return w - w.sum() / points
+def gaussian_derivative(points: int, sigma: float) -> np.ndarray:
+    t = [i - (points - 1) / 2.0 for i in range(points)]
+    g = [math.exp(-(u * u) / (2.0 * sigma * sigma)) for u in t]
+    norm = sum(u * u * v for u, v in zip(t, g))
+    return np.asarray([-u * v / norm for u, v in zip(t, g)])
+
+
+def despike(x) -> np.ndarray:
+    """3-point median; beyond each end the neighbour is mirrored."""
+    x = [float(v) for v in x]
+    n = len(x)
+    if n < 3:
+        return np.asarray(x, dtype=np.float64)
+    out = []
+    for i in range(n):
+        left = x[i - 1] if i > 0 else x[1]
+        right = x[i + 1] if i < n - 1 else x[n - 2]
+        out.append(sorted([left, x[i], right])[1])
+    return np.asarray(out)
 
 
 def convolve_same_edge(x, kernel) -> np.ndarray:
@@ -27,6 +39,29 @@ def convolve_same_edge(x, kernel) -> np.ndarray:
             acc += float(x[src]) * kernel[j]
         out[i] = acc
     return out
+
+
+def wavelet_response(x, s) -> np.ndarray:
+    return convolve_same_edge(despike(x), gaussian_derivative(s.kernel, s.a))
+
+
+def energy_envelope(y, box: int) -> np.ndarray:
+    """RMS over a centred window of ``box`` samples, the ends repeating the edge values."""
+    n, half = len(y), box // 2
+    out = np.zeros(n)
+    for i in range(n):
+        acc = 0.0
+        for j in range(i - half, i + half + 1):
+            v = y[min(max(j, 0), n - 1)]
+            acc += v * v
+        out[i] = math.sqrt(max(acc / box, 0.0))
+    return out
+
+
+def slope_envelope(x, s) -> np.ndarray:
+    d = np.abs(convolve_same_edge(despike(x), gaussian_derivative(s.fine_kernel, s.fine_a)))
+    n = len(d)
+    return np.asarray([max(d[max(0, i - s.slope_half):min(n, i + s.slope_half + 1)]) for i in range(n)])
 
 
 def local_maxima(env, half: int) -> np.ndarray:
@@ -59,14 +94,59 @@ def drop_refractory(peaks, heights, refractory: int) -> np.ndarray:
     return np.asarray([p for i, p in enumerate(peaks) if i not in drop], dtype=np.int64)
 
 
+def t_wave_mask(peaks, slopes, window: int, ratio: float) -> np.ndarray:
+    out = [False] * len(peaks)
+    for i in range(1, len(peaks)):
+        out[i] = peaks[i] - peaks[i - 1] < window and slopes[i] < ratio * slopes[i - 1]
+    return np.asarray(out, dtype=bool)
+
+
+def mean_rr(beats, at: int, window: int) -> float:
+    inside = [b for b in beats if at - window <= b <= at + window]
+    if len(inside) < 3:
+        return float("nan")
+    return (inside[-1] - inside[0]) / (len(inside) - 1)
+
+
+def search_back(beats, beat_slopes, cand, cand_slopes, cand_heights, s) -> np.ndarray:
+    ok = []
+    for c, sl in zip(cand, cand_slopes):
+        before = [k for k, b in enumerate(beats) if b < c]
+        after = [b for b in beats if b >= c]
+        prev = beats[before[-1]] if before else None
+        dp = min(c - prev, s.max_gap) if prev is not None else s.max_gap
+        dn = min(after[0] - c, s.max_gap) if after else s.max_gap
+        prev_slope = beat_slopes[before[-1]] if before and c - prev <= s.max_gap else 0.0
+        rr = mean_rr(beats, c, s.rr_window) if len(beats) >= 2 else float("nan")
+        ok.append(bool(dp + dn > s.searchback * rr and dp > s.margin * rr and dn > s.margin * rr
+                       and sl >= s.twave_slope * prev_slope))
+    chosen = [k for k in range(len(cand)) if ok[k]]
+    for a, b in zip(chosen[:-1], chosen[1:]):
+        if cand[b] - cand[a] < s.twave:
+            ok[a if cand_heights[a] < cand_heights[b] else b] = False
+    return np.asarray(ok, dtype=bool)
+
+
 def detect_peaks(x, s, first: int = 0) -> np.ndarray:
     """The whole segmentation, by loops."""
-    env = np.abs(convolve_same_edge(np.asarray(x, dtype=np.float64), ricker(s.kernel, s.a)))
-    cand = local_maxima(env, s.nms)
+    n = len(x)
+    env = energy_envelope(wavelet_response(x, s), s.box)
+    slopes = slope_envelope(x, s)
     amp = block_amplitude(env, first, s.block, s.blocks)
-    floor = 1e-5 * float(np.abs(x).max())
-    kept = [c for c in cand if env[c] > s.ratio * amp[(c + first) // s.block] and env[c] > floor]
-    return drop_refractory(np.asarray(kept, dtype=np.int64), env[kept] if kept else np.zeros(0), s.refractory) + first
+    floor = 1e-7 * float(np.abs(x).max())
+    cand = [int(c) for c in local_maxima(env, s.nms) if s.edge <= c < n - s.edge]
+    level = {c: amp[(c + first) // s.block] for c in cand}
+    cand = [c for c in cand if env[c] > s.weak_ratio * level[c] and env[c] > floor]
+    strong = [c for c in cand if env[c] > s.ratio * level[c]]
+    weak = [c for c in cand if env[c] <= s.ratio * level[c]]
+    t_like = t_wave_mask(strong, [slopes[c] for c in strong], s.twave, s.twave_slope)
+    strong = [c for c, t in zip(strong, t_like) if not t]
+    strong = [int(c) for c in drop_refractory(np.asarray(strong, dtype=np.int64), [env[c] for c in strong],
+                                              s.refractory)]
+    added = search_back(strong, [slopes[c] for c in strong], weak, [slopes[c] for c in weak],
+                        [env[c] for c in weak], s)
+    peaks = sorted(strong + [c for c, a in zip(weak, added) if a])
+    return np.asarray(peaks, dtype=np.int64) + first
 
 
 def embed(x, start, length, width: int, baseline_samples: int = 0):

@@ -121,3 +121,86 @@ def test_build_from_lightvae_and_throughput(tmp_path):
     assert validate_engine(eng, vae, beats(64, seed=8)) < 1e-4
     rate = throughput(eng, beats(2048, seed=9), batch_size=512)
     assert np.isfinite(rate) and rate > 0
+
+
+# -- backends, precisions, rewrites (beatflow.engine extensions) ---------------------------------
+
+def test_batch_profile():
+    from beatflow.engine import BatchProfile
+
+    assert tuple(BatchProfile.coerce((1, 1024, 8192))) == (1, 1024, 8192)
+    assert tuple(BatchProfile.coerce(64)) == (1, 64, 64)
+    assert BatchProfile(1, 1, 1).example == 2  # exported with a batch >= 2
+    with pytest.raises(ValueError):
+        BatchProfile(4, 2, 8)
+
+
+def test_cpu_rewrites_are_exact(scorer, tmp_path):
+    from beatflow.engine import FlatDownsample, UpsampleConv, optimize_for_onnx_cpu
+
+    fast = optimize_for_onnx_cpu(scorer)
+    kinds = [type(m) for m in fast.modules()]
+    assert kinds.count(FlatDownsample) == 3 and kinds.count(UpsampleConv) == 3
+    assert not any(isinstance(m, torch.nn.Upsample) for m in fast.modules())
+    x = torch.from_numpy(beats(300, seed=11))
+    with torch.no_grad():
+        (s0, m0), (s1, m1) = scorer(x), fast(x)
+    torch.testing.assert_close(s1, s0, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(m1, m0, atol=1e-6, rtol=1e-5)
+    path = export_onnx(scorer, tmp_path / "fast.onnx", dynamo=False, optimize=True)
+    ops = {n.op_type for n in onnx.load(path).graph.node}
+    assert "Resize" not in ops and "Upsample" not in ops
+    eng = OnnxRuntimeEngine.load(path, intra_op_num_threads=1)
+    assert validate_engine(eng, scorer, x.numpy()) < 1e-5
+
+
+def test_concurrent_feeders_match_one(onnx_path):
+    x = beats(3000, seed=12)
+    one = OnnxRuntimeEngine.load(onnx_path, intra_op_num_threads=1)
+    two = OnnxRuntimeEngine.load(onnx_path, intra_op_num_threads=1, feeders=2)
+    for bs in (8192, 700, 1):
+        np.testing.assert_array_equal(two.infer(x[: 50 if bs == 1 else None], bs)[0],
+                                      one.infer(x[: 50 if bs == 1 else None], bs)[0])
+    clone = pickle.loads(pickle.dumps(two))
+    np.testing.assert_array_equal(clone.infer(x)[1], one.infer(x)[1])
+
+
+def test_half_precision_scorer_within_tolerance(scorer, tmp_path):
+    from beatflow.engine import TOLERANCES, PrecisionScorer
+
+    x = torch.from_numpy(beats(200, seed=13))
+    with torch.no_grad():
+        ref_s, ref_mu = scorer(x)
+        s, mu = PrecisionScorer(scorer.vae, torch.bfloat16)(x)  # bf16 runs on the CPU too
+    tol = TOLERANCES["bf16"]
+    assert s.dtype == torch.float32 and mu.dtype == torch.float32
+    assert bool(((s - ref_s).abs() <= tol.atol + tol.rtol * ref_s.abs()).all())
+    path = export_onnx(scorer, tmp_path / "fp16.onnx", dynamo=False, precision="fp16")
+    g = onnx.load(path).graph
+    assert all(v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT for v in [*g.input, *g.output])
+    assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in g.initializer)
+
+
+def test_device_input_and_gpu_providers_fail_clearly_on_cpu(engine):
+    import onnxruntime as ort
+
+    from beatflow.errors import DeviceError
+
+    class FakeDeviceArray:
+        __cuda_array_interface__ = {"shape": (1, WIDTH), "typestr": "<f4", "data": (0, False), "version": 3}
+        shape = (1, WIDTH)
+
+    with pytest.raises(DeviceError, match="CPU ONNX Runtime engine"):
+        engine.infer(FakeDeviceArray())
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(DeviceError, match="onnxruntime-gpu"):
+            OnnxRuntimeEngine(engine.model_bytes, device="cuda").session
+
+
+def test_gpu_backends_import_without_a_gpu():
+    from beatflow import engine_aoti, engine_trt
+
+    assert engine_trt.tensorrt_available() in (True, False)
+    assert engine_aoti.aoti_available("cpu") in (True, False)
+    if not torch.cuda.is_available():
+        assert not engine_trt.tensorrt_available() and not engine_aoti.aoti_available("cuda")

@@ -11,17 +11,37 @@ S250 = SegmentParams().samples(250.0)
 
 
 def small_params(**kw):
-    base = dict(wavelet_width_s=0.02, nms_half_window_s=0.04, refractory_s=0.06, block_s=0.1,
-                threshold_blocks=2, pre_peak_s=0.02, min_length_s=0.1, max_length_s=0.3)
+    base = dict(wavelet_width_s=0.02, energy_window_s=0.05, slope_width_s=0.01, slope_window_s=0.03,
+                nms_half_window_s=0.04, refractory_s=0.06, block_s=0.1, threshold_blocks=2, twave_window_s=0.1,
+                rr_window_s=0.8, max_gap_s=0.6, edge_s=0.03, pre_peak_s=0.02, min_length_s=0.1,
+                max_length_s=0.3)
     base.update(kw)
     return SegmentParams(**base).samples(100.0)
 
 
-def test_ricker_matches_formula_and_has_zero_mean():
-    w = S.ricker(41, 4.0)
-    np.testing.assert_allclose(w, naive.ricker(41, 4.0), atol=1e-12)
-    assert abs(w.sum()) < 1e-12
-    assert np.argmax(w) == 20
+def test_gaussian_derivative_matches_formula_and_measures_slope():
+    k = S.gaussian_derivative(25, 3.0)
+    np.testing.assert_allclose(k, naive.gaussian_derivative(25, 3.0), atol=1e-12)
+    assert abs(k.sum()) < 1e-12
+    np.testing.assert_allclose(k, -k[::-1], atol=1e-15)  # antisymmetric
+    ramp = np.arange(100, dtype=np.float64) * 0.5
+    np.testing.assert_allclose(np.convolve(ramp, k, mode="valid"), 0.5, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 57])
+def test_despike_matches_loop(n):
+    x = np.random.default_rng(n).normal(size=n).astype(np.float32)
+    np.testing.assert_array_equal(S.despike(x), naive.despike(x))
+
+
+def test_despike_removes_single_sample_glitches_only():
+    x = np.zeros(50)
+    x[10] = 5.0  # one-sample glitch
+    x[30:33] = 5.0  # three samples: a (tiny) complex
+    y = S.despike(x)
+    assert y[10] == 0 and (y[30:33] == 5).all()
+    x[-1] = -9.0  # truncated last sample
+    assert S.despike(x)[-1] == 0
 
 
 @pytest.mark.parametrize("n", [1, 7, 60, 257])
@@ -29,14 +49,24 @@ def test_wavelet_response_matches_direct_convolution(n):
     rng = np.random.default_rng(n)
     x = rng.normal(size=n).astype(np.float32) + 3.0
     s = small_params()
-    got = S.wavelet_response(x, s)
-    want = naive.convolve_same_edge(x, naive.ricker(s.kernel, s.a))
-    np.testing.assert_allclose(got, want, atol=1e-9)
+    np.testing.assert_allclose(S.wavelet_response(x, s), naive.wavelet_response(x, s), atol=1e-9)
 
 
-def test_constant_has_no_response():
+@pytest.mark.parametrize("n", [1, 5, 60, 257])
+def test_envelopes_match_loops(n):
+    rng = np.random.default_rng(n + 1)
+    x = rng.normal(size=n).astype(np.float32)
+    s = small_params()
+    y = S.wavelet_response(x, s)
+    np.testing.assert_allclose(S.energy_envelope(y, s), naive.energy_envelope(y, s.box), atol=1e-9)
+    np.testing.assert_allclose(S.slope_envelope(x, s), naive.slope_envelope(x, s), atol=1e-9)
+
+
+def test_constant_and_baseline_have_no_response():
     s = small_params()
     assert np.abs(S.wavelet_response(np.full(500, 7.5, np.float32), s)).max() < 1e-9
+    ramp = np.linspace(0.0, 1.0, 500)  # slow drift: a constant slope, far below any QRS
+    assert np.abs(S.wavelet_response(ramp, s)[20:-20] - 1 / 499).max() < 1e-9
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -64,16 +94,79 @@ def test_drop_refractory_matches_loop():
     peaks = np.cumsum(rng.integers(1, 12, 200))
     h = rng.random(200)
     np.testing.assert_array_equal(S.drop_refractory(peaks, h, 6), naive.drop_refractory(peaks, h, 6))
+    assert S.drop_refractory(peaks[:1], h[:1], 6).tolist() == peaks[:1].tolist()
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_detect_peaks_matches_naive_on_random_input(seed):
+@pytest.mark.parametrize("seed", range(3))
+def test_t_wave_mask_matches_loop(seed):
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=900).astype(np.float32)
-    x[rng.integers(0, 900, 12)] += 6.0  # spikes
+    peaks = np.cumsum(rng.integers(1, 20, 300))
+    slopes = rng.random(300)
+    for window, ratio in ((5, 0.5), (12, 0.3), (30, 1.0)):
+        np.testing.assert_array_equal(S.t_wave_mask(peaks, slopes, window, ratio),
+                                      naive.t_wave_mask(peaks, slopes, window, ratio))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_mean_rr_and_search_back_match_loops(seed):
+    rng = np.random.default_rng(seed)
     s = small_params()
-    for first in (0, 55):
-        np.testing.assert_array_equal(S.detect_peaks(x, s, first=first), naive.detect_peaks(x, s, first=first))
+    # beats every ~0.3 s with random holes (missed beats), candidates anywhere
+    beats = np.sort(rng.choice(np.arange(0, 3000, 30), size=70, replace=False) + rng.integers(-3, 4, 70))
+    beats = np.unique(beats)
+    cand = np.setdiff1d(rng.integers(0, 3000, 150), beats)
+    bs, cs, ch = rng.random(len(beats)), rng.random(len(cand)), rng.random(len(cand))
+    np.testing.assert_array_equal(
+        S.mean_rr(beats, cand, s.rr_window), [naive.mean_rr(list(beats), c, s.rr_window) for c in cand])
+    got = S.search_back(beats, bs, cand, cs, ch, s)
+    np.testing.assert_array_equal(got, naive.search_back(list(beats), list(bs), list(cand), list(cs), list(ch), s))
+    assert got.any() and not got.all()
+    none = S.search_back(beats[:1], bs[:1], cand, cs, ch, s)
+    assert not none.any()
+
+
+def test_search_back_finds_a_small_beat_in_a_gap():
+    s = SegmentParams().samples(250.0)
+    beats = np.arange(0, 250 * 20, 250)  # 1 beat/s
+    beats = beats[beats != 2500]  # missed at 10 s
+    cand = np.array([2300, 2502, 2600])  # too close to the beat at 9 s, the missed beat, its T wave
+    slopes = np.array([1.0, 1.0, 0.1])
+    got = S.search_back(beats, np.ones(len(beats)), cand, slopes, np.array([0.2, 0.3, 0.2]), s)
+    assert got.tolist() == [False, True, False]
+
+
+def _random_beats(seed, n=1200):
+    """Gaussian "QRS" bumps every ~0.4 s at 100 Hz, of random size (some weak: search-back), half of them
+    with a broad "T wave" (T-wave test), on noise, with a few one-sample spikes."""
+    rng = np.random.default_rng(seed)
+    x = (0.03 * rng.normal(size=n)).astype(np.float32)
+    t = np.arange(n)
+    for b in np.arange(20, n - 20, 40) + rng.integers(-3, 4, len(range(20, n - 20, 40))):
+        a = rng.choice([0.25, 1.0, 1.0, 2.0])
+        x += a * np.exp(-0.5 * ((t - b) / 1.2) ** 2).astype(np.float32)
+        x += rng.choice([0.0, 0.8]) * a * np.exp(-0.5 * ((t - b - 14) / 5.0) ** 2).astype(np.float32)
+    x[rng.integers(0, n, 4)] += 3.0
+    return x
+
+
+def test_detect_peaks_matches_naive_on_random_input(monkeypatch):
+    used = {"t_wave": 0, "search_back": 0}
+
+    def counting(name, fn):
+        def wrapped(*a):
+            out = fn(*a)
+            used[name] += int(out.sum())
+            return out
+        return wrapped
+
+    monkeypatch.setattr(S, "t_wave_mask", counting("t_wave", S.t_wave_mask))
+    monkeypatch.setattr(S, "search_back", counting("search_back", S.search_back))
+    s = small_params(nms_half_window_s=0.08, refractory_s=0.08, twave_window_s=0.2, threshold_blocks=3, block_s=0.3)
+    for seed in range(6):
+        x = _random_beats(seed)
+        for first in (0, 55):
+            np.testing.assert_array_equal(S.detect_peaks(x, s, first=first), naive.detect_peaks(x, s, first=first))
+    assert used["t_wave"] > 0 and used["search_back"] > 0  # both decisions were exercised
 
 
 def _partitioned_peaks(x, s, n_parts):
