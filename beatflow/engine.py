@@ -292,7 +292,24 @@ def optimize_for_onnx_cpu(scorer: Union[Scorer, LightVAE]) -> Scorer:
 # ----------------------------------------------------------------------------------------------
 
 class Engine(abc.ABC):
-    """Interface of an inference backend for the beat scorer."""
+    """Interface of an inference backend for the beat scorer.
+
+    Engines travel to Dask workers by pickling: what a backend rebuilds lazily (sessions, compiled
+    models) is named in ``_transient`` and dropped from the pickled state, with the lock.
+    """
+
+    #: attributes not pickled (rebuilt on first use after unpickling)
+    _transient: tuple = ()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for key in (*self._transient, "_lock"):
+            state[key] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     #: Short backend name (``"onnxruntime"``, ``"tensorrt"``, ``"aoti"``).
     name: str = "engine"
@@ -723,16 +740,7 @@ class OnnxRuntimeEngine(Engine):
         """Samples per beat ``D`` expected by the model."""
         return int(self.session.get_inputs()[0].shape[1])
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_session"] = None
-        state["_pool"] = None
-        state["_lock"] = None
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+    _transient = ("_session", "_pool")
 
     @classmethod
     def build(cls, scorer: Scorer, path: PathLike, *, opset: int = 18, dynamo: bool = True,

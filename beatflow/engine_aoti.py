@@ -98,15 +98,7 @@ class AotInductorEngine(Engine):
                                                     if self.on_gpu else -1)
         return self._model
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_model"] = None
-        state["_lock"] = None
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+    _transient = ("_model",)
 
     @classmethod
     def build(cls, scorer: Scorer, path: PathLike, *, device: str = "cpu", precision: str = "fp32",

@@ -155,16 +155,7 @@ class TensorRtEngine(Engine):
                         self._context = engine.create_execution_context()
         return self._context
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        for k in ("_engine", "_context", "_runtime"):
-            state[k] = None
-        state["_lock"] = None
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+    _transient = ("_engine", "_context", "_runtime")
 
     @property
     def width(self) -> int:
