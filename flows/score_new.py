@@ -7,35 +7,23 @@ scored in its own task, its beats are appended to the results store, and the fil
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from prefect import flow, get_run_logger, unmapped
 
-from beatflow.store import Store, atomic_write_bytes, list_inbox, sha256_of
+from beatflow.store import Store, list_inbox
 from tasks.scoring import score_inbox_item
 
 
-def cached_onnx_engine(store: Store, model_path: Path, meta: dict) -> Path:
-    """The model's ONNX engine from the store's cache, exported and validated once per model hash."""
+def cached_engine(store: Store, model_path: Path, meta: dict) -> str:
+    """The model's validated engine from the store's engine cache (built once per model and config)."""
     import numpy as np
 
-    from beatflow.engine import OnnxRuntimeEngine, export_onnx, validate_engine
-    from beatflow.model import Scorer, load_model
+    from beatflow.engines import build_or_load_engine
 
-    path = store.engines / f"{meta['sha256']}.onnx"
-    sidecar = path.with_suffix(".sha256")
-    if path.exists() and sidecar.exists() and sidecar.read_text().strip() == sha256_of(path):
-        return path
-    scorer = Scorer(load_model(model_path)).eval()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    store.engines.mkdir(parents=True, exist_ok=True)
-    export_onnx(scorer, tmp, meta["width"])
     probe = np.random.default_rng(0).normal(scale=0.3, size=(256, meta["width"])).astype(np.float32)
-    validate_engine(OnnxRuntimeEngine.load(tmp), scorer, probe)
-    os.replace(tmp, path)
-    atomic_write_bytes(sidecar, sha256_of(path).encode())
-    return path
+    _, info = build_or_load_engine(str(model_path), probe, backend="onnxruntime", cache_dir=store.engines)
+    return info["path"]
 
 
 @flow(name="score-new-recordings", log_prints=True)
@@ -44,7 +32,7 @@ def score_new_recordings(inbox: str, store: str = ".beatflow", fs: float | None 
     log = get_run_logger()
     st = Store(store)
     model_path, meta = st.latest_model()
-    engine_path = cached_onnx_engine(st, model_path, meta)
+    engine_path = cached_engine(st, model_path, meta)
     items = list_inbox(inbox)
     log.info("%d new recording(s) in %s; model %s", len(items), inbox, meta["id"])
     done, failed = str(Path(inbox) / "done"), str(Path(inbox) / "failed")

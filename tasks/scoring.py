@@ -16,9 +16,9 @@ from beatflow.store import Store, move_item
 
 @functools.lru_cache(maxsize=4)
 def _engine(path: str):
-    from beatflow.engine import OnnxRuntimeEngine
+    from beatflow.engines import load_engine
 
-    return OnnxRuntimeEngine.load(path)
+    return load_engine(path, threads=1)
 
 
 @task(name="score-recording", cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=2)
