@@ -1,9 +1,13 @@
 """Beat segmentation: a QRS energy envelope, non-maximum suppression, adaptive thresholds, T-wave
 rejection and search-back.
 
-One implementation for NumPy and CuPy (the array namespace comes from the input); dense work is
-array code on the whole signal (a 3-point median, two FFT convolutions, a moving average, two
-moving maxima), the decisions are vectorised over the sparse candidate peaks.
+One implementation for NumPy and CuPy (the array namespace comes from the input): the dense steps
+are array code on the whole signal (a 3-point median, a direct convolution, a moving average, the
+non-maximum suppression), the decisions are vectorised over the sparse candidate peaks. Where the
+array code is too slow for its device, a kernel with exactly its contract takes over and is tested
+against it and against the loop references in ``tests/naive.py``: on the GPU the NMS kernel of
+:mod:`beatflow.kernels` (Numba CUDA); on the CPU the fused envelope, the NMS scan and the sparse
+slope of :mod:`beatflow.cpu_kernels` (Numba), which make the CPU path ~15x faster.
 
 The steps of :func:`detect_peaks`:
 
@@ -11,16 +15,24 @@ The steps of :func:`detect_peaks`:
 2. ``wavelet_response``: derivative of a Gaussian (σ ≈ 8 ms), a band-pass slope estimate with no
    response to a constant or to slow baseline wander;
 3. ``energy_envelope``: root mean square of the slope over ~100 ms; QRS complexes are its
-   highest, narrowest peaks, T waves (slow) and baseline wander (slower) are much lower;
+   highest, narrowest peaks, T waves (slow) and baseline wander (slower) are much lower
+   (1-3: :func:`qrs_envelope`);
 4. ``local_maxima``: candidates are maxima of the envelope over ``±nms``;
 5. ``block_amplitude``: the local level, a median of 1 s block maxima over ``±blocks`` blocks;
    a candidate above ``ratio`` × level is *strong*, one above ``weak_ratio`` × level is *weak*;
 6. ``t_wave_mask``: a strong candidate closer than ``twave`` to the previous strong one whose
-   steepest slope (fine derivative, σ ≈ 4 ms) is below ``twave_slope`` × that one's is a T wave;
+   steepest slope (:func:`steepest_at`: fine derivative, σ ≈ 4 ms) is below ``twave_slope`` ×
+   that one's is a T wave;
 7. ``drop_refractory``: of two accepted peaks closer than ``refractory``, the smaller goes;
 8. ``search_back``: a weak candidate is accepted where the accepted beats around it leave a gap
    longer than ``searchback`` × the local mean RR (beats within ``±rr_window``), if it is at least
    ``margin`` × RR from both and not T-wave-like.
+
+Why not the seed's Ricker wavelet by FFT: on real ECG (MIT-BIH) a Ricker response of fixed width
+peaks on tall T waves and on the wrong lobe of wide beats; the slope envelope with a T-wave test
+and search-back is what brought sensitivity from 99.60 to 99.84 % (``bench/RESULTS_mitdb.md``).
+The kernels are 9–37 taps, for which direct convolution is several times faster than an FFT and
+gives every sample the same round-off wherever the stream was cut.
 
 A stream may be cut into partitions: each is processed with a halo of its neighbours
 (``SegmentSamples.halo``) and keeps only the peaks in its own core. Every decision above looks at
@@ -76,18 +88,21 @@ def despike(x):
 
 
 def _convolve_edge(x, kernel):
-    """``x`` (float64) convolved with an odd ``kernel``, same length, ends padded with edge values."""
+    """``x`` (float64) convolved with an odd ``kernel``, same length, ends padded with the edge values.
+
+    Direct convolution (``ndimage.convolve1d``): the kernels here have 9–33 taps, for which it is
+    several times faster than an FFT on the CPU and on the GPU, and each output depends only on its
+    own neighbourhood (an FFT's round-off depends on the whole array, so on where a partition starts).
+    """
     xp = namespace_of(x)
-    signal, _ = scipy_for(xp)
+    _, ndimage = scipy_for(xp)
     if x.shape[0] == 0:
         return x.astype(xp.float64)
-    half = kernel.shape[0] // 2
-    padded = xp.pad(x, half, mode="edge")
-    return signal.fftconvolve(padded, kernel, mode="valid")
+    return ndimage.convolve1d(x.astype(xp.float64, copy=False), kernel, mode="nearest")
 
 
 def wavelet_response(x, s: SegmentSamples):
-    """Slope of the despiked signal: FFT convolution with the derivative of a Gaussian (σ = ``s.a``).
+    """Slope of the despiked signal: convolution with the derivative of a Gaussian (σ = ``s.a``).
 
     Same length as ``x``, float64, signed. The ends are padded with the edge values, so a baseline
     offset at the stream's ends does not look like a beat.
@@ -110,22 +125,69 @@ def energy_envelope(y, s: SegmentSamples):
     return xp.sqrt(xp.maximum(e, 0.0))
 
 
-def slope_envelope(x, s: SegmentSamples):
-    """Steepest slope near each sample: max of |fine derivative-of-Gaussian response| over ``±s.slope_half``.
+def qrs_envelope(x, s: SegmentSamples):
+    """The QRS energy envelope of a stream: ``energy_envelope(wavelet_response(x, s), s)``.
 
-    The fine derivative (σ = ``s.fine_a``) of the despiked signal; QRS complexes are much steeper
-    than T waves, which is what :func:`t_wave_mask` compares.
+    On NumPy this is one fused pass (:func:`beatflow.cpu_kernels.envelope_cpu`, about 15× faster
+    than the array code on the CPU); on CuPy the array code below runs on the device.
     """
-    return _steepest(despike(x), s)
+    xp = namespace_of(x)
+    if xp is np and x.shape[0] >= 3:
+        from .cpu_kernels import envelope_cpu
+
+        return envelope_cpu(x, gaussian_derivative(s.kernel, s.a), s.box)
+    return energy_envelope(wavelet_response(x, s), s)
 
 
-def _steepest(xd, s: SegmentSamples):
-    xp = namespace_of(xd)
-    _, ndimage = scipy_for(xp)
-    if xd.shape[0] == 0:
-        return xd
-    d = xp.abs(_slope(xd, s.fine_kernel, s.fine_a))
-    return ndimage.maximum_filter1d(d, size=2 * s.slope_half + 1, mode="nearest")
+def steepest_at(x, at, s: SegmentSamples):
+    """Steepest slope near each of the positions ``at``: max of |fine slope| over ``±s.slope_half``.
+
+    The fine slope is the derivative-of-Gaussian response (σ = ``s.fine_a``) of the despiked signal;
+    QRS complexes are much steeper than T waves, which is what :func:`t_wave_mask` compares. Only
+    the windows around ``at`` are computed (gathered as one ``(len(at), window)`` matrix), not the
+    whole stream; the ends of the stream are padded with edge values, as by the dense filters.
+
+    Returns
+    -------
+    array, float64, shape ``at.shape``
+    """
+    xp = namespace_of(x)
+    n = x.shape[0]
+    m = at.shape[0]
+    if m == 0:
+        return xp.zeros(0, dtype=xp.float64)
+    k = gaussian_derivative(s.fine_kernel, s.fine_a, xp)
+    if xp is np and n >= 3:  # the same sums as a loop per position (no (m, window) temporaries)
+        from .cpu_kernels import steepest_cpu
+
+        return steepest_cpu(x, at, k, s.slope_half)
+    return _steepest_xp(x, at, k, s)
+
+
+def _steepest_xp(x, at, k, s: SegmentSamples):
+    """:func:`steepest_at` in array code (the GPU path, and the CPU kernel's reference)."""
+    xp = namespace_of(x)
+    n, m = x.shape[0], at.shape[0]
+    K, kh, sh = s.fine_kernel, s.fine_kernel // 2, s.slope_half
+    # despiked samples at clip(at - sh - kh + t), t = 0 .. 2(sh + kh)
+    pos = xp.clip(at[:, None] + xp.arange(-(sh + kh), sh + kh + 1), 0, n - 1)
+    xf = x.astype(xp.float64, copy=False)
+    if n >= 3:
+        a = xf[xp.where(pos > 0, pos - 1, 1)]
+        b = xf[pos]
+        c = xf[xp.where(pos < n - 1, pos + 1, n - 2)]
+        w = xp.maximum(xp.minimum(a, b), xp.minimum(xp.maximum(a, b), c))
+    else:
+        w = xf[pos]
+    # slope at q = at - sh + u: sum_j w[u + 2kh - j] * k[j]
+    d = xp.zeros((m, 2 * sh + 1), dtype=xp.float64)
+    for j in range(K):
+        d += w[:, 2 * kh - j : 2 * kh - j + 2 * sh + 1] * k[j]
+    d = xp.abs(d)
+    # positions beyond the ends are not samples (the dense maximum filter repeats the end value)
+    q = at[:, None] + xp.arange(-sh, sh + 1)
+    d = xp.where((q >= 0) & (q < n), d, 0.0)
+    return d.max(axis=1)
 
 
 def local_maxima(env, half_window: int):
@@ -138,9 +200,9 @@ def local_maxima(env, half_window: int):
         from .kernels import local_maxima_gpu
 
         return local_maxima_gpu(env, half_window)
-    _, ndimage = scipy_for(xp)
-    m = ndimage.maximum_filter1d(env, size=2 * half_window + 1, mode="nearest")
-    return xp.flatnonzero((env == m) & (env > 0))
+    from .cpu_kernels import local_maxima_cpu  # a scan with early exit, ~30× SciPy's moving maximum
+
+    return local_maxima_cpu(env, half_window)
 
 
 def block_amplitude(env, first: int, s: SegmentSamples):
@@ -282,8 +344,7 @@ def detect_peaks(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] 
     n = x.shape[0]
     if n == 0:
         return xp.zeros(0, dtype=xp.int64)
-    xd = despike(x)
-    env = energy_envelope(_slope(xd, s.kernel, s.a), s)
+    env = qrs_envelope(x, s)
     cand = local_maxima(env, s.nms)
     # a peak within `edge` of the ends of x sees only padding on one side (a QRS cut by the end of
     # the record); for a partition these are halo samples, never in its core
@@ -295,7 +356,7 @@ def detect_peaks(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] 
     floor = 1e-7 * float(xp.abs(x).max())
     keep = (heights > s.weak_ratio * level) & (heights > floor)
     cand, heights, level = cand[keep], heights[keep], level[keep]
-    slopes = _steepest(xd, s)[cand]
+    slopes = steepest_at(x, cand, s)
     strong = xp.flatnonzero(heights > s.ratio * level)
     strong = strong[~t_wave_mask(cand[strong], slopes[strong], s.twave, s.twave_slope)]
     strong = strong[refractory_mask(cand[strong], heights[strong], s.refractory)]

@@ -29,6 +29,38 @@ def timed(fn, *a, **k):
     return out, time.perf_counter() - t
 
 
+def segment_on_cluster(x, s, workers: int, whole):
+    """Best-of-3 time of segmenting ``x`` as ``workers`` partitions (with halos) on a Dask LocalCluster.
+
+    This is what the flow's segmentation task does: the partitions already live on the workers
+    (scattered before the clock starts), each worker runs ``partitions.segment_partition`` on its
+    own, only the peak indices come back.
+    """
+    from distributed import Client, LocalCluster
+
+    from beatflow.partitions import assemble_halos, edges, segment_partition
+    from beatflow.reading import PartitionSpec, _split_even
+
+    spans = _split_even(x.shape[0], workers)
+    specs = [PartitionSpec(0, k, a, b) for k, (a, b) in enumerate(spans)]
+    parts = [x[a:b] for a, b in spans]
+    e = [edges(p, s.halo) for p in parts]
+    lefts, rights, firsts = assemble_halos(specs, [len(p) for p in parts], [h for h, _ in e], [t for _, t in e],
+                                           s.halo)
+    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        futs = [client.scatter(a, workers=[w]) for a, w in zip(parts, list(client.scheduler_info()["workers"]))]
+        client.gather([client.submit(segment_partition, f, l, r, fi, s, pure=False)
+                       for f, l, r, fi in zip(futs, lefts, rights, firsts)])  # compile / load the kernels
+        best, out = float("inf"), None
+        for _ in range(3):
+            t = time.perf_counter()
+            out = client.gather([client.submit(segment_partition, f, l, r, fi, s, pure=False)
+                                 for f, l, r, fi in zip(futs, lefts, rights, firsts)])
+            best = min(best, time.perf_counter() - t)
+    return best, bool(np.array_equal(np.concatenate(out), whole))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hours", type=float, default=20.0)
@@ -51,22 +83,30 @@ def main() -> None:
     rows.append(("synthesize", t, n / t, ""))
     s = SegmentParams().samples(fs)
     tol = int(0.15 * fs)
-    peaks, t = timed(detect_peaks, x, s)
+    _, t_first = timed(detect_peaks, x, s)  # the first call compiles the CPU kernels (or loads them from cache)
+    peaks, t = min((timed(detect_peaks, x, s) for _ in range(3)), key=lambda r: r[1])
     d, _ = match_beats(peaks, ecg.r_peaks, tol)
     seg_rate = n / t
-    rows.append(("segment (beatflow, whole stream)", t, seg_rate, f"Se {d.se:.4f} PPV {d.ppv:.4f}"))
+    rows.append(("segment (beatflow, whole stream, one process, best of 3)", t, seg_rate,
+                 f"Se {d.se:.4f} PPV {d.ppv:.4f}; first call {t_first:.2f} s"))
+    workers = os.cpu_count() or 1
+    t_par, same = segment_on_cluster(x, s, workers, peaks)
+    par_rate = n / t_par
+    rows.append((f"segment (beatflow, {workers} partitions on a {workers}-worker Dask LocalCluster, best of 3)",
+                 t_par, par_rate, f"peaks identical to the whole-stream run: {same}"))
     if not args.skip_neurokit:
         import neurokit2 as nk
 
         (_, info), t = timed(nk.ecg_peaks, x, sampling_rate=int(fs))
         d2, _ = match_beats(np.asarray(info["ECG_R_Peaks"]), ecg.r_peaks, tol)
         rows.append(("segment (NeuroKit2 ecg_peaks)", t, n / t, f"Se {d2.se:.4f} PPV {d2.ppv:.4f}; "
-                     f"beatflow {seg_rate / (n / t):.1f}x"))
+                     f"beatflow {seg_rate / (n / t):.1f}x (one process), {par_rate / (n / t):.1f}x (cluster)"))
         cleaned, t1 = timed(nk.ecg_clean, x, sampling_rate=int(fs))
         (_, info), t2 = timed(nk.ecg_peaks, cleaned, sampling_rate=int(fs))
         d3, _ = match_beats(np.asarray(info["ECG_R_Peaks"]), ecg.r_peaks, tol)
         rows.append(("segment (NeuroKit2 ecg_clean + ecg_peaks)", t1 + t2, n / (t1 + t2),
-                     f"Se {d3.se:.4f} PPV {d3.ppv:.4f}; beatflow {seg_rate / (n / (t1 + t2)):.1f}x"))
+                     f"Se {d3.se:.4f} PPV {d3.ppv:.4f}; beatflow {seg_rate / (n / (t1 + t2)):.1f}x (one process), "
+                     f"{par_rate / (n / (t1 + t2)):.1f}x (cluster)"))
     peak, start, length = beats_from_peaks(peaks, s, n)
     kept = prune_mask(length, s.lower, s.upper)
     (rows_, p2p), t = timed(embed, x, start[kept], length[kept], s.width, baseline_samples=s.pre // 2)

@@ -67,7 +67,7 @@ def partition_edges(core, halo: int):
 
 @partition_task(name="segment-partition")
 def segment_partition(core, left, right, first: int, s: SegmentSamples, cache_token: str | None = None):
-    """Peaks of one partition (Ricker response + non-maximum suppression + local threshold)."""
+    """Peaks of one partition (QRS envelope, non-maximum suppression, local thresholds; see beatflow.segment)."""
     xp = namespace(_device_of(core))
     peaks = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, s)
     return to_host(peaks)

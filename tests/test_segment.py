@@ -52,14 +52,40 @@ def test_wavelet_response_matches_direct_convolution(n):
     np.testing.assert_allclose(S.wavelet_response(x, s), naive.wavelet_response(x, s), atol=1e-9)
 
 
-@pytest.mark.parametrize("n", [1, 5, 60, 257])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 60, 257])
 def test_envelopes_match_loops(n):
     rng = np.random.default_rng(n + 1)
     x = rng.normal(size=n).astype(np.float32)
     s = small_params()
     y = S.wavelet_response(x, s)
-    np.testing.assert_allclose(S.energy_envelope(y, s), naive.energy_envelope(y, s.box), atol=1e-9)
-    np.testing.assert_allclose(S.slope_envelope(x, s), naive.slope_envelope(x, s), atol=1e-9)
+    want = naive.energy_envelope(y, s.box)
+    np.testing.assert_allclose(S.energy_envelope(y, s), want, atol=1e-9)
+    np.testing.assert_allclose(S.qrs_envelope(x, s), want, atol=1e-9)  # the fused CPU kernel
+    slopes = naive.slope_envelope(x, s)
+    at = np.arange(n, dtype=np.int64)
+    np.testing.assert_allclose(S.steepest_at(x, at, s), slopes, atol=1e-9)  # the CPU kernel
+    k = S.gaussian_derivative(s.fine_kernel, s.fine_a)
+    np.testing.assert_allclose(S._steepest_xp(x, at, k, s), slopes, atol=1e-9)  # the array code (GPU path)
+
+
+@pytest.mark.parametrize("fs", [250.0, 360.0])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fused_envelope_matches_array_code_across_chunks(fs, dtype):
+    """Long enough for many chunks of the CPU kernel, and the seed's real window sizes."""
+    from beatflow.cpu_kernels import _CHUNK
+
+    s = SegmentParams().samples(fs)
+    rng = np.random.default_rng(int(fs))
+    n = 3 * _CHUNK + 123
+    x = (np.cumsum(rng.normal(size=n)) * 0.01 + rng.normal(size=n)).astype(dtype)
+    want = S.energy_envelope(S.wavelet_response(x, s), s)
+    got = S.qrs_envelope(x, s)
+    np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12 * float(want.max()))
+    # each sample's value does not depend on where the stream starts (partitions agree bit for bit)
+    np.testing.assert_array_equal(S.qrs_envelope(x[777:], s)[500:-500], got[777:][500:-500])
+    at = np.sort(rng.integers(0, n, 300))
+    k = S.gaussian_derivative(s.fine_kernel, s.fine_a)
+    np.testing.assert_allclose(S.steepest_at(x, at, s), S._steepest_xp(x, at, k, s), rtol=1e-12, atol=1e-12)
 
 
 def test_constant_and_baseline_have_no_response():
@@ -74,8 +100,19 @@ def test_local_maxima_match_loop(seed):
     rng = np.random.default_rng(seed)
     env = np.abs(rng.normal(size=400))
     env[rng.integers(0, 400, 20)] = 0.5  # ties
-    for half in (1, 3, 8):
+    env[100:110] = 3.0  # a plateau: every sample of it is a maximum
+    for half in (1, 3, 8, 500):
         np.testing.assert_array_equal(S.local_maxima(env, half), naive.local_maxima(env, half))
+
+
+def test_local_maxima_match_scipy_moving_maximum():
+    from scipy.ndimage import maximum_filter1d
+
+    env = np.abs(np.random.default_rng(3).normal(size=200_000)).round(2)  # many ties
+    env[:50] = 0.0
+    for half in (2, 58):
+        m = maximum_filter1d(env, 2 * half + 1, mode="nearest")
+        np.testing.assert_array_equal(S.local_maxima(env, half), np.flatnonzero((env == m) & (env > 0)))
 
 
 @pytest.mark.parametrize("first", [0, 3, 17, 250])
