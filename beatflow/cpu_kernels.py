@@ -15,148 +15,143 @@ slower than NeuroKit2. Here each is one pass:
 
 Both have exactly the contract of the array-namespace functions in :mod:`beatflow.segment` (which
 the GPU path uses) and are tested against them and against the loop references of
-``tests/naive.py``. Compiled on first use and cached on disk (``cache=True``).
+``tests/naive.py``. Compiled on first use and cached on disk (``cache=True``; this module is imported only when the CPU path runs).
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
+from numba import njit
 
 __all__ = ["envelope_cpu", "local_maxima_cpu", "steepest_cpu"]
 
 _CHUNK = 4096
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    from numba import njit
+# module-level functions: Numba caches them on disk (closures would be recompiled in every process)
+@njit(cache=True, nogil=True)
+def _clip(i, n):
+    return 0 if i < 0 else (n - 1 if i >= n else i)
 
-    @njit(cache=True, nogil=True)
-    def clip(i, n):
-        return 0 if i < 0 else (n - 1 if i >= n else i)
+@njit(cache=True, nogil=True)
+def _despiked(x, j, n):
+    # 3-point median at j (0 <= j < n, n >= 3); beyond the ends the neighbour is mirrored
+    a = np.float64(x[j - 1] if j > 0 else x[1])
+    b = np.float64(x[j])
+    c = np.float64(x[j + 1] if j < n - 1 else x[n - 2])
+    return max(min(a, b), min(max(a, b), c))
 
-    @njit(cache=True, nogil=True)
-    def despiked(x, j, n):
-        # 3-point median at j (0 <= j < n, n >= 3); beyond the ends the neighbour is mirrored
-        a = np.float64(x[j - 1] if j > 0 else x[1])
-        b = np.float64(x[j])
-        c = np.float64(x[j + 1] if j < n - 1 else x[n - 2])
-        return max(min(a, b), min(max(a, b), c))
-
-    @njit(cache=True, nogil=True)
-    def envelope(x, kr, box, out):
-        n = x.shape[0]
-        K = kr.shape[0]
-        kh = K // 2
-        bh = box // 2
-        # per chunk [c0, c1): slope y over [c0 - bh, c1 + bh), despiked xd over that ± kh
-        ylen = _CHUNK + 2 * bh
-        xd = np.empty(ylen + 2 * kh, np.float64)
-        y = np.empty(ylen, np.float64)
-        acc = np.empty(_CHUNK, np.float64)
-        part = np.empty(ylen, np.float64)
-        g = max(1, int(np.sqrt(box)))
-        groups = box // g
-        for c0 in range(0, n, _CHUNK):
-            c1 = min(n, c0 + _CHUNK)
-            m = c1 - c0
-            ylo = c0 - bh
-            yl = m + 2 * bh
-            xlo = ylo - kh
-            xl = yl + 2 * kh
-            if xlo >= 1 and xlo + xl + 1 <= n:  # interior: no clipping, a vectorised loop
-                for t in range(xl):
-                    a = np.float64(x[xlo + t - 1])
-                    b = np.float64(x[xlo + t])
-                    c = np.float64(x[xlo + t + 1])
-                    xd[t] = max(min(a, b), min(max(a, b), c))
-            else:
-                for t in range(xl):
-                    xd[t] = despiked(x, clip(xlo + t, n), n)
-            # y[t] = sum_j xd[clip(ylo + t + kh - j)] * k[j] = sum_i xd[t + i] * kr[i] with kr the
-            # reversed kernel; the loop over t is the inner one, and its index must run forward
-            # for LLVM to vectorise it (2.3x)
+@njit(cache=True, nogil=True)
+def _envelope(x, kr, box, out):
+    n = x.shape[0]
+    K = kr.shape[0]
+    kh = K // 2
+    bh = box // 2
+    # per chunk [c0, c1): slope y over [c0 - bh, c1 + bh), despiked xd over that ± kh
+    ylen = _CHUNK + 2 * bh
+    xd = np.empty(ylen + 2 * kh, np.float64)
+    y = np.empty(ylen, np.float64)
+    acc = np.empty(_CHUNK, np.float64)
+    part = np.empty(ylen, np.float64)
+    g = max(1, int(np.sqrt(box)))
+    groups = box // g
+    for c0 in range(0, n, _CHUNK):
+        c1 = min(n, c0 + _CHUNK)
+        m = c1 - c0
+        ylo = c0 - bh
+        yl = m + 2 * bh
+        xlo = ylo - kh
+        xl = yl + 2 * kh
+        if xlo >= 1 and xlo + xl + 1 <= n:  # interior: no clipping, a vectorised loop
+            for t in range(xl):
+                a = np.float64(x[xlo + t - 1])
+                b = np.float64(x[xlo + t])
+                c = np.float64(x[xlo + t + 1])
+                xd[t] = max(min(a, b), min(max(a, b), c))
+        else:
+            for t in range(xl):
+                xd[t] = _despiked(x, _clip(xlo + t, n), n)
+        # y[t] = sum_j xd[_clip(ylo + t + kh - j)] * k[j] = sum_i xd[t + i] * kr[i] with kr the
+        # reversed kernel; the loop over t is the inner one, and its index must run forward
+        # for LLVM to vectorise it (2.3x)
+        for t in range(yl):
+            y[t] = 0.0
+        for i in range(K):
+            ki = kr[i]
             for t in range(yl):
-                y[t] = 0.0
-            for i in range(K):
-                ki = kr[i]
-                for t in range(yl):
-                    y[t] += xd[t + i] * ki
-            # the envelope repeats the edge values of y beyond the stream's ends (mode "nearest")
-            if ylo < 0:
-                e = y[-ylo]
-                for t in range(-ylo):
-                    y[t] = e
-            if ylo + yl > n:
-                e = y[n - 1 - ylo]
-                for t in range(n - ylo, yl):
-                    y[t] = e
-            for t in range(yl):
-                y[t] = y[t] * y[t]
-            # moving sum of `box` squares as sums of `g` consecutive ones (g ≈ √box: ~2√box adds
-            # per sample instead of box); each output is summed in the same order wherever the
-            # stream was cut, so partitions agree bit for bit
+                y[t] += xd[t + i] * ki
+        # the envelope repeats the edge values of y beyond the stream's ends (mode "nearest")
+        if ylo < 0:
+            e = y[-ylo]
+            for t in range(-ylo):
+                y[t] = e
+        if ylo + yl > n:
+            e = y[n - 1 - ylo]
+            for t in range(n - ylo, yl):
+                y[t] = e
+        for t in range(yl):
+            y[t] = y[t] * y[t]
+        # moving sum of `box` squares as sums of `g` consecutive ones (g ≈ √box: ~2√box adds
+        # per sample instead of box); each output is summed in the same order wherever the
+        # stream was cut, so partitions agree bit for bit
+        for t in range(yl - g + 1):
+            part[t] = y[t]
+        for i in range(1, g):
             for t in range(yl - g + 1):
-                part[t] = y[t]
-            for i in range(1, g):
-                for t in range(yl - g + 1):
-                    part[t] += y[t + i]
+                part[t] += y[t + i]
+        for t in range(m):
+            acc[t] = part[t]
+        for q in range(1, groups):
             for t in range(m):
-                acc[t] = part[t]
-            for q in range(1, groups):
-                for t in range(m):
-                    acc[t] += part[t + q * g]
-            for i in range(groups * g, box):
-                for t in range(m):
-                    acc[t] += y[t + i]
+                acc[t] += part[t + q * g]
+        for i in range(groups * g, box):
             for t in range(m):
-                out[c0 + t] = np.sqrt(max(acc[t] / box, 0.0))
-        return out
+                acc[t] += y[t + i]
+        for t in range(m):
+            out[c0 + t] = np.sqrt(max(acc[t] / box, 0.0))
+    return out
 
-    @njit(cache=True, nogil=True)
-    def nms(env, half, out):
-        n = env.shape[0]
-        cnt = 0
-        for i in range(n):
-            v = env[i]
-            if not v > 0.0:
+@njit(cache=True, nogil=True)
+def _nms(env, half, out):
+    n = env.shape[0]
+    cnt = 0
+    for i in range(n):
+        v = env[i]
+        if not v > 0.0:
+            continue
+        ok = True
+        for d in range(1, half + 1):  # nearest first: most samples fail at d = 1
+            if (i - d >= 0 and env[i - d] > v) or (i + d < n and env[i + d] > v):
+                ok = False
+                break
+        if ok:
+            out[cnt] = i
+            cnt += 1
+    return cnt
+
+@njit(cache=True, nogil=True)
+def _steepest(x, at, k, sh, out):
+    n = x.shape[0]
+    K = k.shape[0]
+    kh = K // 2
+    w = np.empty(2 * (sh + kh) + 1, np.float64)
+    for r in range(at.shape[0]):
+        lo = at[r] - sh - kh
+        for t in range(w.shape[0]):
+            w[t] = _despiked(x, _clip(lo + t, n), n)
+        best = 0.0
+        for u in range(2 * sh + 1):
+            q = at[r] - sh + u
+            if q < 0 or q >= n:
                 continue
-            ok = True
-            for d in range(1, half + 1):  # nearest first: most samples fail at d = 1
-                if (i - d >= 0 and env[i - d] > v) or (i + d < n and env[i + d] > v):
-                    ok = False
-                    break
-            if ok:
-                out[cnt] = i
-                cnt += 1
-        return cnt
+            d = 0.0
+            for j in range(K):
+                d += w[u + 2 * kh - j] * k[j]
+            d = abs(d)
+            if d > best:
+                best = d
+        out[r] = best
+    return out
 
-    @njit(cache=True, nogil=True)
-    def steepest(x, at, k, sh, out):
-        n = x.shape[0]
-        K = k.shape[0]
-        kh = K // 2
-        w = np.empty(2 * (sh + kh) + 1, np.float64)
-        for r in range(at.shape[0]):
-            lo = at[r] - sh - kh
-            for t in range(w.shape[0]):
-                w[t] = despiked(x, clip(lo + t, n), n)
-            best = 0.0
-            for u in range(2 * sh + 1):
-                q = at[r] - sh + u
-                if q < 0 or q >= n:
-                    continue
-                d = 0.0
-                for j in range(K):
-                    d += w[u + 2 * kh - j] * k[j]
-                d = abs(d)
-                if d > best:
-                    best = d
-            out[r] = best
-        return out
-
-    return envelope, nms, steepest
 
 
 def envelope_cpu(x: np.ndarray, kernel: np.ndarray, box: int) -> np.ndarray:
@@ -178,7 +173,6 @@ def envelope_cpu(x: np.ndarray, kernel: np.ndarray, box: int) -> np.ndarray:
         padded with the edge values: equal (to float round-off) to
         ``segment.energy_envelope_xp``.
     """
-    envelope, _, _ = _kernels()
     x = np.ascontiguousarray(x)
     if x.dtype not in (np.float32, np.float64):
         x = x.astype(np.float64)
@@ -186,7 +180,7 @@ def envelope_cpu(x: np.ndarray, kernel: np.ndarray, box: int) -> np.ndarray:
     if x.shape[0] == 0:
         return out
     kr = np.ascontiguousarray(np.asarray(kernel, dtype=np.float64)[::-1])
-    return envelope(x, kr, int(box), out)
+    return _envelope(x, kr, int(box), out)
 
 
 def local_maxima_cpu(env: np.ndarray, half_window: int) -> np.ndarray:
@@ -194,10 +188,9 @@ def local_maxima_cpu(env: np.ndarray, half_window: int) -> np.ndarray:
 
     Exactly ``flatnonzero((env == maximum_filter1d(env, 2*half+1, mode="nearest")) & (env > 0))``.
     """
-    _, nms, _ = _kernels()
     env = np.ascontiguousarray(env)
     out = np.empty(env.shape[0], np.int64)
-    return out[: nms(env, int(half_window), out)].copy()
+    return out[: _nms(env, int(half_window), out)].copy()
 
 
 def steepest_cpu(x: np.ndarray, at: np.ndarray, kernel: np.ndarray, slope_half: int) -> np.ndarray:
@@ -206,10 +199,9 @@ def steepest_cpu(x: np.ndarray, at: np.ndarray, kernel: np.ndarray, slope_half: 
     Exactly ``segment.steepest_at`` (the array-namespace version) for a NumPy stream of at least
     3 samples, a loop per position instead of a gathered matrix.
     """
-    _, _, steepest = _kernels()
     x = np.ascontiguousarray(x)
     if x.dtype not in (np.float32, np.float64):
         x = x.astype(np.float64)
     at = np.ascontiguousarray(at, dtype=np.int64)
     out = np.empty(at.shape[0], np.float64)
-    return steepest(x, at, np.ascontiguousarray(kernel, dtype=np.float64), int(slope_half), out)
+    return _steepest(x, at, np.ascontiguousarray(kernel, dtype=np.float64), int(slope_half), out)
