@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import numpy as np
 
@@ -23,6 +24,22 @@ def cupy_available() -> bool:
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # no driver, no device
         return False
+
+
+def gpu_count(gpus: str | None = None) -> int:
+    """GPUs a run will use: those listed in ``gpus`` (``"0,1"``), else in ``CUDA_VISIBLE_DEVICES``,
+    else all that CuPy sees (0 without CuPy or a device)."""
+    listed = gpus if gpus is not None else os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None and listed.strip():
+        return len([g for g in listed.split(",") if g.strip()])
+    if importlib.util.find_spec("cupy") is None:
+        return 0
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
 
 
 def resolve_device(device: str) -> str:

@@ -21,6 +21,9 @@ def _run_parser(sub) -> None:
     p.add_argument("--partitions", type=int, default=None, help="partitions of the stream (default 4 per worker)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--scheduler", help="address of a running Dask scheduler (tcp://host:port) to use")
+    p.add_argument("--gpus", help="GPUs for --device gpu, as CUDA_VISIBLE_DEVICES lists them (default: all)")
+    p.add_argument("--rmm-pool-size", default=None,
+                   help="RMM pool per GPU: a share (80%%, 0.8) or a size (40GB); default 80%%")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic ECG and of the train/test split")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=1024)
@@ -75,13 +78,25 @@ def cmd_run(args) -> int:
     device = resolve_device(args.device)
     if args.input:  # check the input before starting anything
         open_source(args.input, column=args.column, fs=args.fs, lead=args.lead)
-    workers = args.workers or (1 if device == "gpu" else max(2, os.cpu_count() or 2))
-
     from flows.pipeline import ecg_anomaly_flow
-    from tasks.cluster import make_task_runner, prefect_api
+    from tasks.cluster import make_task_runner, parse_pool_size, prefect_api
+
+    if device == "gpu":
+        from .backend import gpu_count
+        from .errors import InputError
+
+        if args.rmm_pool_size is not None:
+            parse_pool_size(args.rmm_pool_size)  # a bad size is an input error, before anything starts
+        n_gpus = gpu_count(args.gpus)
+        if args.workers and n_gpus and args.workers != n_gpus:
+            raise InputError(f"--workers {args.workers}: --device gpu runs one worker per GPU ({n_gpus})")
+        workers = n_gpus or 1
+    else:
+        workers = args.workers or max(2, os.cpu_count() or 2)
 
     with prefect_api():
-        runner = make_task_runner(device, workers, scheduler=args.scheduler)
+        runner = make_task_runner(device, workers, scheduler=args.scheduler, rmm_pool_size=args.rmm_pool_size,
+                                  gpus=args.gpus)
         summary = ecg_anomaly_flow.with_options(task_runner=runner)(
             input=args.input, column=args.column, fs=args.fs, lead=args.lead, hours=args.hours, seed=args.seed,
             out=args.out, device=device, workers=workers, partitions=args.partitions, epochs=args.epochs,

@@ -26,7 +26,7 @@ from beatflow.reading import open_source
 from beatflow.scoring import anomaly_table, robust_threshold
 from tasks import stages as T
 from tasks.caching import cached, code_version, input_digest, token
-from tasks.cluster import run_on_workers
+from tasks.cluster import run_on_workers, wait_for_workers
 
 N_COLUMNS = 4000  # pixel columns of the whole-stream picture
 N_TOP = 12
@@ -129,6 +129,7 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
          batch_size, cache=None, engine_backend="auto", precision="fp32") -> dict:
     threads = max(1, os.cpu_count() or 1)
     truth_path = None
+    wait_for_workers(1)  # a cluster whose workers cannot start is an error, not a hang
     if device == "gpu":
         run_on_workers(track_rmm_statistics)
     if input is None:
@@ -253,6 +254,7 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     T.write_report.submit(str(work / "report.html"), data).result()
     sw.lap("report")
     stats = run_on_workers(transfer_stats)
+    summary["workers_reporting"] = len(stats)
     summary["transfers"] = {
         "d2h_bytes": int(sum(v.get("d2h_bytes", 0) for v in stats.values())),
         "stream_bytes": int(total * 4),

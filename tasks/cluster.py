@@ -77,8 +77,43 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+def parse_pool_size(value) -> float | int | str:
+    """An RMM pool size as dask-cuda takes it: ``"80%"`` or ``0.8`` → ``0.8`` (fraction of the GPU),
+    ``"20GB"`` stays a string, ``1e9`` → bytes.
+
+    Raises
+    ------
+    InputError
+        Not a size, or a fraction outside (0, 1].
+    """
+    from beatflow.errors import InputError
+
+    v = value
+    if isinstance(v, str):
+        t = v.strip()
+        try:
+            v = float(t[:-1]) / 100.0 if t.endswith("%") else float(t)
+        except ValueError:
+            import dask.utils
+
+            try:
+                size = dask.utils.parse_bytes(t)
+            except ValueError:
+                raise InputError(f"--rmm-pool-size: cannot read {value!r} (e.g. 80%, 0.8 or 40GB)") from None
+            if size <= 0:
+                raise InputError(f"--rmm-pool-size must be positive, got {value!r}")
+            return t
+    if not v > 0:
+        raise InputError(f"--rmm-pool-size must be positive, got {value!r}")
+    if v <= 1.0:
+        return float(v)
+    if isinstance(value, str) and value.strip().endswith("%"):
+        raise InputError(f"--rmm-pool-size: {value!r} is more than the whole GPU")
+    return int(v)
+
+
 def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler: str | None = None,
-                     rmm_pool_size: str | None = None):
+                     rmm_pool_size=None, gpus: str | None = None):
     """The Dask task runner of a flow run.
 
     Parameters
@@ -90,8 +125,11 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
         Number of CPU workers (default: the number of cores, at least 2).
     scheduler : str, optional
         Address of a Dask scheduler that already runs (``tcp://host:port``): use it instead.
-    rmm_pool_size : str, optional
-        RMM pool per GPU (default ``"80%"`` of the device, leaving headroom for cuDNN/ORT).
+    rmm_pool_size : str or float, optional
+        RMM pool per GPU (default 80 % of the device, leaving headroom for cuDNN/ORT); see
+        :func:`parse_pool_size`.
+    gpus : str, optional
+        GPUs to use, as ``CUDA_VISIBLE_DEVICES`` lists them (``"0,1"``); default all.
     """
     from prefect_dask import DaskTaskRunner
 
@@ -105,10 +143,13 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
             import dask_cuda  # noqa: F401
         except ImportError:
             raise DeviceError("--device gpu needs dask-cuda and rmm (pip install 'beatflow[gpu]')") from None
+        kwargs = {"CUDA_VISIBLE_DEVICES": gpus} if gpus else {}
         return DaskTaskRunner(
             cluster_class="dask_cuda.LocalCUDACluster",
             cluster_kwargs={
-                "rmm_pool_size": rmm_pool_size or "80%",
+                **kwargs,
+                # dask-cuda reads a float as a fraction of the device ("80%" is not understood)
+                "rmm_pool_size": parse_pool_size(rmm_pool_size if rmm_pool_size is not None else 0.8),
                 "rmm_allocator_external_lib_list": ["cupy", "torch"],
                 "dashboard_address": "127.0.0.1:0",
                 "host": "127.0.0.1",
@@ -130,15 +171,59 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
     )
 
 
+def wait_for_workers(n: int, timeout: float = 120.0) -> None:
+    """Block until the flow's Dask cluster has ``n`` workers; a clear error if it does not get them.
+
+    A worker that fails to start (a bad RMM pool size, no GPU memory, a missing package) leaves the
+    cluster without workers, and every task would wait forever; this turns that into an error.
+
+    Raises
+    ------
+    DeviceError
+        Fewer than ``n`` workers after ``timeout`` seconds.
+    """
+    client = flow_client()
+    if client is None:  # not on a Dask task runner
+        return
+    try:
+        client.wait_for_workers(n_workers=n, timeout=timeout)
+    except Exception:
+        have = len(client.scheduler_info().get("workers", {}))
+        raise DeviceError(f"the Dask cluster has {have} of {n} workers after {timeout:.0f} s: a worker failed to "
+                          "start (its error is in the log above)") from None
+
+
+def flow_client():
+    """The Dask client of the current flow run's task runner (None outside a Dask-run flow).
+
+    ``distributed.get_client()`` is not enough: the flow body runs in its own thread, where the
+    runner's client is not the default one.
+    """
+    try:
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
+        client = getattr(getattr(ctx, "task_runner", None), "_client", None)
+        if client is not None:
+            return client
+        from distributed import get_client
+
+        return get_client()
+    except Exception:
+        return None
+
+
 def run_on_workers(fn) -> dict:
     """``fn()`` on every Dask worker of the current flow's cluster: ``{worker address: result}``.
 
     Used for per-worker bookkeeping (RMM statistics, transfer counters); empty when no Dask client
     is reachable (e.g. another task runner).
     """
+    client = flow_client()
+    if client is None:
+        return {}
     try:
-        from distributed import get_client
-
-        return get_client().run(fn)
-    except Exception:
+        return client.run(fn)
+    except Exception as e:  # bookkeeping must not fail a run; say why it is missing
+        logging.getLogger("beatflow").warning("%s on the workers failed: %s", getattr(fn, "__name__", fn), e)
         return {}

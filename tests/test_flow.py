@@ -36,6 +36,7 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     saved = json.loads((out / "summary.json").read_text())
     assert SUMMARY_KEYS <= set(saved)
     assert saved["samples"] == int(0.25 * 3600 * 250) and saved["partitions"] == 3
+    assert saved["workers_reporting"] == 2  # the flow reached both Dask workers (transfer/RMM counters)
     assert len(saved["train_loss"]) == 3 and saved["train_loss"][-1] < saved["train_loss"][0]
     assert saved["truth"]["se"] > 0.99 and saved["truth"]["ppv"] > 0.99
     assert saved["truth"]["auc"] > 0.8
