@@ -124,9 +124,10 @@ def transfer_stats() -> dict:
         mr = rmm.mr.get_current_device_resource()
         while mr is not None:
             if isinstance(mr, rmm.mr.StatisticsResourceAdaptor):
-                counts = mr.allocation_counts
-                out["rmm_peak_bytes"] = int(counts["peak_bytes"])
-                out["rmm_current_bytes"] = int(counts["current_bytes"])
+                counts = mr.allocation_counts  # a Statistics object (a dict in older RMM)
+                get = (lambda k: counts[k]) if isinstance(counts, dict) else (lambda k: getattr(counts, k))
+                out["rmm_peak_bytes"] = int(get("peak_bytes"))
+                out["rmm_current_bytes"] = int(get("current_bytes"))
             if isinstance(mr, rmm.mr.PoolMemoryResource):
                 out["rmm_pool_bytes"] = int(mr.pool_size())
             mr = getattr(mr, "upstream_mr", None)

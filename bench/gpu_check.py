@@ -313,7 +313,7 @@ def main() -> int:
             perm = np.random.default_rng(seed).permutation(n).astype(np.int64)
             torch.manual_seed(seed)
             model = LightVAE(beats_t.shape[1]).cuda()
-            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
             gen = torch.Generator().manual_seed(seed)
             idx = torch.from_numpy(perm[:n_train]).cuda()
             losses = []
@@ -323,8 +323,9 @@ def main() -> int:
                 model.train()
                 order = idx[torch.randperm(n_train, generator=gen).cuda()]
                 total = torch.zeros((), dtype=torch.float64, device="cuda")
+                shuffled = beats_t[order]
                 for st in range(0, n_train, batch_size):
-                    xb = beats_t[order[st:st + batch_size]]
+                    xb = shuffled[st:st + batch_size]
                     amp = torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext()
                     with amp:
                         recon, mu, logvar = model(xb)

@@ -39,6 +39,9 @@ def segment_on_cluster(x, s, workers: int, whole):
     from distributed import Client, LocalCluster
 
     from beatflow.partitions import assemble_halos, edges, segment_partition
+    from tasks.cluster import _configure_worker_spawn
+
+    _configure_worker_spawn()  # as the flow does (and keeps this process's environment clean for the run below)
     from beatflow.reading import PartitionSpec, _split_even
 
     spans = _split_even(x.shape[0], workers)
@@ -114,8 +117,11 @@ def main() -> None:
     if args.end_to_end:
         out = Path(tempfile.mkdtemp()) / "run"
         t = time.perf_counter()
+        env = {k: v for k, v in os.environ.items() if k != "MALLOC_TRIM_THRESHOLD_"}
         r = subprocess.run([str(ROOT / ".venv/bin/beatflow"), "run", "--hours", str(args.hours), "--out", str(out)],
-                           capture_output=True, text=True, cwd=ROOT)
+                           capture_output=True, text=True, cwd=ROOT, env=env)
+        (ROOT / "bench" / "out").mkdir(exist_ok=True)
+        (ROOT / "bench" / "out" / "pipeline_bench_run.log").write_text(r.stdout + r.stderr)
         wall = time.perf_counter() - t
         if r.returncode:
             print(r.stderr[-3000:])

@@ -64,6 +64,9 @@ def _configure_worker_spawn() -> None:
     env = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
     env.pop("MALLOC_TRIM_THRESHOLD_", None)
     dask.config.set({"distributed.nanny.pre-spawn-environ": env})
+    # a Nanny writes its pre-spawn variables into its own process's environment, so a process started
+    # by one that ran a Dask cluster (a benchmark script, a notebook) inherits the setting: drop it
+    os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
 
 
 def worker_env() -> dict[str, str]:

@@ -24,3 +24,27 @@ def test_cluster_without_workers_is_an_error_not_a_hang():
     with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster, Client(cluster):
         with pytest.raises(DeviceError, match="0 of 1 workers after 2 s"):
             wait_for_workers(1, timeout=2)
+
+
+def _trim_setting():
+    import os
+
+    return os.environ.get("MALLOC_TRIM_THRESHOLD_")
+
+
+def test_workers_start_without_eager_malloc_trimming(monkeypatch):
+    """distributed spawns workers with MALLOC_TRIM_THRESHOLD_=65536 (and writes it into the parent's own
+    environment); PyTorch training in such a worker ran 3x slower, so the flow's workers must not get it,
+    even when this process inherited it."""
+    import os
+
+    from distributed import Client, LocalCluster
+
+    from tasks.cluster import _configure_worker_spawn
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "65536")  # as left by an earlier cluster in this process
+    _configure_worker_spawn()
+    assert "MALLOC_TRIM_THRESHOLD_" not in os.environ
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        assert list(client.run(_trim_setting).values()) == [None]
