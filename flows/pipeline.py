@@ -131,7 +131,8 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     truth_path = None
     wait_for_workers(1)  # a cluster whose workers cannot start is an error, not a hang
     if device == "gpu":
-        run_on_workers(track_rmm_statistics)
+        tracked = run_on_workers(track_rmm_statistics)
+        log.info("RMM statistics on %d of %d GPU workers", sum(bool(v) for v in tracked.values()), len(tracked))
     if input is None:
         input, truth_path = T.synthesize.submit(hours, fs or DEFAULT_FS, seed, str(work)).result()
         sw.lap("synthesize")

@@ -43,6 +43,10 @@ def synthesize(hours: float, fs: float, seed: int, folder: str) -> tuple[str, st
                 retry_condition_fn=lambda t, tr, state: not _is_input_error(state))
 def load_partition(source: Source, spec: PartitionSpec, device: str):
     """Read one partition (host), then one copy to the device on the GPU path."""
+    if device == "gpu":  # peak pool use is counted from the first device allocation of this worker on
+        from beatflow.backend import track_rmm_statistics
+
+        track_rmm_statistics()
     return to_namespace(source.read(spec), namespace(device))
 
 
