@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from datetime import datetime
@@ -62,6 +63,37 @@ class _Stopwatch:
         return {**self.times, "total": round(time.perf_counter() - self.t0, 3)}
 
 
+_OWNER = ".owner"  # "<host> <pid>" of the run writing a .partial folder
+
+
+def remove_stale_partials(final: Path) -> list[Path]:
+    """Remove the ``.partial`` folders that killed runs left next to ``final``.
+
+    A run writes into ``.<name>.<random>.partial`` and renames it at the end; a run killed with
+    SIGKILL cannot clean up. A folder is stale when its owner file names this host and a process
+    that no longer exists (folders of other hosts, or without an owner file, are left alone).
+    """
+    host, out = socket.gethostname(), []
+    for d in final.parent.glob(f".{final.name}.*.partial"):
+        try:
+            owner_host, pid = (d / _OWNER).read_text().split()
+            pid = int(pid)
+        except (OSError, ValueError):
+            continue
+        if owner_host != host or pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        shutil.rmtree(d, ignore_errors=True)
+        out.append(d)
+    return out
+
+
 @flow(name="beatflow", log_prints=True)
 def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: float | None = None,
                      lead: int = 0, hours: float = 20.0, seed: int = 0, out: str | None = None,
@@ -104,7 +136,10 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     if final.exists() and any(final.iterdir()):
         raise InputError(f"{final}: output folder exists and is not empty")
     final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in remove_stale_partials(final):
+        log.info("removed %s, left by a run that was killed", stale)
     work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+    (work / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
     try:
         summary = _run(log, sw, work, input, column, fs, lead, hours, seed, device, workers, partitions,
                        epochs, batch_size, cache, engine_backend, precision)
@@ -116,6 +151,7 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
             log.info("model registered in %s as %s", store, summary["model_id"])
         if final.exists():
             final.rmdir()
+        (work / _OWNER).unlink(missing_ok=True)
         os.replace(work, final)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)

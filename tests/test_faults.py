@@ -106,6 +106,7 @@ def test_run_killed_during_training_resumes_after_the_last_finished_task(prefect
         os.killpg(proc.pid, signal.SIGKILL)  # the CLI and its Dask workers, no chance to clean up
         proc.wait(timeout=60)
     assert not (tmp_path / "out").exists()  # nothing at the output path
+    assert len(list(tmp_path.glob(".out.*.partial"))) == 1  # the killed run's work folder
 
     again = run_cli(args, prefect_server)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -113,5 +114,28 @@ def test_run_killed_during_training_resumes_after_the_last_finished_task(prefect
     cached = [ln for ln in log.splitlines() if "Finished in state Cached" in ln]
     assert len([ln for ln in cached if "segment-partition" in ln]) >= 4  # segmentation: reused
     assert not [ln for ln in cached if "train-vae" in ln]  # training had not finished: run again
+    assert not list(tmp_path.glob(".out.*.partial"))  # removed by the next run (its owner is dead)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert len(summary["train_loss"]) == 300 and summary["beats_detected"] > 300
+
+
+def test_only_partials_of_dead_runs_on_this_host_are_removed(tmp_path):
+    import socket
+
+    from flows.pipeline import _OWNER, remove_stale_partials
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    cases = {"dead": f"{host} {dead.pid}", "alive": f"{host} {os.getppid()}",
+             "other-host": f"elsewhere {dead.pid}", "no-owner": None, "garbled": "x"}
+    for name, owner in cases.items():
+        d = tmp_path / f".run.{name}.partial"
+        d.mkdir()
+        if owner is not None:
+            (d / _OWNER).write_text(owner)
+    (tmp_path / ".other.dead.partial").mkdir()  # another output name: not ours to touch
+    removed = remove_stale_partials(tmp_path / "run")
+    assert [p.name for p in removed] == [".run.dead.partial"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f".run.{n}.partial" for n in cases if n != "dead"] + [".other.dead.partial"])
