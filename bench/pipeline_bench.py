@@ -157,9 +157,8 @@ def main() -> None:
     if args.end_to_end:
         out = Path(tempfile.mkdtemp()) / "run"
         t = time.perf_counter()
-        env = {k: v for k, v in os.environ.items() if k != "MALLOC_TRIM_THRESHOLD_"}
         r = subprocess.run([str(ROOT / ".venv/bin/beatflow"), "run", "--hours", str(args.hours), "--out", str(out)],
-                           capture_output=True, text=True, cwd=ROOT, env=env)
+                           capture_output=True, text=True, cwd=ROOT)
         (ROOT / "bench" / "out").mkdir(exist_ok=True)
         (ROOT / "bench" / "out" / "pipeline_bench_run.log").write_text(r.stdout + r.stderr)
         wall = time.perf_counter() - t

@@ -89,30 +89,27 @@ def parse_pool_size(value) -> float | int | str:
     InputError
         Not a size, or a fraction outside (0, 1].
     """
+    import dask.utils
+
     from beatflow.errors import InputError
 
-    v = value
-    if isinstance(v, str):
-        t = v.strip()
+    text = str(value).strip()
+    percent = text.endswith("%")
+    try:
+        v = float(text[:-1]) / 100.0 if percent else float(text)
+    except ValueError:  # a size with a unit ("40GB"): dask-cuda reads it as it is
         try:
-            v = float(t[:-1]) / 100.0 if t.endswith("%") else float(t)
+            v = dask.utils.parse_bytes(text)
         except ValueError:
-            import dask.utils
-
-            try:
-                size = dask.utils.parse_bytes(t)
-            except ValueError:
-                raise InputError(f"--rmm-pool-size: cannot read {value!r} (e.g. 80%, 0.8 or 40GB)") from None
-            if size <= 0:
-                raise InputError(f"--rmm-pool-size must be positive, got {value!r}")
-            return t
+            raise InputError(f"--rmm-pool-size: cannot read {value!r} (e.g. 80%, 0.8 or 40GB)") from None
+        if v <= 0:
+            raise InputError(f"--rmm-pool-size must be positive, got {value!r}")
+        return text
     if not v > 0:
         raise InputError(f"--rmm-pool-size must be positive, got {value!r}")
-    if v <= 1.0:
-        return float(v)
-    if isinstance(value, str) and value.strip().endswith("%"):
+    if percent and v > 1.0:
         raise InputError(f"--rmm-pool-size: {value!r} is more than the whole GPU")
-    return int(v)
+    return float(v) if v <= 1.0 else int(v)
 
 
 def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler: str | None = None,
