@@ -31,6 +31,43 @@ def beats_from_peaks(peaks, s: SegmentSamples, n_samples: int):
     return peaks[:-1][ok], start[ok], length[ok]
 
 
+#: what the VAE is trained on and scores (recorded in model.json)
+MODEL_INPUT = "beat rows / scale - dominant beat of their recording (elementwise median of its rows)"
+#: at most this many rows (evenly spaced) enter a stream's dominant beat
+DOMINANT_SAMPLE = 16384
+
+
+def dominant_beat(rows):
+    """A stream's dominant beat: the elementwise median of its (scaled) beat rows.
+
+    Most beats of a recording are that patient's normal beats, so the median row is their shape,
+    and a beat's difference from it (:func:`residual_rows`) is what makes it unusual *for this
+    patient*; the VAE is trained on and scores those differences, which makes its score comparable
+    across patients whose normal beats differ (bundle branch blocks, lead placement). Long streams
+    use at most :data:`DOMINANT_SAMPLE` evenly spaced rows (deterministic).
+
+    Parameters
+    ----------
+    rows : array (n, width), NumPy or CuPy
+
+    Returns
+    -------
+    array (width,) of ``rows.dtype`` (zeros when there are no rows)
+    """
+    xp = namespace_of(rows)
+    n = int(rows.shape[0])
+    if n == 0:
+        return xp.zeros(rows.shape[1], dtype=rows.dtype)
+    step = -(-n // DOMINANT_SAMPLE)
+    return xp.median(rows[::step], axis=0).astype(rows.dtype)
+
+
+def residual_rows(rows, dominant):
+    """The rows minus their stream's dominant beat (the VAE's input); a new array."""
+    xp = namespace_of(rows)
+    return rows - xp.asarray(dominant, dtype=rows.dtype)[None, :]
+
+
 def prune_mask(length, lower: int, upper: int):
     """Beats kept: ``lower <= length <= upper``."""
     return (length >= lower) & (length <= upper)

@@ -8,7 +8,8 @@
   ``ecg_peaks`` (default method; after ``ecg_clean``, its documented use, and on the raw signal)
   and WFDB ``processing.xqrs_detect``;
 * the LightVAE is trained without labels on the beats of the ``--train`` records only (10 epochs,
-  batch 1024), then the beats of the ``--test`` records are scored (reconstruction error); detected
+  batch 1024), then the beats of the ``--test`` records are scored (reconstruction error; the model
+  sees each beat minus its record's dominant beat, as in the pipeline); detected
   beats matched to annotated ones carry the AAMI class of their annotation, and the score is ranked
   for V against N, S against N and F against N (ROC-AUC, PR-AUC), with PyOD IsolationForest and
   ECOD as baselines on the same beat matrices.
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .beats import beats_from_peaks, embed, prune_mask
+from .beats import beats_from_peaks, dominant_beat, embed, prune_mask, residual_rows
 from .errors import InputError
 from .metrics import Detection, match_beats, pr_auc, roc_auc
 from .params import SegmentParams
@@ -252,15 +253,28 @@ def _scale(p2p) -> float:
     return s if s > 0 else 1.0
 
 
+def model_inputs(beats: list[RecordBeats], scale: float | None = None, which: str = "rows") -> np.ndarray:
+    """The VAE's input for each record, concatenated, as the pipeline makes it: rows (``rows`` or
+    ``all_rows``) divided by the median peak-to-peak of the record's kept beats (or by ``scale``),
+    minus the record's dominant beat (:func:`beatflow.beats.dominant_beat` of its scaled kept rows)."""
+    if not beats:
+        raise InputError("no beats to evaluate")
+    out = []
+    for b in beats:
+        k = np.float32(_scale(b.p2p) if scale is None else scale)
+        out.append(residual_rows(getattr(b, which) / k, dominant_beat(b.rows / k)))
+    return np.concatenate(out)
+
+
 def scaled_rows(beats: list[RecordBeats], how: str, which: str = "rows") -> tuple[np.ndarray, float]:
-    """Concatenated rows (``rows`` or ``all_rows``) divided by the median peak-to-peak of the kept
-    beats: of their own record (``record``) or of all of ``beats`` (``pooled``)."""
+    """:func:`model_inputs` with the scale of each record (``record``) or of all of ``beats``
+    (``pooled``, returned; NaN for ``record``)."""
     if not beats:
         raise InputError("no beats to evaluate")
     if how == "record":
-        return np.concatenate([getattr(b, which) / np.float32(_scale(b.p2p)) for b in beats]), float("nan")
+        return model_inputs(beats, None, which), float("nan")
     scale = _scale(np.concatenate([b.p2p for b in beats]))
-    return np.concatenate([getattr(b, which) for b in beats]) / np.float32(scale), scale
+    return model_inputs(beats, scale, which), scale
 
 
 def anomaly_metrics(scores, labels) -> dict:
@@ -391,8 +405,7 @@ def evaluate(train: list[Record], test: list[Record], *, epochs: int = 10, batch
     # anomaly ranking: the VAE is trained on the kept beats of the training records
     x_train, train_scale = scaled_rows(tr, scale)
     if scale == "pooled":
-        x_test, x_all = (np.concatenate([getattr(b, w) for b in te]) / np.float32(train_scale)
-                         for w in ("rows", "all_rows"))
+        x_test, x_all = (model_inputs(te, train_scale, w) for w in ("rows", "all_rows"))
     else:
         x_test, _ = scaled_rows(te, scale)
         x_all, _ = scaled_rows(te, scale, "all_rows")
@@ -414,7 +427,8 @@ def evaluate(train: list[Record], test: list[Record], *, epochs: int = 10, batch
             if c:
                 ref_counts[c] += 1
     result["anomaly"] = {**anomaly_metrics(scores, labels), "reference_counts": ref_counts,
-                         "score": "LightVAE reconstruction MSE", "scale": scale, "beats_scored": int(len(x_test)),
+                         "score": "LightVAE reconstruction MSE of the beat minus its record's dominant beat",
+                         "scale": scale, "beats_scored": int(len(x_test)),
                          "beats": "kept beats (as the pipeline scores them)"}
     result["anomaly_all_beats"] = {**anomaly_metrics(scores_all, labels_all), "beats_scored": int(len(x_all)),
                                    "beats": "all detected beats, longer ones cut to the row"}

@@ -63,6 +63,9 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
                     params=None):
     """Segment, embed and score one whole recording with an already trained model.
 
+    As in training, the model sees each scaled row minus the recording's dominant beat
+    (:func:`beatflow.beats.dominant_beat` of this recording's own rows).
+
     Parameters
     ----------
     x : array, 1-D
@@ -82,7 +85,7 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
     InputError
         No beats, or a sampling rate that gives another row width than the model's.
     """
-    from .beats import beats_from_peaks, embed, prune_mask
+    from .beats import beats_from_peaks, dominant_beat, embed, prune_mask, residual_rows
     from .errors import InputError
     from .params import SegmentParams
     from .segment import detect_peaks
@@ -97,7 +100,8 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
     if not kept.any():
         raise InputError(f"{name}: no heartbeats found (flat line or no QRS-like peaks)")
     rows, _ = embed(x, start[kept], length[kept], s.width, baseline_samples=max(1, s.pre // 2))
-    score, _ = infer(np.asarray(rows) / np.float32(scale))
+    rows = np.asarray(rows) / np.float32(scale)
+    score, _ = infer(residual_rows(rows, dominant_beat(rows)))  # the recording's own dominant beat
     kb = np.flatnonzero(kept)
     return anomaly_table(kb, np.zeros(kb.shape[0], np.int64), peak[kept], start[kept], length[kept], score, fs,
                          threshold, [name])

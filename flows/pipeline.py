@@ -20,6 +20,7 @@ from prefect import flow, get_run_logger, unmapped
 from prefect.futures import wait
 
 from beatflow.backend import track_rmm_statistics, transfer_stats
+from beatflow.beats import MODEL_INPUT
 from beatflow.errors import InputError
 from beatflow.params import DEFAULT_FS, SegmentParams
 from beatflow.partitions import assemble_halos, plan_beats
@@ -232,9 +233,10 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
 
     # training: once, on one worker, on the gathered matrix
     train_token = (token(base_token, "train", plan.start[plan.kept].tobytes(), plan.length[plan.kept].tobytes(),
-                         epochs, batch_size, seed) if cache else None)
+                         epochs, batch_size, seed, MODEL_INPUT) if cache else None)
     model_folder = str(Path(cache).resolve() / "models" / train_token) if cache else str(work)
     trained = cached(T.train_model, cache).submit(embedded, model_folder, epochs, batch_size, seed, threads,
+                                                  [sp.recording for sp in specs],
                                                   cache_token=train_token).result()
     if cache:  # the cached model lives in the cache; the run's outputs get a copy
         for name in ("model.pt", "model.json", "validation_beats.npy"):
@@ -250,8 +252,10 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     sw.lap("engine")
 
     # scoring goes back out to the partitions' workers; offsets of recordings on one time axis
+    dominant = np.asarray(trained["dominant"], np.float32)
     scored = [f.result() for f in T.score_partition.map(embedded, unmapped(engine["path"]),
-                                                         unmapped(trained["scale"]))]
+                                                         unmapped(trained["scale"]),
+                                                         [dominant[sp.recording] for sp in specs])]
     scores = np.concatenate([sc for sc, _ in scored]) if scored else np.zeros(0, np.float32)
     mu = np.concatenate([m for _, m in scored]) if scored else np.zeros((0, 2), np.float32)
     threshold = robust_threshold(scores)

@@ -107,14 +107,19 @@ def _device_of(x) -> str:
 
 @partition_task(name="train-vae")
 def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: int, threads: int,
-                n_rows_sample: int = 40, cache_token: str | None = None) -> dict:
-    """Gather the beat matrix (once), scale it, train the LightVAE; save weights and a validation set.
+                recordings: list[int] | None = None, n_rows_sample: int = 40,
+                cache_token: str | None = None) -> dict:
+    """Gather the beat matrix (once), scale it, subtract each recording's dominant beat, train the
+    LightVAE on those residuals; save weights and a validation set.
 
-    Returns small things only: paths, losses, the test split, a few rows for the report.
+    ``recordings[k]`` is the recording of partition ``k`` (default: all one recording).
+    Returns small things only: paths, losses, the test split, the dominant beats (one row per
+    recording), a few rows for the report.
     """
     import torch
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+    from beatflow.beats import MODEL_INPUT, dominant_beat, residual_rows
     from beatflow.model import save_model, train_vae
 
     log = get_run_logger()
@@ -125,6 +130,25 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
     p2p = xp.concatenate([p for _, p in embedded])
     scale = float(to_host(xp.median(p2p))) or 1.0
     beats /= scale
+    # each recording's dominant beat, from its own rows; the VAE sees the differences from it
+    recordings = list(recordings) if recordings is not None else [0] * len(rows)
+    n_rec = max(recordings) + 1 if recordings else 1
+    owner = np.repeat(np.asarray(recordings, dtype=np.int64), [int(r.shape[0]) for r in rows])
+    dominant = np.zeros((n_rec, int(beats.shape[1])), np.float32)
+    raw_sample = None
+    if beats.shape[0]:
+        rng0 = np.random.default_rng(seed)
+        raw_sample = np.sort(rng0.choice(beats.shape[0], size=min(n_rows_sample, beats.shape[0]), replace=False))
+    raw_rows = to_host(beats[xp.asarray(raw_sample)]) * scale if raw_sample is not None else None
+    for r in range(n_rec):
+        idx = np.flatnonzero(owner == r)
+        if idx.size:
+            if idx[-1] - idx[0] + 1 != idx.size:
+                raise ValueError("a recording's partitions must be consecutive")
+            sel = beats[int(idx[0]):int(idx[-1]) + 1]
+            dom = dominant_beat(sel)
+            dominant[r] = to_host(dom)
+            beats[int(idx[0]):int(idx[-1]) + 1] = residual_rows(sel, dom)
     progress = create_progress_artifact(progress=0.0, description="VAE training (epochs done, %)")
 
     def on_epoch(epoch: int, loss: float, elapsed: float) -> None:
@@ -141,14 +165,14 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
     val_idx = np.sort(rng.choice(res.test_index, size=min(4096, len(res.test_index)), replace=False))
     val_path = os.path.join(folder, "validation_beats.npy")
     np.save(val_path, to_host(beats[xp.asarray(val_idx)]))
-    sample = np.sort(rng.choice(res.train_index, size=min(n_rows_sample, len(res.train_index)), replace=False))
     with open(os.path.join(folder, "model.json"), "w") as f:
         json.dump({"scale": scale, "width": int(beats.shape[1]), "epochs": epochs, "batch_size": batch_size,
-                   "seed": seed, "train_loss": res.train_loss, "test_loss": res.test_loss}, f, indent=1)
+                   "seed": seed, "train_loss": res.train_loss, "test_loss": res.test_loss,
+                   "input": MODEL_INPUT}, f, indent=1)
     return {
         "model": model_path, "validation": val_path, "scale": scale, "train_loss": res.train_loss,
         "test_loss": res.test_loss, "test_index": res.test_index, "seconds": res.seconds,
-        "sample_rows": to_host(beats[xp.asarray(sample)]) * scale, "rows": int(beats.shape[0]),
+        "sample_rows": raw_rows, "rows": int(beats.shape[0]), "dominant": dominant,
     }
 
 
@@ -174,15 +198,20 @@ def _engine(path: str):
 
 
 @partition_task(name="score-partition")
-def score_partition(embedded, engine_path: str, scale: float):
+def score_partition(embedded, engine_path: str, scale: float, dominant=None):
     """Anomaly score and latent mean of each kept beat of a partition, through the built engine.
 
-    With a GPU engine the rows stay on the device (handed over by pointer); only the scores and
-    latent means come back to the host.
+    The engine's input is each row scaled, minus the dominant beat of the partition's recording
+    (as in training). With a GPU engine the rows stay on the device (handed over by pointer); only
+    the scores and latent means come back to the host.
     """
+    from beatflow.beats import residual_rows
+
     rows, _ = embedded
     engine = _engine(engine_path)
     x = rows / rows.dtype.type(scale) if engine.on_gpu else to_host(rows) / np.float32(scale)
+    if dominant is not None:
+        x = residual_rows(x, dominant)
     score, mu = engine.infer(x)
     return to_host(score), to_host(mu)
 

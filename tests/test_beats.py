@@ -54,3 +54,40 @@ def test_embed_with_offset_partition():
     whole, _ = embed(x, start, length, 160)
     part, _ = embed(x[200:800], start, length, 160, first=200)
     np.testing.assert_array_equal(whole, part)
+
+
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_dominant_beat_is_the_columnwise_median(n):
+    from beatflow.beats import dominant_beat, residual_rows
+
+    rows = np.random.default_rng(n).normal(size=(n, 16)).astype(np.float32)
+    want = np.array([sorted(rows[:, j])[n // 2] if n % 2 else 0.5 * (sorted(rows[:, j])[n // 2 - 1]
+                     + sorted(rows[:, j])[n // 2]) for j in range(16)], np.float32)
+    np.testing.assert_allclose(dominant_beat(rows), want, rtol=1e-6)
+    r = residual_rows(rows, want)
+    np.testing.assert_allclose(r + want[None, :], rows, atol=1e-6)
+    assert not np.shares_memory(r, rows)
+
+
+def test_dominant_beat_of_a_long_stream_uses_evenly_spaced_rows(monkeypatch):
+    import beatflow.beats as B
+
+    monkeypatch.setattr(B, "DOMINANT_SAMPLE", 10)
+    rows = np.arange(25 * 3, dtype=np.float32).reshape(25, 3)  # 25 rows -> every 3rd: rows 0, 3, ..., 24
+    np.testing.assert_array_equal(B.dominant_beat(rows), np.median(rows[::3], axis=0))
+    assert B.dominant_beat(np.zeros((0, 3), np.float32)).tolist() == [0, 0, 0]
+
+
+def test_residuals_make_one_patients_normal_beats_small_and_others_large():
+    """Two 'patients' with different normal shapes: after subtracting each one's dominant beat, the
+    normal beats of both are near zero and each one's odd beats stand out."""
+    from beatflow.beats import dominant_beat, residual_rows
+
+    rng = np.random.default_rng(0)
+    t = np.linspace(0, 1, 64, dtype=np.float32)
+    shapes = [np.exp(-((t - 0.3) / 0.03) ** 2), -np.exp(-((t - 0.3) / 0.06) ** 2)]  # upright vs inverted QRS
+    for normal, odd in (shapes, shapes[::-1]):
+        rows = np.vstack([normal + 0.02 * rng.normal(size=(95, 64)), odd + 0.02 * rng.normal(size=(5, 64))])
+        res = residual_rows(rows.astype(np.float32), dominant_beat(rows.astype(np.float32)))
+        err = (res ** 2).mean(axis=1)
+        assert err[:95].max() < 0.01 < err[95:].min()
