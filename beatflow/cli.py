@@ -32,7 +32,13 @@ def _run_parser(sub) -> None:
                    help="register the trained model in this store for `beatflow score` (default $BEATFLOW_STORE)")
     p.add_argument("--engine", choices=("auto", "onnxruntime", "aoti", "tensorrt"), default="auto",
                    help="inference engine backend (default: the best available)")
-    p.add_argument("--precision", choices=("fp32", "fp16", "bf16", "int8"), default="fp32")
+    p.add_argument("--precision", choices=("fp32", "fp16", "bf16", "int8"), default="fp32",
+                   help="inference engine precision (fp16/bf16 on GPU, int8 on CPU)")
+    p.add_argument("--train-precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                   help="VAE training on a GPU: auto = bf16 autocast where supported, else fp16 with a gradient "
+                        "scaler; fp32 (the CPU always trains in fp32)")
+    p.add_argument("--train-compile", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile the training step (auto: on a GPU)")
     p.add_argument("--cache", default=os.environ.get("BEATFLOW_CACHE"),
                    help="reuse segmentation/training results from this cache folder (default $BEATFLOW_CACHE)")
 
@@ -76,6 +82,10 @@ def cmd_run(args) -> int:
     for name in ("hours", "workers", "partitions", "epochs", "batch_size", "fs"):
         _positive(name.replace("_", "-"), getattr(args, name), allow_none=name != "hours")
     device = resolve_device(args.device)
+    if device == "cpu" and args.train_precision in ("bf16", "fp16"):
+        from .errors import InputError
+
+        raise InputError(f"--train-precision {args.train_precision} is for GPUs; the CPU trains in fp32")
     if args.input:  # check the input before starting anything
         open_source(args.input, column=args.column, fs=args.fs, lead=args.lead)
     from flows.pipeline import ecg_anomaly_flow
@@ -101,7 +111,8 @@ def cmd_run(args) -> int:
             input=args.input, column=args.column, fs=args.fs, lead=args.lead, hours=args.hours, seed=args.seed,
             out=args.out, device=device, workers=workers, partitions=args.partitions, epochs=args.epochs,
             batch_size=args.batch_size, store=args.store, cache=args.cache, engine_backend=args.engine,
-            precision=args.precision)
+            precision=args.precision, train_precision=args.train_precision,
+            train_compile=None if args.train_compile == "auto" else args.train_compile == "on")
     con = Console()
     t = Table(title="beatflow run", show_header=False)
     for k in ("samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss", "anomalies_flagged",

@@ -102,9 +102,13 @@ class AotInductorEngine(Engine):
 
     @classmethod
     def build(cls, scorer: Scorer, path: PathLike, *, device: str = "cpu", precision: str = "fp32",
-              batch_profile=(1, 1024, 8192), **_ignored) -> "AotInductorEngine":
+              batch_profile=(1, 1024, 8192), fused: Optional[bool] = None, **_ignored) -> "AotInductorEngine":
         """``torch.export`` the scorer (batch dimension ``min..max`` of the profile, example batch
-        >= 2) and compile it with ``torch._inductor.aoti_compile_and_package`` to ``path``."""
+        >= 2) and compile it with ``torch._inductor.aoti_compile_and_package`` to ``path``.
+
+        ``fused`` (default: on a GPU) exports the scorer's fusible form (:class:`beatflow.fused.FusedScorer`,
+        same parameters and arithmetic), which Inductor compiles into a few Triton kernels instead of
+        one cuDNN call or elementwise kernel per layer."""
         from torch._inductor import aoti_compile_and_package
 
         check_precision(precision)
@@ -117,7 +121,15 @@ class AotInductorEngine(Engine):
         dev = torch.device("cuda", idx) if idx is not None else torch.device("cpu")
         import copy
 
-        module = precision_scorer(copy.deepcopy(scorer), precision).to(dev).eval()  # the caller's stays put
+        if fused is None:
+            fused = idx is not None
+        if fused:
+            from .fused import FusedScorer
+
+            dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+            module = FusedScorer(copy.deepcopy(scorer.vae).to(dev), dtype).to(dev).eval()
+        else:
+            module = precision_scorer(copy.deepcopy(scorer), precision).to(dev).eval()  # the caller's stays put
         hi = max(profile.max, profile.example)
         example = torch.zeros(profile.example, scorer.width, dtype=torch.float32, device=dev)
         batch = torch.export.Dim("batch", min=1, max=hi)

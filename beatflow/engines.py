@@ -80,7 +80,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Bump when what an engine file contains changes for the same inputs (invalidates caches).
-ENGINE_FORMAT = 2
+ENGINE_FORMAT = 3  # 3: AOTInductor engines on GPUs export the fusible scorer (beatflow.fused)
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "beatflow", "engines")
 BACKENDS = ("onnxruntime", "aoti", "tensorrt")
 EXTENSIONS = {"onnxruntime": "onnx", "aoti": "pt2", "tensorrt": "plan"}

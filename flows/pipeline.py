@@ -100,7 +100,8 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
                      lead: int = 0, hours: float = 20.0, seed: int = 0, out: str | None = None,
                      device: str = "cpu", workers: int = 2, partitions: int | None = None,
                      epochs: int = 10, batch_size: int = 1024, store: str | None = None,
-                     cache: str | None = None, engine_backend: str = "auto", precision: str = "fp32") -> dict:
+                     cache: str | None = None, engine_backend: str = "auto", precision: str = "fp32",
+                     train_precision: str = "auto", train_compile: bool | None = None) -> dict:
     """Find abnormal heartbeats in a long ECG and write ``summary.json``, ``anomalies.parquet``,
     ``report.html``, the model and the engine to ``out``.
 
@@ -130,6 +131,9 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     engine_backend, precision : str
         Inference engine (``auto|onnxruntime|aoti|tensorrt``) and its precision (``fp32``, ``fp16``,
         ``bf16`` on GPU, ``int8`` on CPU); engines are cached by model hash and configuration.
+    train_precision, train_compile : str, bool
+        VAE training in mixed precision on a GPU (``auto``: bf16 where supported, else fp16 with
+        a gradient scaler; ``fp32``), and compiled training steps (default: on a GPU).
     """
     log = get_run_logger()
     sw = _Stopwatch()
@@ -143,7 +147,7 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     (work / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
     try:
         summary = _run(log, sw, work, input, column, fs, lead, hours, seed, device, workers, partitions,
-                       epochs, batch_size, cache, engine_backend, precision)
+                       epochs, batch_size, cache, engine_backend, precision, train_precision, train_compile)
         if store:
             from beatflow.store import Store
 
@@ -163,7 +167,8 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
 
 
 def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions, epochs,
-         batch_size, cache=None, engine_backend="auto", precision="fp32") -> dict:
+         batch_size, cache=None, engine_backend="auto", precision="fp32", train_precision="auto",
+         train_compile=None) -> dict:
     threads = max(1, os.cpu_count() or 1)
     truth_path = None
     wait_for_workers(1)  # a cluster whose workers cannot start is an error, not a hang
@@ -233,11 +238,12 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
 
     # training: once, on one worker, on the gathered matrix
     train_token = (token(base_token, "train", plan.start[plan.kept].tobytes(), plan.length[plan.kept].tobytes(),
-                         epochs, batch_size, seed, MODEL_INPUT) if cache else None)
+                         epochs, batch_size, seed, MODEL_INPUT, train_precision) if cache else None)
     model_folder = str(Path(cache).resolve() / "models" / train_token) if cache else str(work)
+    compile_steps = (device == "gpu") if train_compile is None else bool(train_compile)
     trained = cached(T.train_model, cache).submit(embedded, model_folder, epochs, batch_size, seed, threads,
-                                                  [sp.recording for sp in specs],
-                                                  cache_token=train_token).result()
+                                                  [sp.recording for sp in specs], train_precision=train_precision,
+                                                  compile=compile_steps, cache_token=train_token).result()
     if cache:  # the cached model lives in the cache; the run's outputs get a copy
         for name in ("model.pt", "model.json", "validation_beats.npy"):
             shutil.copy(Path(model_folder) / name, work / name)
@@ -316,7 +322,8 @@ def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshol
         "input": source.path, "recordings": [r.name for r in source.recordings], "samples": int(total),
         "fs": fs, "hours": total / fs / 3600, "partitions": len(specs), "beats_detected": plan.n_detected,
         "beats_kept": plan.n_kept, "pruned_fraction": pruned, "train_loss": trained["train_loss"],
-        "test_loss": trained["test_loss"], "train_seconds": trained["seconds"], "anomalies_flagged": flagged,
+        "test_loss": trained["test_loss"], "train_seconds": trained["seconds"],
+        "training": {"precision": trained.get("precision", "fp32"), "compiled": trained.get("compiled", False)}, "anomalies_flagged": flagged,
         "threshold": threshold, "device": device, "workers": workers,
         "engine": {k: engine[k] for k in ("backend", "precision", "cache", "max_abs_err", "throughput_beats_per_s")},
     }

@@ -107,8 +107,8 @@ def _device_of(x) -> str:
 
 @partition_task(name="train-vae")
 def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: int, threads: int,
-                recordings: list[int] | None = None, n_rows_sample: int = 40,
-                cache_token: str | None = None) -> dict:
+                recordings: list[int] | None = None, n_rows_sample: int = 40, train_precision: str = "auto",
+                compile: bool = False, cache_token: str | None = None) -> dict:
     """Gather the beat matrix (once), scale it, subtract each recording's dominant beat, train the
     LightVAE on those residuals; save weights and a validation set.
 
@@ -120,7 +120,7 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     from beatflow.beats import MODEL_INPUT, dominant_beat, residual_rows
-    from beatflow.model import save_model, train_vae
+    from beatflow.model import save_model, train_vae, training_precision
 
     log = get_run_logger()
     torch.set_num_threads(max(1, threads))
@@ -157,7 +157,9 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
 
     device = "cuda" if _device_of(beats) == "gpu" else "cpu"
     data = torch.from_dlpack(beats) if device == "cuda" else torch.from_numpy(to_host(beats))
-    res = train_vae(data, epochs=epochs, batch_size=batch_size, seed=seed, device=device, on_epoch=on_epoch)
+    precision = training_precision(train_precision, device)
+    res = train_vae(data, epochs=epochs, batch_size=batch_size, seed=seed, device=device, on_epoch=on_epoch,
+                    precision=precision, compile=compile)
     os.makedirs(folder, exist_ok=True)
     model_path = os.path.join(folder, "model.pt")
     save_model(res.model, model_path)
@@ -168,11 +170,12 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
     with open(os.path.join(folder, "model.json"), "w") as f:
         json.dump({"scale": scale, "width": int(beats.shape[1]), "epochs": epochs, "batch_size": batch_size,
                    "seed": seed, "train_loss": res.train_loss, "test_loss": res.test_loss,
-                   "input": MODEL_INPUT}, f, indent=1)
+                   "input": MODEL_INPUT, "precision": precision, "compiled": bool(compile)}, f, indent=1)
     return {
         "model": model_path, "validation": val_path, "scale": scale, "train_loss": res.train_loss,
         "test_loss": res.test_loss, "test_index": res.test_index, "seconds": res.seconds,
-        "sample_rows": raw_rows, "rows": int(beats.shape[0]), "dominant": dominant,
+        "sample_rows": raw_rows, "rows": int(beats.shape[0]), "dominant": dominant, "precision": precision,
+        "compiled": bool(compile),
     }
 
 

@@ -99,6 +99,7 @@ def test_cli_bad_input_inside_the_flow(prefect_server, tmp_path, content, messag
     ("a,b\n1,2\n", ["--input", "{d}/in.csv", "--column", "c"], "unknown column 'c' (columns: a, b)"),
     ("mkdir", ["--input", "{d}/empty"], "no WFDB records (.hea files) in this folder"),
     (None, ["--hours", "-1"], "--hours must be positive"),
+    (None, ["--device", "cpu", "--train-precision", "bf16"], "--train-precision bf16 is for GPUs"),
 ])
 def test_cli_bad_input_before_the_flow(tmp_path, setup, args, message):
     if setup == "mkdir":

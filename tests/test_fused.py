@@ -1,0 +1,88 @@
+"""The fusible form of the LightVAE (beatflow.fused) against the nn.Module it restates."""
+import numpy as np
+import pytest
+import torch
+
+from beatflow.fused import FusedScorer, conv3, downsample, fused_forward, upsample2
+from beatflow.model import Downsample, LightVAE, Scorer, train_vae, training_precision
+
+
+def _random_vae(seed, width=64):
+    torch.manual_seed(seed)
+    vae = LightVAE(width)
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.normal_(0, 0.5)  # away from the initialisation, all weights matter
+    return vae.eval()
+
+
+@pytest.mark.parametrize("cin,cout,n", [(1, 2, 16), (8, 4, 10), (2, 1, 7)])
+def test_conv3_is_conv1d_with_padding_1(cin, cout, n):
+    g = torch.Generator().manual_seed(cin * 10 + cout)
+    x, w, b = torch.randn(5, cin, n, generator=g), torch.randn(cout, cin, 3, generator=g), torch.randn(cout, generator=g)
+    torch.testing.assert_close(conv3(x, w, b), torch.nn.functional.conv1d(x, w, b, padding=1), rtol=1e-5, atol=1e-6)
+
+
+def test_downsample_and_upsample_match_the_modules():
+    x = torch.randn(3, 4, 32)
+    torch.testing.assert_close(downsample(x), Downsample(4)(x), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(upsample2(x), torch.nn.Upsample(scale_factor=2, mode="nearest")(x))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fused_scorer_and_forward_match_the_model(seed):
+    vae = _random_vae(seed)
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        s0, m0 = Scorer(vae).eval()(x)
+        s1, m1 = FusedScorer(vae)(x)
+        r0, mu0, lv0 = vae(x)
+        eps = torch.randn(37, 2)
+        r1, mu1, lv1 = fused_forward(vae, x, eps)
+        z = mu0 + torch.exp(0.5 * lv0) * eps
+        r2 = vae.decode(z)
+        r3, _, _ = fused_forward(vae, x)
+    torch.testing.assert_close(s1, s0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m1, m0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lv1, lv0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r1, r2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r3, r0, rtol=1e-5, atol=1e-5)
+    assert FusedScorer(vae).vae is vae  # shares the parameters, no copy
+
+
+def test_fused_gradients_match_the_model():
+    vae = _random_vae(4)
+    x = torch.randn(16, 64)
+    vae.zero_grad()
+    r, mu, lv = vae(x)
+    (((x - r) ** 2).mean() + lv.square().mean() + mu.square().mean()).backward()
+    g0 = {n: p.grad.clone() for n, p in vae.named_parameters()}
+    vae.zero_grad()
+    r, mu, lv = fused_forward(vae, x)
+    (((x - r) ** 2).mean() + lv.square().mean() + mu.square().mean()).backward()
+    for n, p in vae.named_parameters():
+        torch.testing.assert_close(p.grad, g0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_training_precision_rules():
+    assert training_precision("auto", "cpu") == "fp32"
+    with pytest.raises(ValueError, match="for GPUs"):
+        training_precision("bf16", "cpu")
+    with pytest.raises(ValueError, match="must be one of"):
+        training_precision("fp8", "cpu")
+
+
+def test_compiled_training_matches_eager_training():
+    """torch.compile of the fusible step (Inductor's C++ backend on the CPU) trains to the same
+    losses as the eager model, seed for seed; falls back to uncompiled steps if compiling fails."""
+    x = (0.3 * np.random.default_rng(0).normal(size=(600, 64))).astype(np.float32)
+    a = train_vae(x, epochs=2, batch_size=128, seed=1)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        b = train_vae(x, epochs=2, batch_size=128, seed=1, compile=True)
+    assert not [w for w in seen if "training uncompiled" in str(w.message)]  # it did compile
+    np.testing.assert_allclose(b.train_loss, a.train_loss, rtol=1e-4)
+    np.testing.assert_allclose(b.test_loss, a.test_loss, rtol=1e-4)
+
