@@ -30,7 +30,7 @@ def _run_parser(sub) -> None:
     p.add_argument("--out", help="output folder (default runs/<timestamp>); must not exist or be empty")
     p.add_argument("--store", default=os.environ.get("BEATFLOW_STORE"),
                    help="register the trained model in this store for `beatflow score` (default $BEATFLOW_STORE)")
-    p.add_argument("--engine", choices=("auto", "onnxruntime", "aoti", "tensorrt"), default="auto",
+    p.add_argument("--engine", choices=("auto", "onnxruntime", "compiled", "aoti", "tensorrt"), default="auto",
                    help="inference engine backend (default: the best available)")
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16", "int8"), default="fp32",
                    help="inference engine precision (fp16/bf16 on GPU, int8 on CPU)")

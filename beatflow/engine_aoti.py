@@ -106,9 +106,10 @@ class AotInductorEngine(Engine):
         """``torch.export`` the scorer (batch dimension ``min..max`` of the profile, example batch
         >= 2) and compile it with ``torch._inductor.aoti_compile_and_package`` to ``path``.
 
-        ``fused`` (default: on a GPU) exports the scorer's fusible form (:class:`beatflow.fused.FusedScorer`,
-        same parameters and arithmetic), which Inductor compiles into a few Triton kernels instead of
-        one cuDNN call or elementwise kernel per layer."""
+        ``fused`` exports the scorer's fusible form (:class:`beatflow.fused.FusedScorer`, same
+        parameters and arithmetic) instead. Off by default: with torch 2.11 on the H200 that package
+        compiles but crashes the process when loaded (see :mod:`beatflow.engine_compiled`, which
+        runs the fused form through ``torch.compile`` instead)."""
         from torch._inductor import aoti_compile_and_package
 
         check_precision(precision)
@@ -121,8 +122,6 @@ class AotInductorEngine(Engine):
         dev = torch.device("cuda", idx) if idx is not None else torch.device("cpu")
         import copy
 
-        if fused is None:
-            fused = idx is not None
         if fused:
             from .fused import FusedScorer
 

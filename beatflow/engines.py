@@ -7,8 +7,9 @@ One entry point for the flow::
     score, mu = engine.infer(beats / scale)
 
 Backends (see :mod:`beatflow.engine`): ``onnxruntime`` (CPU; CUDA with onnxruntime-gpu),
-``aoti`` (PyTorch AOTInductor; GPU, CPU allowed), ``tensorrt`` (GPU, when importable).
-``backend="auto"`` picks, on a GPU, tensorrt > aoti > onnxruntime-cuda, on the CPU onnxruntime
+``compiled`` (the fusible scorer through ``torch.compile``; GPU), ``aoti`` (PyTorch AOTInductor;
+GPU, CPU allowed), ``tensorrt`` (GPU, when importable). ``backend="auto"`` picks, on a GPU,
+tensorrt > compiled > aoti > onnxruntime-cuda, on the CPU onnxruntime
 (the first available that supports the precision).
 
 **Cache.** Engines live in a cache folder (``cache_dir`` argument, else ``$BEATFLOW_CACHE_DIR``,
@@ -80,12 +81,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Bump when what an engine file contains changes for the same inputs (invalidates caches).
-ENGINE_FORMAT = 3  # 3: AOTInductor engines on GPUs export the fusible scorer (beatflow.fused)
+ENGINE_FORMAT = 3  # 3: the compiled backend (fusible scorer through torch.compile)
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "beatflow", "engines")
-BACKENDS = ("onnxruntime", "aoti", "tensorrt")
-EXTENSIONS = {"onnxruntime": "onnx", "aoti": "pt2", "tensorrt": "plan"}
+BACKENDS = ("onnxruntime", "compiled", "aoti", "tensorrt")
+EXTENSIONS = {"onnxruntime": "onnx", "compiled": "pt", "aoti": "pt2", "tensorrt": "plan"}
 #: GPU preference order of ``backend="auto"``.
-GPU_ORDER = ("tensorrt", "aoti", "onnxruntime")
+GPU_ORDER = ("tensorrt", "compiled", "aoti", "onnxruntime")
 _KEY_LEN = 24
 _ENTRY_RE = re.compile(r"^(%s)-(%s)-([0-9a-f]{%d})\.(onnx|pt2|plan|json)$"
                        % ("|".join(BACKENDS), "|".join(PRECISIONS), _KEY_LEN))
@@ -189,6 +190,8 @@ def _ort_has_cuda() -> bool:
 
 
 def _supports(backend: str, precision: str, gpu: bool) -> bool:
+    if backend == "compiled":
+        return gpu and precision in ("fp32", "fp16", "bf16")
     if precision == "int8":
         return backend == "onnxruntime" and not gpu
     if precision in ("fp16", "bf16"):
@@ -208,7 +211,10 @@ def available_backends(device: str = "cpu") -> list[str]:
     from .engine_aoti import aoti_available
     from .engine_trt import tensorrt_available
 
-    have = {"tensorrt": tensorrt_available(), "aoti": aoti_available(dev), "onnxruntime": _ort_has_cuda()}
+    from .engine_compiled import compiled_available
+
+    have = {"tensorrt": tensorrt_available(), "compiled": compiled_available(dev), "aoti": aoti_available(dev),
+            "onnxruntime": _ort_has_cuda()}
     return [b for b in GPU_ORDER if have[b]]
 
 
@@ -352,6 +358,8 @@ def _runtime_options(backend: str, dev: str, threads: Optional[int], profile: Ba
             opts.update(intra_op_num_threads=1, feeders=max(1, n))
     elif backend == "aoti":
         opts.update(max_batch=max(profile.max, profile.example), threads=threads)
+    elif backend == "compiled":
+        opts.update(max_batch=max(profile.max, profile.example))
     elif backend == "tensorrt":
         opts["batch_profile"] = profile
     return opts
@@ -371,6 +379,10 @@ def _engine_class(backend: str):
         from .engine_aoti import AotInductorEngine
 
         return AotInductorEngine
+    if backend == "compiled":
+        from .engine_compiled import CompiledEngine
+
+        return CompiledEngine
     from .engine_trt import TensorRtEngine
 
     return TensorRtEngine
@@ -400,6 +412,10 @@ def _build(backend: str, scorer, path: str, *, precision: str, dev: str, profile
         export_onnx(scorer, onnx_path, precision=precision, example_batch=profile.example)
         return TensorRtEngine.build(scorer, path, onnx_path=onnx_path, device=dev, precision=precision,
                                     batch_profile=profile)
+    if backend == "compiled":
+        from .engine_compiled import CompiledEngine
+
+        return CompiledEngine.build(scorer, path, device=dev, precision=precision, batch_profile=profile)
     from .engine_aoti import AotInductorEngine
 
     engine = AotInductorEngine.build(scorer, path, device=dev, precision=precision, batch_profile=profile)

@@ -11,8 +11,9 @@ pipeline does, scaled, minus its dominant beat (the VAE's input, ~72 k rows of 2
     compiled fusible step (``train_vae(compile=True)``) in fp32, bf16 and fp16 (gradient scaler); the
     compiled variants run twice, the second time with the compile caches warm (a flow's warm run);
     final test loss of each against fp32 (goal: within 5 %).
-(b) engines: AOTInductor of the cuDNN-form scorer (fp32; the previous engine) and of the fusible
-    form in fp32, bf16 and fp16; max abs score error against the eager fp32 scorer on all rows;
+(b) engines: AOTInductor of the cuDNN-form scorer (fp32; the previous engine) and the ``compiled``
+    backend (the fusible form through ``torch.compile``) in fp32, bf16 and fp16, with and without
+    CUDA graphs (``mode="reduce-overhead"``); max abs score error against the eager fp32 scorer on all rows;
     throughput by batch (CUDA events around ``engine.infer``, device input) and batch-1 latency
     p50/p99 over 2000 calls (each timed with CUDA events).
 """
@@ -96,13 +97,19 @@ def engines(x, vae):
     scorer = scorer.cpu()
     out = {}
     tmp = tempfile.mkdtemp()
-    variants = [("aoti fused fp32", "fp32", True), ("aoti fused bf16", "bf16", True),
-                ("aoti fused fp16", "fp16", True), ("aoti cudnn-form fp32", "fp32", False)]
-    for name, prec, fused in variants:
+    from beatflow.engine_compiled import CompiledEngine
+
+    variants = [("compiled fp32", "fp32", False), ("compiled bf16", "bf16", False), ("compiled fp16", "fp16", False),
+                ("compiled fp32 + CUDA graphs", "fp32", True), ("compiled bf16 + CUDA graphs", "bf16", True),
+                ("aoti cudnn-form fp32", "fp32", None)]
+    for name, prec, graphs in variants:
         print(f"   building {name}", flush=True)
         t = time.perf_counter()
-        eng = AotInductorEngine.build(scorer, os.path.join(tmp, name.replace(" ", "_") + ".pt2"), device="cuda",
-                                      precision=prec, fused=fused)
+        path = os.path.join(tmp, name.replace(" ", "_").replace("+", ""))
+        if graphs is None:
+            eng = AotInductorEngine.build(scorer, path + ".pt2", device="cuda", precision=prec)
+        else:
+            eng = CompiledEngine.build(scorer, path + ".pt", device="cuda", precision=prec, cudagraphs=graphs)
         build_s = time.perf_counter() - t
         s, m = eng.infer(xd)
         torch.cuda.synchronize()

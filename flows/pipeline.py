@@ -129,7 +129,7 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
         the parameters and the code version, persisted there and reused by later runs (a run
         killed during training resumes after its last finished task).
     engine_backend, precision : str
-        Inference engine (``auto|onnxruntime|aoti|tensorrt``) and its precision (``fp32``, ``fp16``,
+        Inference engine (``auto|onnxruntime|compiled|aoti|tensorrt``) and its precision (``fp32``, ``fp16``,
         ``bf16`` on GPU, ``int8`` on CPU); engines are cached by model hash and configuration.
     train_precision, train_compile : str, bool
         VAE training in mixed precision on a GPU (``auto``: bf16 where supported, else fp16 with

@@ -19,6 +19,7 @@ import torch
 from beatflow import engine as E
 from beatflow import engines
 from beatflow.engine import TOLERANCES, EngineValidationError, OnnxRuntimeEngine
+from beatflow.errors import DeviceError
 from beatflow.engines import EngineCacheWarning, build_or_load_engine
 from beatflow.model import load_model, save_model, score_beats, train_vae
 
@@ -296,6 +297,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @cuda
 @pytest.mark.parametrize("backend,precision", [("auto", "fp32"), ("auto", "fp16"), ("aoti", "bf16"),
+                                               ("compiled", "bf16"), ("aoti", "fp32"),
                                                ("onnxruntime", "fp32"), ("tensorrt", "fp16")])
 def test_gpu_backends_keep_device_results(trained, cache, backend, precision):
     if backend != "auto" and backend not in engines.available_backends("cuda"):
@@ -314,10 +316,34 @@ def test_gpu_backends_keep_device_results(trained, cache, backend, precision):
 
 
 @cuda
-def test_gpu_auto_prefers_tensorrt_then_aoti():
+def test_gpu_auto_prefers_tensorrt_then_compiled_then_aoti():
     avail = engines.available_backends("cuda")
-    assert avail == [b for b in ("tensorrt", "aoti", "onnxruntime") if b in avail]
+    assert avail == [b for b in ("tensorrt", "compiled", "aoti", "onnxruntime") if b in avail]
     assert engines.resolve_backend("auto", "fp32", "cuda") == avail[0]
+
+
+def test_compiled_backend_is_for_gpus_only():
+    with pytest.raises(ValueError, match="backend compiled does not do fp32 on the CPU"):
+        engines.resolve_backend("compiled", "fp32", "cpu")
+
+
+@cuda
+def test_compiled_engine_with_cuda_graphs_needs_the_native_allocator(trained, tmp_path):
+    from beatflow.engine_compiled import CompiledEngine, native_allocator
+    from beatflow.model import Scorer, load_model
+
+    model, val = trained
+    if not native_allocator():
+        with pytest.raises(DeviceError, match="CUDA graphs need PyTorch's own CUDA allocator"):
+            CompiledEngine.build(Scorer(load_model(model)), tmp_path / "e.pt", cudagraphs=True)
+        return
+    eng = CompiledEngine.build(Scorer(load_model(model)), tmp_path / "e.pt", cudagraphs=True, batch_profile=PROFILE)
+    x = torch.from_numpy(val[:64]).cuda()
+    s1, _ = eng.infer(x)
+    s2, _ = eng.infer(torch.zeros_like(x))  # a replay must not overwrite what the first call returned
+    ref, _ = score_beats(load_model(model), val[:64])
+    np.testing.assert_allclose(s1.cpu().numpy(), ref, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(s1, s2)
 
 
 @pytest.mark.skipif(os.environ.get("BEATFLOW_SLOW_TESTS") != "1", reason="AOTInductor on the CPU compiles ~1.5 min")

@@ -1,0 +1,139 @@
+"""``compiled`` backend: the fusible scorer (:mod:`beatflow.fused`) through ``torch.compile`` on a GPU.
+
+Why not AOTInductor for the fused form: with torch 2.11 on the H200 the AOTInductor package of the
+fusible scorer compiles, but loading it crashes the process (segmentation fault in
+``aoti_load_package``, also in a fresh process); the cuDNN-form package loads, but it is ~25 kernels
+and its first load in a process took 38 s. ``torch.compile`` of the fused form gives a few Triton
+kernels (H200, batch 8192: 216 µs, ~38 M beats/s in fp32), compiles in ~15 s once per process and
+machine, and reuses Inductor's on-disk caches afterwards.
+
+The engine file is the scorer's weights (``torch.save`` of the state dict and the width), so the
+engine cache works as for the other backends (key: weights hash, precision, device, versions); the
+compiled kernels live in Inductor's own cache. ``cudagraphs=True`` compiles with
+``mode="reduce-overhead"`` (CUDA graphs: batch-1 latency without per-kernel launch costs); that needs
+PyTorch's own caching allocator, so it is refused when another allocator (RMM) is installed.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Optional
+
+import torch
+
+from .engine import PathLike, Scorer, check_precision, cuda_device_index
+from .engine_aoti import AotInductorEngine
+from .errors import DeviceError
+
+__all__ = ["CompiledEngine", "compiled_available"]
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def compiled_available(device: str = "cuda") -> bool:
+    """CUDA torch with Triton (what Inductor generates GPU kernels with)."""
+    if cuda_device_index(device) is None or not torch.cuda.is_available():
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def native_allocator() -> bool:
+    """Whether PyTorch allocates CUDA memory with its own caching allocator (needed by CUDA graphs)."""
+    try:
+        return torch.cuda.memory.get_allocator_backend() == "native"
+    except Exception:  # pragma: no cover - older torch
+        return False
+
+
+class CompiledEngine(AotInductorEngine):
+    """``torch.compile``-d :class:`beatflow.fused.FusedScorer` (dynamic batch) on one GPU.
+
+    Same ``infer`` contract as :class:`AotInductorEngine` (device input used in place, results
+    stay on the device).
+    """
+
+    name = "compiled"
+
+    def __init__(self, path: PathLike, *, device: str = "cuda", precision: str = "fp32", max_batch: int = 8192,
+                 cudagraphs: bool = False):
+        super().__init__(path, device=device, precision=precision, max_batch=max_batch)
+        if self.device_index is None:
+            raise DeviceError("the compiled engine runs on a CUDA device")
+        if precision not in _DTYPES:
+            raise ValueError(f"compiled engine: precision {precision!r} not supported (fp32, fp16, bf16)")
+        if cudagraphs and not native_allocator():
+            raise DeviceError("compiled engine: CUDA graphs need PyTorch's own CUDA allocator, and another "
+                              f"({torch.cuda.memory.get_allocator_backend()}) is installed")
+        self.cudagraphs = bool(cudagraphs)
+        self._lock = threading.Lock()
+
+    @property
+    def model(self):
+        """The compiled scorer (weights loaded and compiled on first use)."""
+        if self._model is None:
+            with self._lock:
+                if self._model is None:
+                    from .fused import FusedScorer
+                    from .model import LightVAE
+
+                    if not torch.cuda.is_available():
+                        raise DeviceError("compiled engine: torch sees no CUDA device")
+                    blob = torch.load(self.path, map_location="cpu", weights_only=True)
+                    vae = LightVAE(int(blob["width"]))
+                    vae.load_state_dict(blob["state_dict"])
+                    module = FusedScorer(vae.to(self.torch_device), _DTYPES[self.precision]).eval()
+                    mode = "reduce-overhead" if self.cudagraphs else None
+                    compiled = torch.compile(module, dynamic=True, mode=mode)
+                    if self.cudagraphs:  # a replay overwrites the previous outputs: hand out copies
+                        def run(x, _c=compiled):
+                            torch.compiler.cudagraph_mark_step_begin()
+                            s, m = _c(x)
+                            return s.clone(), m.clone()
+                        self._model = run
+                    else:
+                        self._model = compiled
+        return self._model
+
+    @classmethod
+    def build(cls, scorer: Scorer, path: PathLike, *, device: str = "cuda", precision: str = "fp32",
+              batch_profile=(1, 1024, 8192), cudagraphs: bool = False, **_ignored) -> "CompiledEngine":
+        """Save the scorer's weights to ``path`` and compile (warm) for the profile's batches."""
+        from .engine import BatchProfile
+
+        check_precision(precision)
+        profile = BatchProfile.coerce(batch_profile)
+        torch.save({"width": int(scorer.width), "state_dict": scorer.vae.state_dict()}, os.fspath(path))
+        engine = cls(path, device=device, precision=precision, max_batch=max(profile.max, profile.example),
+                     cudagraphs=cudagraphs)
+        engine.warm(profile)
+        return engine
+
+    def warm(self, profile=(1, 1024, 8192)) -> None:
+        """Compile now (batch 1 is specialised by the compiler; the others share one dynamic graph)."""
+        with torch.no_grad():
+            for b in sorted({1, 2, *tuple(profile)[1:]}):
+                self.model(torch.zeros(b, self._width(), device=self.torch_device))
+
+    def _width(self) -> int:
+        if not hasattr(self, "_w"):
+            self._w = int(torch.load(self.path, map_location="cpu", weights_only=True)["width"])
+        return self._w
+
+    def save(self, path: PathLike) -> None:
+        import shutil
+
+        if os.path.abspath(path) != os.path.abspath(self.path):
+            shutil.copyfile(self.path, path)
+
+    @classmethod
+    def load(cls, path: PathLike, *, device: str = "cuda", precision: str = "fp32", max_batch: int = 8192,
+             cudagraphs: bool = False, **_ignored) -> "CompiledEngine":
+        """Load the weights (a bad file fails here); compiling waits for the first call."""
+        engine = cls(path, device=device, precision=precision, max_batch=max_batch, cudagraphs=cudagraphs)
+        try:
+            engine._width()
+        except Exception as e:
+            raise ValueError(f"{path}: not a compiled-engine file ({type(e).__name__})") from None
+        return engine
