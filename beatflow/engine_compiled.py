@@ -90,11 +90,10 @@ class CompiledEngine(AotInductorEngine):
                     # one static graph per batch bucket (dynamic shapes made slower kernels: 5.5 M
                     # beats/s at 8192 against 38 M static); every engine in a process recompiles the
                     # same forward, so allow more than dynamo's default 8 variants
-                    import torch._dynamo
+                    import torch._dynamo as dynamo  # (a plain `import torch._dynamo` would make torch local)
 
-                    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-                    torch._dynamo.config.accumulated_recompile_limit = max(
-                        torch._dynamo.config.accumulated_recompile_limit, 4096)
+                    dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 256)
+                    dynamo.config.accumulated_recompile_limit = max(dynamo.config.accumulated_recompile_limit, 4096)
                     compiled = torch.compile(module, dynamic=False, mode=mode)
                     if self.cudagraphs:  # a replay overwrites the previous outputs: hand out copies
                         def run(x, _c=compiled):

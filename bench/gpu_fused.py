@@ -100,7 +100,9 @@ def engines(x, vae):
     from beatflow.engine_compiled import CompiledEngine
 
     variants = [("compiled fp32", "fp32", False), ("compiled fp16", "fp16", False),
-                ("compiled fp32 + CUDA graphs", "fp32", True), ("compiled bf16", "bf16", False)]
+                ("compiled fp32 + CUDA graphs", "fp32", True)]
+    if not os.environ.get("GPU_FUSED_QUICK"):
+        variants.append(("compiled bf16", "bf16", False))
     if os.environ.get("GPU_FUSED_AOTI"):  # its load crashed the process on the H200 (torch 2.11)
         variants.append(("aoti cudnn-form fp32", "fp32", None))
     for name, prec, graphs in variants:
