@@ -88,8 +88,8 @@ EXTENSIONS = {"onnxruntime": "onnx", "compiled": "pt", "aoti": "pt2", "tensorrt"
 #: GPU preference order of ``backend="auto"``.
 GPU_ORDER = ("tensorrt", "compiled", "aoti", "onnxruntime")
 _KEY_LEN = 24
-_ENTRY_RE = re.compile(r"^(%s)-(%s)-([0-9a-f]{%d})\.(onnx|pt2|plan|json)$"
-                       % ("|".join(BACKENDS), "|".join(PRECISIONS), _KEY_LEN))
+_ENTRY_RE = re.compile(r"^(%s)-(%s)-([0-9a-f]{%d})\.(%s|json)$"
+                       % ("|".join(BACKENDS), "|".join(PRECISIONS), _KEY_LEN, "|".join(EXTENSIONS.values())))
 _TMP_PREFIX = ".tmp-"
 
 

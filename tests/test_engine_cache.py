@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -313,6 +314,8 @@ def test_gpu_backends_keep_device_results(trained, cache, backend, precision):
     np.testing.assert_allclose(s.cpu().numpy(), ref, atol=TOLERANCES[precision].atol, rtol=TOLERANCES[precision].rtol)
     assert build_or_load_engine(model, val, backend=info["backend"], precision=precision, device="cuda",
                                 cache_dir=cache, batch_profile=PROFILE)[1]["cache"] == "hit"
+    again = engines.load_engine(info["path"])  # as a Dask worker loads it for scoring
+    np.testing.assert_allclose(again.infer(x)[0].cpu().numpy(), s.cpu().numpy(), rtol=1e-6, atol=1e-7)
 
 
 @cuda
@@ -320,6 +323,13 @@ def test_gpu_auto_prefers_tensorrt_then_compiled_then_aoti():
     avail = engines.available_backends("cuda")
     assert avail == [b for b in ("tensorrt", "compiled", "aoti", "onnxruntime") if b in avail]
     assert engines.resolve_backend("auto", "fp32", "cuda") == avail[0]
+
+
+@pytest.mark.parametrize("backend", engines.BACKENDS)
+def test_every_backends_cache_file_name_is_recognised(backend):
+    """load_engine and `engine clean` recognise entries by name: each backend's extension must match."""
+    name = f"{backend}-fp32-{'0' * engines._KEY_LEN}.{engines.EXTENSIONS[backend]}"
+    assert engines._ENTRY_RE.match(name) and engines._ours(Path(name))
 
 
 def test_compiled_backend_is_for_gpus_only():
