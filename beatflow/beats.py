@@ -69,8 +69,20 @@ def residual_rows(rows, dominant):
 
 
 def prune_mask(length, lower: int, upper: int):
-    """Beats kept: ``lower <= length <= upper``."""
+    """The seed's rule: beats kept when ``lower <= length <= upper``."""
     return (length >= lower) & (length <= upper)
+
+
+def kept_mask(length, s: SegmentSamples):
+    """Beats that get a row: ``length >= s.lower``, and ``length <= s.upper`` unless ``s.cut_long``
+    (then a longer beat is kept with its row cut to ``s.upper`` samples, see :func:`row_lengths`)."""
+    return (length >= s.lower) if s.cut_long else prune_mask(length, s.lower, s.upper)
+
+
+def row_lengths(length, s: SegmentSamples):
+    """Samples of each beat that go into its row: ``min(length, s.upper)``."""
+    xp = namespace_of(length)
+    return xp.minimum(length, s.upper)
 
 
 @dataclass

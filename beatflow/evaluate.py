@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .beats import beats_from_peaks, dominant_beat, embed, prune_mask, residual_rows
+from .beats import beats_from_peaks, dominant_beat, embed, kept_mask, residual_rows, row_lengths
 from .errors import InputError
 from .metrics import Detection, match_beats, pr_auc, roc_auc
 from .params import SegmentParams
@@ -220,20 +220,20 @@ class RecordBeats:
 def record_beats(rec: Record, params: SegmentParams | None = None) -> RecordBeats:
     """Segment a record and embed its beats exactly as the pipeline does (no scaling yet).
 
-    The pipeline keeps beats of ``min_length_s..max_length_s`` (the seed's 100..256 samples at
-    250 Hz); a premature beat followed by a long compensatory pause is longer and is not scored.
-    ``all_rows`` holds every beat, a longer one cut to its first ``upper`` samples, for the
-    evaluation of all detected beats.
+    The pipeline keeps beats of at least ``min_length_s``, a beat longer than ``max_length_s`` (a
+    premature beat followed by a long compensatory pause) with its row cut to that length; with
+    ``cut_long=False`` it prunes them as the seed does. ``all_rows`` holds every beat, cut the same
+    way, for the evaluation of all detected beats.
     """
     s = (params or SegmentParams()).samples(rec.fs)
     t = time.perf_counter()
     peaks = np.asarray(detect_peaks(rec.signal, s))
     seconds = time.perf_counter() - t
     peak, start, length = beats_from_peaks(peaks, s, rec.signal.shape[0])
-    kept = prune_mask(length, s.lower, s.upper)
+    kept = kept_mask(length, s)
     base = max(1, s.pre // 2)
-    rows, p2p = embed(rec.signal, start[kept], length[kept], s.width, baseline_samples=base)
-    all_rows, _ = embed(rec.signal, start, np.minimum(length, s.upper), s.width, baseline_samples=base)
+    rows, p2p = embed(rec.signal, start[kept], row_lengths(length[kept], s), s.width, baseline_samples=base)
+    all_rows, _ = embed(rec.signal, start, row_lengths(length, s), s.width, baseline_samples=base)
     return RecordBeats(peaks, seconds, peak[kept], np.asarray(rows), np.asarray(p2p), beat_labels(peak[kept], rec),
                        np.asarray(all_rows), beat_labels(peak, rec))
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backend import namespace_of, to_host
-from .beats import beats_from_peaks, embed, prune_mask
+from .beats import beats_from_peaks, embed, kept_mask
 from .params import SegmentSamples
 from .reading import PartitionSpec
 from .segment import detect_peaks
@@ -98,6 +98,7 @@ class BeatPlan:
     length: np.ndarray
     kept: np.ndarray
     owner: np.ndarray
+    upper: int = 1 << 62  # row length cap (SegmentSamples.upper)
 
     @property
     def n_detected(self) -> int:
@@ -108,14 +109,15 @@ class BeatPlan:
         return int(self.kept.sum())
 
     def kept_of(self, partition: int):
-        """(start, length) of the kept beats owned by ``partition``, in stream order."""
+        """(start, row length) of the kept beats owned by ``partition``, in stream order (a beat
+        longer than the row is cut to it: :func:`beatflow.beats.row_lengths`)."""
         m = self.kept & (self.owner == partition)
-        return self.start[m], self.length[m]
+        return self.start[m], np.minimum(self.length[m], self.upper)
 
 
 def plan_beats(specs: list[PartitionSpec], firsts: list[int], n_samples: dict[int, int], peaks: list,
                s: SegmentSamples) -> BeatPlan:
-    """Beats of every recording from the peaks of its partitions (in order), pruned by length."""
+    """Beats of every recording from the peaks of its partitions (in order); too short ones pruned."""
     cols = {k: [] for k in ("recording", "peak", "start", "length", "owner")}
     for rec in sorted({sp.recording for sp in specs}):
         idx = [k for k, sp in enumerate(specs) if sp.recording == rec]
@@ -127,4 +129,4 @@ def plan_beats(specs: list[PartitionSpec], firsts: list[int], n_samples: dict[in
                          ("length", length), ("owner", owner)):
             cols[key].append(val)
     cat = {k: np.concatenate(v).astype(np.int64) if v else np.zeros(0, np.int64) for k, v in cols.items()}
-    return BeatPlan(kept=prune_mask(cat["length"], s.lower, s.upper), **cat)
+    return BeatPlan(kept=kept_mask(cat["length"], s), upper=s.upper, **cat)

@@ -697,7 +697,7 @@ def render_report_html(data: ReportData) -> str:
 
     parts.append('<section id="beats"><h2>Beats</h2><div class="row">')
     parts.append('<div class="panel"><h3>Beat-length histogram</h3>' + _img(_fig_lengths(d), "beat length histogram")
-                 + '<p class="note">Shaded band: kept length range; beats outside it are pruned.</p></div>')
+                 + '<p class="note">Shaded band: the row length range; shorter beats are pruned, longer ones are cut to the row.</p></div>')
     parts.append('<div class="panel"><h3>Aligned beats</h3>' + _img(_fig_aligned(d), "aligned beats overlay")
                  + '<p class="note">Overlay of typical kept beats; a sharp common QRS means good alignment.</p></div>')
     parts.append("</div></section>")

@@ -85,7 +85,7 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
     InputError
         No beats, or a sampling rate that gives another row width than the model's.
     """
-    from .beats import beats_from_peaks, dominant_beat, embed, prune_mask, residual_rows
+    from .beats import beats_from_peaks, dominant_beat, embed, kept_mask, residual_rows, row_lengths
     from .errors import InputError
     from .params import SegmentParams
     from .segment import detect_peaks
@@ -96,10 +96,10 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
                          f"the model was trained on {width}")
     peaks = detect_peaks(x, s)
     peak, start, length = beats_from_peaks(peaks, s, x.shape[0])
-    kept = prune_mask(length, s.lower, s.upper)
+    kept = kept_mask(length, s)
     if not kept.any():
         raise InputError(f"{name}: no heartbeats found (flat line or no QRS-like peaks)")
-    rows, _ = embed(x, start[kept], length[kept], s.width, baseline_samples=max(1, s.pre // 2))
+    rows, _ = embed(x, start[kept], row_lengths(length[kept], s), s.width, baseline_samples=max(1, s.pre // 2))
     rows = np.asarray(rows) / np.float32(scale)
     score, _ = infer(residual_rows(rows, dominant_beat(rows)))  # the recording's own dominant beat
     kb = np.flatnonzero(kept)

@@ -223,7 +223,7 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
         raise InputError(f"{source.path}: no heartbeats found (flat line or no QRS-like peaks)")
     if plan.n_kept < 64:
         raise InputError(f"{source.path}: only {plan.n_kept} beats of plausible length "
-                         f"({s.lower}..{s.upper} samples): too few to learn from")
+                         f"(at least {s.lower} samples): too few to learn from")
     pruned = 1.0 - plan.n_kept / plan.n_detected
     log.info("segmentation: %d beats detected, %d kept, removed %.2f percent of the candidates",
              plan.n_detected, plan.n_kept, 100 * pruned)

@@ -91,3 +91,32 @@ def test_residuals_make_one_patients_normal_beats_small_and_others_large():
         res = residual_rows(rows.astype(np.float32), dominant_beat(rows.astype(np.float32)))
         err = (res ** 2).mean(axis=1)
         assert err[:95].max() < 0.01 < err[95:].min()
+
+
+def test_long_beats_are_cut_to_the_row_unless_pruned_as_in_the_seed():
+    import dataclasses
+
+    from beatflow.beats import kept_mask, row_lengths
+
+    length = np.array([99, 100, 256, 257, 600])
+    s = dataclasses.replace(S250, lower=100, upper=256)
+    np.testing.assert_array_equal(kept_mask(length, s), [False, True, True, True, True])
+    np.testing.assert_array_equal(row_lengths(length, s), [99, 100, 256, 256, 256])
+    seed = dataclasses.replace(s, cut_long=False)
+    np.testing.assert_array_equal(kept_mask(length, seed), [False, True, True, False, False])
+    assert SegmentParams(cut_long=False).samples(250.0).cut_long is False and S250.cut_long is True
+
+
+def test_a_premature_beat_before_a_pause_gets_a_row():
+    """Peaks of a regular rhythm with one early beat followed by a compensatory pause: the early
+    beat's row is cut to the row width instead of being dropped."""
+    from beatflow.partitions import plan_beats
+    from beatflow.reading import PartitionSpec
+
+    peaks = np.array([100, 300, 500, 620, 900, 1100, 1300])  # 620: early; 620 -> 900 is 280 > 256
+    s = SegmentParams(min_length_s=0.4, max_length_s=1.024).samples(250.0)
+    plan = plan_beats([PartitionSpec(0, 0, 0, 1400)], [0], {0: 1400}, [peaks], s)
+    i = int(np.flatnonzero(plan.peak == 620)[0])
+    assert plan.length[i] == 280 > s.upper and plan.kept[i]
+    start, row_len = plan.kept_of(0)
+    assert row_len.max() == s.upper and row_len[list(plan.peak[plan.kept]).index(620)] == s.upper
