@@ -1,3 +1,11 @@
+"""Probe (H200, session 3): AOTInductor package of the fusible scorer, and plain ``torch.compile`` of it.
+
+    python3 bench/gpu_compile_probe.py build /tmp/f.pt2    # export + aoti_compile_and_package the FusedScorer
+    python3 bench/gpu_compile_probe.py load /tmp/f.pt2     # load it in a fresh process (crashed: segfault)
+    python3 bench/gpu_compile_probe.py jit                 # torch.compile(FusedScorer), fp32 and bf16, b1 and b8192
+
+Random LightVAE weights (seed 0); figures in bench/RESULTS.md.
+"""
 import os, sys, time, subprocess, tempfile, json
 sys.path.insert(0, os.getcwd())
 import torch, numpy as np
