@@ -132,7 +132,7 @@ def report(results: list[dict], folds: list[list[str]], paced_res: dict | None, 
            "pipeline scores them:", "", anomaly_table(results, labels), "",
            "All detected beats (longer ones cut to the row):", "", anomaly_table(results, labels, True), "",
            "**Mean ± sd over the folds**", "", mean_table(results), "",
-           "**Beats scored** (matched to a reference beat; the pipeline keeps beats of 0.4–1.024 s):", "",
+           "**Beats scored** (matched to a reference beat; the pipeline keeps beats of at least 0.4 s, cutting rows at 1.024 s):", "",
            coverage_table(results), ""]
     if paced_res is not None:
         paced = paced_res["records"]["test"]
