@@ -77,6 +77,7 @@ def cmd_run(args) -> int:
     from rich.table import Table
 
     from .backend import resolve_device
+    from .errors import DeviceError
     from .reading import open_source
 
     for name in ("hours", "workers", "partitions", "epochs", "batch_size", "fs"):
@@ -86,6 +87,14 @@ def cmd_run(args) -> int:
         from .errors import InputError
 
         raise InputError(f"--train-precision {args.train_precision} is for GPUs; the CPU trains in fp32")
+    if device == "cpu":  # an engine the CPU cannot run is an input error now, not after training
+        from .engines import resolve_backend
+        from .errors import InputError
+
+        try:
+            resolve_backend(args.engine, args.precision, "cpu")
+        except (ValueError, DeviceError) as e:
+            raise InputError(f"--engine {args.engine} --precision {args.precision}: {e}") from None
     if args.input:  # check the input before starting anything
         open_source(args.input, column=args.column, fs=args.fs, lead=args.lead)
     from flows.pipeline import ecg_anomaly_flow

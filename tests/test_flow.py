@@ -100,6 +100,8 @@ def test_cli_bad_input_inside_the_flow(prefect_server, tmp_path, content, messag
     ("mkdir", ["--input", "{d}/empty"], "no WFDB records (.hea files) in this folder"),
     (None, ["--hours", "-1"], "--hours must be positive"),
     (None, ["--device", "cpu", "--train-precision", "bf16"], "--train-precision bf16 is for GPUs"),
+    (None, ["--device", "cpu", "--engine", "compiled"], "backend compiled does not do fp32 on the CPU"),
+    (None, ["--device", "cpu", "--precision", "fp16"], "precision fp16 is for GPUs"),
 ])
 def test_cli_bad_input_before_the_flow(tmp_path, setup, args, message):
     if setup == "mkdir":
