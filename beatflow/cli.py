@@ -83,14 +83,12 @@ def cmd_run(args) -> int:
     for name in ("hours", "workers", "partitions", "epochs", "batch_size", "fs"):
         _positive(name.replace("_", "-"), getattr(args, name), allow_none=name != "hours")
     device = resolve_device(args.device)
-    if device == "cpu" and args.train_precision in ("bf16", "fp16"):
-        from .errors import InputError
-
-        raise InputError(f"--train-precision {args.train_precision} is for GPUs; the CPU trains in fp32")
-    if device == "cpu":  # an engine the CPU cannot run is an input error now, not after training
+    if device == "cpu":  # what the CPU cannot run is an input error now, not after training
         from .engines import resolve_backend
         from .errors import InputError
 
+        if args.train_precision in ("bf16", "fp16"):
+            raise InputError(f"--train-precision {args.train_precision} is for GPUs; the CPU trains in fp32")
         try:
             resolve_backend(args.engine, args.precision, "cpu")
         except (ValueError, DeviceError) as e:

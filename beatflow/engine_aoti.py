@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .engine import (
+    _TORCH_DTYPES,
     BatchProfile,
     Engine,
     PathLike,
@@ -125,8 +126,7 @@ class AotInductorEngine(Engine):
         if fused:
             from .fused import FusedScorer
 
-            dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
-            module = FusedScorer(copy.deepcopy(scorer.vae).to(dev), dtype).to(dev).eval()
+            module = FusedScorer(copy.deepcopy(scorer.vae).to(dev), _TORCH_DTYPES[precision]).to(dev).eval()
         else:
             module = precision_scorer(copy.deepcopy(scorer), precision).to(dev).eval()  # the caller's stays put
         hi = max(profile.max, profile.example)

@@ -16,18 +16,16 @@ PyTorch's own caching allocator, so it is refused when another allocator (RMM) i
 from __future__ import annotations
 
 import os
-import threading
 from typing import Optional
 
 import torch
 
-from .engine import PathLike, Scorer, check_precision, cuda_device_index
+from .engine import _TORCH_DTYPES, PathLike, Scorer, check_precision, cuda_device_index
 from .engine_aoti import AotInductorEngine
 from .errors import DeviceError
 
 __all__ = ["CompiledEngine", "compiled_available"]
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: batch sizes the engine compiles a static graph for (up to its max batch)
 BUCKETS = (1, 32, 256, 2048, 8192)
 
@@ -50,7 +48,8 @@ def native_allocator() -> bool:
 
 
 class CompiledEngine(AotInductorEngine):
-    """``torch.compile``-d :class:`beatflow.fused.FusedScorer` (dynamic batch) on one GPU.
+    """``torch.compile``-d :class:`beatflow.fused.FusedScorer` on one GPU, one static graph per
+    batch bucket (:data:`BUCKETS`).
 
     Same ``infer`` contract as :class:`AotInductorEngine` (device input used in place, results
     stay on the device).
@@ -63,13 +62,12 @@ class CompiledEngine(AotInductorEngine):
         super().__init__(path, device=device, precision=precision, max_batch=max_batch)
         if self.device_index is None:
             raise DeviceError("the compiled engine runs on a CUDA device")
-        if precision not in _DTYPES:
+        if precision not in _TORCH_DTYPES:
             raise ValueError(f"compiled engine: precision {precision!r} not supported (fp32, fp16, bf16)")
         if cudagraphs and not native_allocator():
             raise DeviceError("compiled engine: CUDA graphs need PyTorch's own CUDA allocator, and another "
                               f"({torch.cuda.memory.get_allocator_backend()}) is installed")
         self.cudagraphs = bool(cudagraphs)
-        self._lock = threading.Lock()
 
     @property
     def model(self):
@@ -85,7 +83,7 @@ class CompiledEngine(AotInductorEngine):
                     blob = torch.load(self.path, map_location="cpu", weights_only=True)
                     vae = LightVAE(int(blob["width"]))
                     vae.load_state_dict(blob["state_dict"])
-                    module = FusedScorer(vae.to(self.torch_device), _DTYPES[self.precision]).eval()
+                    module = FusedScorer(vae.to(self.torch_device), _TORCH_DTYPES[self.precision]).eval()
                     mode = "reduce-overhead" if self.cudagraphs else None
                     # one static graph per batch bucket (dynamic shapes made slower kernels: 5.5 M
                     # beats/s at 8192 against 38 M static); every engine in a process recompiles the

@@ -10,8 +10,9 @@ Triton kernel, so the scorer becomes a handful of kernels.
 Nothing here is a new model: :class:`FusedScorer` and :func:`fused_forward` compute what
 :class:`beatflow.model.Scorer` and ``LightVAE.forward`` compute, with the LightVAE's own parameters
 (shared, not copied), up to float rounding; ``tests/test_fused.py`` checks both against the
-``nn.Module`` versions on random weights and inputs. Used for the AOTInductor engine on GPUs and for
-compiled training steps (``beatflow.model.train_vae(compile=True)``).
+``nn.Module`` versions on random weights and inputs. Used by the ``compiled`` engine on GPUs
+(:mod:`beatflow.engine_compiled`) and for compiled training steps
+(``beatflow.model.train_vae(compile=True)``).
 """
 from __future__ import annotations
 

@@ -322,8 +322,8 @@ def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshol
         "input": source.path, "recordings": [r.name for r in source.recordings], "samples": int(total),
         "fs": fs, "hours": total / fs / 3600, "partitions": len(specs), "beats_detected": plan.n_detected,
         "beats_kept": plan.n_kept, "pruned_fraction": pruned, "train_loss": trained["train_loss"],
-        "test_loss": trained["test_loss"], "train_seconds": trained["seconds"],
-        "training": {"precision": trained.get("precision", "fp32"), "compiled": trained.get("compiled", False)}, "anomalies_flagged": flagged,
+        "test_loss": trained["test_loss"], "train_seconds": trained["seconds"], "anomalies_flagged": flagged,
+        "training": {"precision": trained.get("precision", "fp32"), "compiled": trained.get("compiled", False)},
         "threshold": threshold, "device": device, "workers": workers,
         "engine": {k: engine[k] for k in ("backend", "precision", "cache", "max_abs_err", "throughput_beats_per_s")},
     }

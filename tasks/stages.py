@@ -130,25 +130,25 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
     p2p = xp.concatenate([p for _, p in embedded])
     scale = float(to_host(xp.median(p2p))) or 1.0
     beats /= scale
-    # each recording's dominant beat, from its own rows; the VAE sees the differences from it
+    n = int(beats.shape[0])
+    raw_rows = None
+    if n:  # a few rows for the report, before they become residuals
+        pick = np.sort(np.random.default_rng(seed).choice(n, size=min(n_rows_sample, n), replace=False))
+        raw_rows = to_host(beats[xp.asarray(pick)]) * scale
+    # each recording's dominant beat, from its own rows (its partitions are consecutive); the VAE
+    # sees the differences from it
     recordings = list(recordings) if recordings is not None else [0] * len(rows)
-    n_rec = max(recordings) + 1 if recordings else 1
-    owner = np.repeat(np.asarray(recordings, dtype=np.int64), [int(r.shape[0]) for r in rows])
-    dominant = np.zeros((n_rec, int(beats.shape[1])), np.float32)
-    raw_sample = None
-    if beats.shape[0]:
-        rng0 = np.random.default_rng(seed)
-        raw_sample = np.sort(rng0.choice(beats.shape[0], size=min(n_rows_sample, beats.shape[0]), replace=False))
-    raw_rows = to_host(beats[xp.asarray(raw_sample)]) * scale if raw_sample is not None else None
-    for r in range(n_rec):
-        idx = np.flatnonzero(owner == r)
-        if idx.size:
-            if idx[-1] - idx[0] + 1 != idx.size:
-                raise ValueError("a recording's partitions must be consecutive")
-            sel = beats[int(idx[0]):int(idx[-1]) + 1]
-            dom = dominant_beat(sel)
-            dominant[r] = to_host(dom)
-            beats[int(idx[0]):int(idx[-1]) + 1] = residual_rows(sel, dom)
+    ends = np.cumsum([int(r.shape[0]) for r in rows])
+    starts = ends - [int(r.shape[0]) for r in rows]
+    dominant = np.zeros((max(recordings, default=0) + 1, int(beats.shape[1])), np.float32)
+    for r in sorted(set(recordings)):
+        ks = [k for k, q in enumerate(recordings) if q == r]
+        if ks != list(range(ks[0], ks[-1] + 1)):
+            raise ValueError("a recording's partitions must be consecutive")
+        lo, hi = int(starts[ks[0]]), int(ends[ks[-1]])
+        dom = dominant_beat(beats[lo:hi])
+        dominant[r] = to_host(dom)
+        beats[lo:hi] = residual_rows(beats[lo:hi], dom)
     progress = create_progress_artifact(progress=0.0, description="VAE training (epochs done, %)")
 
     def on_epoch(epoch: int, loss: float, elapsed: float) -> None:
