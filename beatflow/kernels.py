@@ -33,7 +33,7 @@ import numpy as np
 
 from .errors import DeviceError
 
-__all__ = ["local_maxima_gpu", "embed_gpu", "simulator_active"]
+__all__ = ["local_maxima_gpu", "embed_gpu", "detect_peaks_gpu", "simulator_active"]
 
 WARP = 32
 _FULL_MASK = 0xFFFFFFFF
@@ -46,6 +46,11 @@ _EMBED_WARPS = 8
 # the simulator runs one Python thread per CUDA thread: few blocks, grid-stride loops do the rest
 _SIM_NMS_TPB = 32
 _SIM_MAX_BLOCKS = 4
+# detection: threads per block of the envelope tiles and of the per-candidate kernels; the widest
+# window of blocks the level's median takes (2 * threshold_blocks + 1)
+_ENV_TPB = 256
+_CAND_TPB = 128
+_MAX_WINDOW = 63
 
 # set by _build() (module globals, so that the simulator can swap ``cuda`` inside the kernels)
 cuda = None
@@ -247,7 +252,244 @@ def _build():
                 p2p[row] = hi - lo
                 beat_of_row[row] = beat
 
-    return {"nms_tiled": nms_tiled, "nms_global": nms_global, "embed_warp": embed_warp}, sim
+    # --- detection (segment.detect_peaks on the GPU): the dense envelope, block levels, and the
+    # decisions over the sparse candidates as one thread per candidate walking to its neighbours ---
+    @cuda.jit(device=True)
+    def _clip(i, n):
+        return 0 if i < 0 else (n - 1 if i >= n else i)
+
+    @cuda.jit(device=True)
+    def _despiked(x, j, n):
+        a = np.float64(x[j - 1] if j > 0 else x[1])
+        b = np.float64(x[j])
+        c = np.float64(x[j + 1] if j < n - 1 else x[n - 2])
+        return max(min(a, b), min(max(a, b), c))
+
+    @cuda.jit
+    def envelope_tiled(x, kr, box, g, groups, env):
+        """env[i] = sqrt(mean over ±box//2 of slope²), the slope the derivative-of-Gaussian response
+        of the despiked signal: ``cpu_kernels.envelope_cpu`` one tile per block, with its sums in the
+        same order (slope: taps in order; box: ``groups`` sums of ``g`` consecutive squares, then
+        the rest). Shared memory: the tile's despiked samples, then its squared slopes."""
+        sh = cuda.shared.array(0, _F64)
+        n = x.shape[0]
+        K = kr.shape[0]
+        kh = K // 2
+        bh = box // 2
+        tpb = cuda.blockDim.x
+        tid = cuda.threadIdx.x
+        yl = tpb + 2 * bh
+        xl = yl + 2 * kh
+        for base in range(cuda.blockIdx.x * tpb, n, cuda.gridDim.x * tpb):
+            _syncthreads()
+            xlo = base - bh - kh
+            for t in range(tid, xl, tpb):
+                sh[t] = _despiked(x, _clip(xlo + t, n), n)
+            _syncthreads()
+            ylo = base - bh
+            for t in range(tid, yl, tpb):  # slope at clip(ylo + t): the envelope repeats the edge values
+                off = _clip(ylo + t, n) - kh - xlo
+                acc = 0.0
+                for i in range(K):
+                    acc += sh[off + i] * kr[i]
+                sh[xl + t] = acc * acc
+            _syncthreads()
+            i = base + tid
+            if i < n:
+                y0 = xl + tid
+                acc = 0.0
+                for q in range(groups):
+                    part = sh[y0 + q * g]
+                    for ii in range(1, g):
+                        part += sh[y0 + q * g + ii]
+                    acc = part if q == 0 else acc + part
+                for ii in range(groups * g, box):
+                    acc += sh[y0 + ii]
+                env[i] = math.sqrt(max(acc / box, 0.0))
+
+    @cuda.jit
+    def block_max_warp(env, lead, block, bmax):
+        """bmax[b] = max of env over stream-aligned block b (global samples [b*block - lead, +block)
+        of env): one warp per block, a shfl_xor_sync butterfly."""
+        n = env.shape[0]
+        nb = bmax.shape[0]
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.grid(1) // WARP
+        for b in range(warp, nb, cuda.gridsize(1) // WARP):
+            lo = b * block - lead
+            m = -_INF
+            for j in range(max(lo, 0) + lane, min(lo + block, n), WARP):
+                m = max(m, env[j])
+            off = WARP // 2
+            while off > 0:
+                m = max(m, _shfl_xor(_FULL_MASK, m, off))
+                off //= 2
+            if lane == 0:
+                bmax[b] = m
+
+    @cuda.jit
+    def block_median(bmax, k, amp):
+        """amp[b] = median of bmax over blocks b-k .. b+k that exist (nanmedian of the NaN-padded window)."""
+        nb = bmax.shape[0]
+        w = cuda.local.array(_MAX_WINDOW, _F64)
+        for b in range(cuda.grid(1), nb, cuda.gridsize(1)):
+            m = 0
+            for j in range(max(b - k, 0), min(b + k + 1, nb)):
+                v = bmax[j]
+                if math.isnan(v):
+                    continue
+                p = m  # insertion sort
+                while p > 0 and w[p - 1] > v:
+                    w[p] = w[p - 1]
+                    p -= 1
+                w[p] = v
+                m += 1
+            if m == 0:
+                amp[b] = math.nan
+            elif m % 2 == 1:
+                amp[b] = w[m // 2]
+            else:
+                amp[b] = (w[m // 2 - 1] + w[m // 2]) / 2.0
+
+    @cuda.jit
+    def cand_eval(x, env, cand, amp, b0, first, block, edge, weak_ratio, ratio, xmax, kf, shalf,
+                  state, height, slope):
+        """Per candidate: 0 dropped (edge, below the weak threshold or the flat-line floor), 1 weak,
+        2 strong; its envelope height and (when kept) its steepest fine slope (segment.steepest_at)."""
+        n = x.shape[0]
+        K = kf.shape[0]
+        kh = K // 2
+        floor = 1e-7 * np.float64(xmax[0])
+        for j in range(cuda.grid(1), cand.shape[0], cuda.gridsize(1)):
+            c = cand[j]
+            h = env[c]
+            height[j] = h
+            slope[j] = 0.0
+            st = 0
+            if c >= edge and c < n - edge:
+                level = amp[(c + first) // block - b0]
+                if h > weak_ratio * level and h > floor:
+                    st = 2 if h > ratio * level else 1
+                    best = 0.0
+                    for u in range(2 * shalf + 1):
+                        q = c - shalf + u
+                        if q < 0 or q >= n:
+                            continue
+                        d = 0.0
+                        for jj in range(K):
+                            d += _despiked(x, _clip(q + kh - jj, n), n) * kf[jj]
+                        d = abs(d)
+                        if d > best:
+                            best = d
+                    slope[j] = best
+            state[j] = st
+
+    @cuda.jit
+    def cand_twave(cand, state, slope, window, ratio, out):
+        """Strong candidates that are the T wave of the previous strong one (segment.t_wave_mask)
+        become 0; others keep their state."""
+        for j in range(cuda.grid(1), cand.shape[0], cuda.gridsize(1)):
+            st = state[j]
+            if st == 2:
+                c = cand[j]
+                i = j - 1
+                while i >= 0 and c - cand[i] < window:
+                    if state[i] == 2:
+                        if slope[j] < ratio * slope[i]:
+                            st = 0
+                        break
+                    i -= 1
+            out[j] = st
+
+    @cuda.jit
+    def cand_refractory(cand, state, member, height, window, out, mark):
+        """segment.refractory_mask over the candidates whose state is ``member``: a member closer
+        than ``window`` to the next member and smaller than it, or to the previous one and not larger
+        than it, is dropped (0); a kept member becomes ``mark``; others keep their state."""
+        m = cand.shape[0]
+        for j in range(cuda.grid(1), m, cuda.gridsize(1)):
+            st = state[j]
+            if st == member:
+                c = cand[j]
+                h = height[j]
+                keep = True
+                i = j - 1
+                while i >= 0 and c - cand[i] < window:
+                    if state[i] == member:
+                        if not height[i] < h:
+                            keep = False
+                        break
+                    i -= 1
+                i = j + 1
+                while keep and i < m and cand[i] - c < window:
+                    if state[i] == member:
+                        if h < height[i]:
+                            keep = False
+                        break
+                    i += 1
+                st = mark if keep else 0
+            out[j] = st
+
+    @cuda.jit
+    def cand_search_back(cand, state, slope, nbeats, max_gap, rr_window, searchback, margin, tw_ratio, out):
+        """segment.search_back: weak candidates (state 1) that fill a gap among the beats (state 3)
+        become 4; beats stay 3; the rest 0."""
+        m = cand.shape[0]
+        for j in range(cuda.grid(1), m, cuda.gridsize(1)):
+            st = state[j]
+            if st == 3:
+                out[j] = 3
+                continue
+            out[j] = 0
+            if st != 1 or nbeats[0] < 2:
+                continue
+            c = cand[j]
+            dp = max_gap
+            prev_slope = 0.0
+            i = j - 1
+            while i >= 0 and c - cand[i] <= max_gap:
+                if state[i] == 3:
+                    dp = c - cand[i]
+                    prev_slope = slope[i]
+                    break
+                i -= 1
+            dn = max_gap
+            i = j + 1
+            while i < m and cand[i] - c <= max_gap:
+                if state[i] == 3:
+                    dn = cand[i] - c
+                    break
+                i += 1
+            cnt = 0  # beats within [c - rr_window, c + rr_window]: count, first, last
+            lo = c
+            hi = c
+            i = j - 1
+            while i >= 0 and c - cand[i] <= rr_window:
+                if state[i] == 3:
+                    cnt += 1
+                    lo = cand[i]
+                    if cnt == 1:
+                        hi = cand[i]
+                i -= 1
+            i = j + 1
+            while i < m and cand[i] - c <= rr_window:
+                if state[i] == 3:
+                    if cnt == 0:
+                        lo = cand[i]
+                    cnt += 1
+                    hi = cand[i]
+                i += 1
+            if cnt < 3:
+                continue
+            rr = (hi - lo) / (cnt - 1)
+            if (dp + dn > searchback * rr and dp > margin * rr and dn > margin * rr
+                    and slope[j] >= tw_ratio * prev_slope):
+                out[j] = 4
+
+    return {"nms_tiled": nms_tiled, "nms_global": nms_global, "embed_warp": embed_warp,
+            "envelope_tiled": envelope_tiled, "block_max_warp": block_max_warp, "block_median": block_median,
+            "cand_eval": cand_eval, "cand_twave": cand_twave, "cand_refractory": cand_refractory,
+            "cand_search_back": cand_search_back}, sim
 
 
 # --- host side -----------------------------------------------------------------------------------
@@ -423,3 +665,122 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
     if host_in:
         return xp.asnumpy(rows), xp.asnumpy(p2p)
     return rows, p2p
+
+
+def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = None):
+    """:func:`beatflow.segment.detect_peaks` on the GPU: same contract, same peaks.
+
+    The array code of :mod:`beatflow.segment` makes some forty small passes and host
+    synchronisations over the ~1 candidate per beat; here the whole detection is nine kernel
+    launches and two synchronisations (the sizes of the candidate list and of the result):
+
+    1. ``envelope_tiled``: despike, derivative-of-Gaussian slope and moving RMS in one pass, one
+       shared-memory tile per block (the sums in the order of the CPU kernel);
+    2. ``nms_tiled`` + ``flatnonzero``: the candidates (:func:`local_maxima_gpu`);
+    3. ``block_max_warp`` and ``block_median``: the local level of every 1 s block;
+    4. ``cand_eval``: per candidate its height, weak/strong class and steepest slope;
+    5. ``cand_twave``, ``cand_refractory``: the strong candidates' T-wave test and refractory period;
+    6. ``cand_search_back``, ``cand_refractory``: the weak candidates that fill a gap, and their
+       refractory period.
+
+    The decisions of 5-6 compare a candidate with its neighbours in a set (the previous strong
+    one, the beats around it): each thread walks along the sorted candidates from its own until
+    it finds them or passes the distance that matters (``twave``, ``refractory``, ``max_gap``,
+    ``rr_window``), so no compaction is needed between the steps.
+
+    Parameters and result as :func:`beatflow.segment.detect_peaks` (``x`` a CuPy array, or NumPy
+    under the simulator; the peaks in the same namespace).
+    """
+    from .segment import _detect_peaks_xp, gaussian_derivative
+
+    ctx, host_in = _ctx_for(x)
+    kernels, _ = _build()
+    xp = ctx.xp
+    x = ctx.array(x)
+    if x.ndim != 1:
+        raise ValueError(f"x must be 1-D, got shape {x.shape}")
+    n = int(x.shape[0])
+    if n < 3 or 2 * s.blocks + 1 > _MAX_WINDOW:  # too short for the 3-point median, or a window too wide
+        out = _detect_peaks_xp(x, s, first=first, core=core)
+        return xp.asnumpy(out) if host_in else out
+    first = int(first)
+    sim = ctx.sim
+    a = ctx.arg
+    env = qrs_envelope_gpu(x, s)  # 1.
+    cand = local_maxima_gpu(env, s.nms)  # 2.
+    m = int(cand.shape[0])
+    if m == 0:
+        out = xp.zeros(0, dtype=xp.int64)
+        return xp.asnumpy(out) if host_in else out
+    amp, b0 = block_amplitude_gpu(env, first, s)  # 3.
+    # 4.-6.
+    xmax = xp.abs(x).max().reshape(1)
+    kf = xp.asarray(gaussian_derivative(s.fine_kernel, s.fine_a))
+    st_a = xp.empty(m, dtype=xp.int8)
+    st_b = xp.empty(m, dtype=xp.int8)
+    height = xp.empty(m, dtype=xp.float64)
+    slope = xp.empty(m, dtype=xp.float64)
+    blocks, threads = ctx.blocks(-(-m // _CAND_TPB)), WARP if sim else _CAND_TPB
+    ctx.launch(kernels["cand_eval"], blocks, threads, 0, a(x), a(env), a(cand), a(amp), b0, first, int(s.block),
+               int(s.edge), float(s.weak_ratio), float(s.ratio), a(xmax), a(kf), int(s.slope_half),
+               a(st_a), a(height), a(slope))
+    ctx.launch(kernels["cand_twave"], blocks, threads, 0, a(cand), a(st_a), a(slope), int(s.twave),
+               float(s.twave_slope), a(st_b))
+    ctx.launch(kernels["cand_refractory"], blocks, threads, 0, a(cand), a(st_b), 2, a(height), int(s.refractory),
+               a(st_a), 3)
+    nbeats = (st_a == 3).sum(dtype=xp.int64).reshape(1)
+    ctx.launch(kernels["cand_search_back"], blocks, threads, 0, a(cand), a(st_a), a(slope), a(nbeats),
+               int(s.max_gap), int(s.rr_window), float(s.searchback), float(s.margin), float(s.twave_slope),
+               a(st_b))
+    ctx.launch(kernels["cand_refractory"], blocks, threads, 0, a(cand), a(st_b), 4, a(height), int(s.twave),
+               a(st_a), 4)
+    peaks = cand[xp.flatnonzero(st_a >= 3)] + first
+    if core is not None:
+        peaks = peaks[(peaks >= core[0]) & (peaks < core[1])]
+    return xp.asnumpy(peaks) if host_in else peaks
+
+
+def qrs_envelope_gpu(x, s):
+    """:func:`beatflow.segment.qrs_envelope` as one kernel (``envelope_tiled``): the sums of
+    :func:`beatflow.cpu_kernels.envelope_cpu` in its order, float64, same length as ``x`` (n >= 3)."""
+    from .segment import gaussian_derivative
+
+    ctx, host_in = _ctx_for(x)
+    kernels, _ = _build()
+    xp = ctx.xp
+    x = ctx.array(x)
+    n = int(x.shape[0])
+    if x.ndim != 1 or n < 3:
+        raise ValueError(f"the envelope kernel takes a 1-D stream of at least 3 samples, got shape {x.shape}")
+    kr = xp.asarray(gaussian_derivative(s.kernel, s.a)[::-1].copy())
+    env = xp.empty(n, dtype=xp.float64)
+    box = int(s.box)
+    g = max(1, int(np.sqrt(box)))
+    tpb = WARP if ctx.sim else _ENV_TPB
+    shared = (2 * tpb + 4 * (box // 2) + 2 * (int(s.kernel) // 2)) * 8
+    ctx.launch(kernels["envelope_tiled"], ctx.blocks(-(-n // tpb)), tpb, shared, ctx.arg(x), ctx.arg(kr), box, g,
+               box // g, ctx.arg(env))
+    return xp.asnumpy(env) if host_in else env
+
+
+def block_amplitude_gpu(env, first: int, s):
+    """:func:`beatflow.segment.block_amplitude` as two kernels (block maxima, one warp per block;
+    the median over ``±s.blocks`` blocks, one thread per block). Returns ``(amp, b0)``."""
+    ctx, host_in = _ctx_for(env)
+    kernels, _ = _build()
+    xp = ctx.xp
+    env = ctx.array(env)
+    n = int(env.shape[0])
+    if 2 * s.blocks + 1 > _MAX_WINDOW:
+        raise ValueError(f"threshold_blocks={s.blocks}: the level's window is at most {_MAX_WINDOW} blocks")
+    b0 = int(first) // s.block
+    lead = int(first) - b0 * s.block
+    nb = -(-(lead + n) // s.block)
+    bmax = xp.empty(nb, dtype=xp.float64)
+    amp = xp.empty(nb, dtype=xp.float64)
+    warps = 1 if ctx.sim else 8  # simulator: one-warp blocks (shuffle emulation)
+    ctx.launch(kernels["block_max_warp"], ctx.blocks(-(-nb // warps)), warps * WARP, 0, ctx.arg(env), lead,
+               int(s.block), ctx.arg(bmax))
+    ctx.launch(kernels["block_median"], ctx.blocks(-(-nb // _CAND_TPB)), WARP if ctx.sim else _CAND_TPB, 0,
+               ctx.arg(bmax), int(s.blocks), ctx.arg(amp))
+    return (xp.asnumpy(amp) if host_in else amp), b0

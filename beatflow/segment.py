@@ -340,6 +340,15 @@ def detect_peaks(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] 
         Sorted global sample indices of the detected peaks (maxima of the QRS energy envelope),
         in the namespace of ``x``.
     """
+    if namespace_of(x) is not np:  # the GPU runs the same steps as a few kernels (beatflow.kernels)
+        from .kernels import detect_peaks_gpu
+
+        return detect_peaks_gpu(x, s, first=first, core=core)
+    return _detect_peaks_xp(x, s, first=first, core=core)
+
+
+def _detect_peaks_xp(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None):
+    """:func:`detect_peaks` in array code (the CPU path, and the GPU kernels' reference)."""
     xp = namespace_of(x)
     n = x.shape[0]
     if n == 0:

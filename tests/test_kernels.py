@@ -199,3 +199,63 @@ def test_cupy_input_dispatches_to_kernels(synthetic_ecg):
     grows, gp2p = B.embed(dev(x), dev(start[keep]), dev(length[keep]), s.width, baseline_samples=12)
     np.testing.assert_allclose(host(grows), rows, atol=1e-5)
     np.testing.assert_allclose(host(gp2p), p2p, atol=1e-5)
+
+
+# --- beat detection (segment.detect_peaks on the GPU) -------------------------------------------
+from test_segment import _random_beats, small_params  # noqa: E402
+
+from beatflow.kernels import block_amplitude_gpu, detect_peaks_gpu, qrs_envelope_gpu  # noqa: E402
+
+
+def test_envelope_kernel_matches_cpu_kernel_and_array_code():
+    from beatflow.params import SegmentParams
+
+    rng = np.random.default_rng(5)
+    for fs, n, dtype in ((100.0, 700, np.float32), (250.0, 1100, np.float64), (360.0, 5, np.float32)):
+        s = SegmentParams().samples(fs)
+        x = (np.cumsum(rng.normal(size=n)) + 3 * rng.normal(size=n)).astype(dtype)
+        got = host(qrs_envelope_gpu(dev(x), s))
+        cpu = S.qrs_envelope(x, s)  # the fused CPU kernel: same sums in the same order
+        ref = S.energy_envelope(S.wavelet_response(x, s), s)  # the array code
+        np.testing.assert_allclose(got, cpu, rtol=1e-13, atol=1e-13 * np.abs(cpu).max())
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+
+
+def test_block_amplitude_kernels_match_array_code():
+    rng = np.random.default_rng(6)
+    env = np.abs(rng.normal(size=537))
+    for blocks, block, first in ((2, 10, 0), (5, 25, 13), (1, 7, 300), (3, 600, 5)):
+        s = small_params(block_s=block / 100.0, threshold_blocks=blocks)
+        amp, b0 = block_amplitude_gpu(dev(env), first, s)
+        want, wb0 = S.block_amplitude(env, first, s)
+        assert b0 == wb0
+        np.testing.assert_array_equal(host(amp), want)
+
+
+@pytest.mark.parametrize("first", [0, 55])
+def test_detect_peaks_kernels_match_array_code_and_loops(first):
+    # the random beats of test_segment exercise the T-wave test and the search-back with these params
+    s = small_params(nms_half_window_s=0.08, refractory_s=0.08, twave_window_s=0.2, threshold_blocks=3, block_s=0.3)
+    for seed in range(4):
+        x = _random_beats(seed)
+        want = naive.detect_peaks(x, s, first=first)
+        np.testing.assert_array_equal(S._detect_peaks_xp(x, s, first=first), want)
+        got = detect_peaks_gpu(dev(x), s, first=first)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(host(got), want, err_msg=f"seed {seed}")
+        core = (first + 300, first + 900)
+        np.testing.assert_array_equal(host(detect_peaks_gpu(dev(x), s, first=first, core=core)),
+                                      want[(want >= core[0]) & (want < core[1])])
+
+
+def test_detect_peaks_kernels_on_synthetic_ecg_and_edge_cases():
+    from beatflow.params import SegmentParams
+    from beatflow.synth import synthesize_ecg
+
+    s = SegmentParams().samples(250.0)
+    x = synthesize_ecg(hours=20 / 3600, fs=250.0, seed=11).signal  # 20 s, default parameters
+    want = S.detect_peaks(x, s)
+    assert len(want) > 15
+    np.testing.assert_array_equal(host(detect_peaks_gpu(dev(x), s)), want)
+    for flat in (np.zeros(900, np.float32), np.full(900, 2.0, np.float32), np.ones(2, np.float32)):
+        assert host(detect_peaks_gpu(dev(flat), s)).size == 0

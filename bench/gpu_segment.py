@@ -1,0 +1,110 @@
+"""GPU: segmentation + embedding of the 20-hour stream, the detection kernels against the array code.
+
+Run on the GPU machine from the repository root (``PYTHONPATH=$PWD``)::
+
+    python bench/gpu_segment.py       # table on stdout, gpu_segment.json under $OUT (or bench/out)
+
+Data: the pipeline's 20 h synthetic ECG (250 Hz, seed 0, 18 M samples, float32) on the device.
+Checks: the peaks of ``kernels.detect_peaks_gpu`` equal the CPU path's and the array code's on
+CuPy (``segment._detect_peaks_xp``). Times: ``cupyx.profiler.benchmark`` (CUDA events on the
+stream, so host stalls between launches count; median of 20) of each step and of
+segmentation + embedding as the flow's embed step does it (detect, beat bounds, kept mask, row
+lengths, ``embed_gpu``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+OUT = os.environ.get("OUT", "bench/out")
+
+
+def main():
+    import cupy
+    from cupyx.profiler import benchmark
+
+    from beatflow import beats as B
+    from beatflow import kernels as K
+    from beatflow import segment as S
+    from beatflow.params import SegmentParams
+    from beatflow.synth import synthesize_ecg
+
+    os.makedirs(OUT, exist_ok=True)
+    res = {"checks": {}, "ms": {}, "errors": {}}
+
+    def save():
+        with open(os.path.join(OUT, "gpu_segment.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+    def time_it(name, fn, n_repeat=20):
+        try:
+            r = benchmark(fn, (), n_repeat=n_repeat, n_warmup=3)
+            res["ms"][name] = {"gpu_ms": round(float(np.median(r.gpu_times[0])) * 1e3, 3),
+                               "wall_ms": round(float(np.median(r.cpu_times)) * 1e3, 3)}
+            print(f"   {name:58s} {res['ms'][name]['gpu_ms']:8.3f} ms GPU  {res['ms'][name]['wall_ms']:8.3f} ms wall",
+                  flush=True)
+        except Exception:
+            res["errors"][name] = traceback.format_exc()[-2000:]
+            print(res["errors"][name], flush=True)
+        save()
+
+    s = SegmentParams().samples(250.0)
+    x = synthesize_ecg(hours=20, fs=250.0, seed=0).signal
+    xg = cupy.asarray(x)
+    res["samples"] = int(x.shape[0])
+    t = time.perf_counter()
+    peaks_h = S.detect_peaks(x, s)
+    res["cpu_detect_s"] = round(time.perf_counter() - t, 3)
+    t = time.perf_counter()
+    peaks_k = cupy.asnumpy(K.detect_peaks_gpu(xg, s))
+    res["first_call_s (compiles the kernels)"] = round(time.perf_counter() - t, 3)
+    peaks_a = cupy.asnumpy(S._detect_peaks_xp(xg, s))
+    c = res["checks"]
+    c["peaks_cpu"], c["peaks_kernels"], c["peaks_array_code_gpu"] = len(peaks_h), len(peaks_k), len(peaks_a)
+    c["kernels_vs_cpu_symmetric_difference"] = int(np.setxor1d(peaks_h, peaks_k).size)
+    c["kernels_vs_array_code_symmetric_difference"] = int(np.setxor1d(peaks_a, peaks_k).size)
+    env_k = K.qrs_envelope_gpu(xg, s)
+    env_h = S.qrs_envelope(x, s)
+    c["envelope_max_rel_diff_vs_cpu"] = float(cupy.abs(env_k - cupy.asarray(env_h)).max() / float(env_h.max()))
+    print(json.dumps(c, indent=1), flush=True)
+    save()
+
+    base = max(1, s.pre // 2)
+
+    def seg_embed():
+        peaks = K.detect_peaks_gpu(xg, s)
+        _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
+        kept = B.kept_mask(length, s)
+        return K.embed_gpu(xg, start[kept], B.row_lengths(length[kept], s), s.width, baseline_samples=base)
+
+    rows, _ = seg_embed()
+    c["rows"] = int(rows.shape[0])
+    env = K.qrs_envelope_gpu(xg, s)
+    cand = K.local_maxima_gpu(env, s.nms)
+    c["candidates"] = int(cand.shape[0])
+    peaks = K.detect_peaks_gpu(xg, s)
+    _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
+    kept = B.kept_mask(length, s)
+    st, ln = start[kept], B.row_lengths(length[kept], s)
+    print("== times (20 h, 18 M samples)", flush=True)
+    time_it("envelope kernel", lambda: K.qrs_envelope_gpu(xg, s))
+    time_it("NMS kernel + flatnonzero", lambda: K.local_maxima_gpu(env, s.nms))
+    time_it("block levels (2 kernels)", lambda: K.block_amplitude_gpu(env, 0, s))
+    time_it("detect_peaks_gpu (whole detection)", lambda: K.detect_peaks_gpu(xg, s))
+    time_it("beat bounds + kept mask + row lengths", lambda: B.row_lengths(
+        B.beats_from_peaks(peaks, s, xg.shape[0])[2][B.kept_mask(length, s)], s))
+    time_it("embed_gpu", lambda: K.embed_gpu(xg, st, ln, s.width, baseline_samples=base))
+    time_it("segmentation + embedding (detect, bounds, embed)", seg_embed)
+    time_it("array code on CuPy (segment._detect_peaks_xp, before)", lambda: S._detect_peaks_xp(xg, s), n_repeat=5)
+    save()
+
+
+if __name__ == "__main__":
+    main()
