@@ -1022,6 +1022,8 @@ def engine_options_summary(engine: Engine) -> dict[str, Any]:
     """Small, JSON-able description of a loaded engine (for reports)."""
     out = {"backend": engine.name, "precision": engine.precision, "max_batch": engine.max_batch,
            "on_gpu": engine.on_gpu}
+    if getattr(engine, "cudagraphs", None) is not None:
+        out["cuda_graphs"] = bool(engine.cudagraphs)
     if isinstance(engine, OnnxRuntimeEngine):
         out.update(providers=[p if isinstance(p, str) else p[0] for p in engine.providers],
                    intra_op_num_threads=engine.intra_op_num_threads, feeders=engine.feeders)

@@ -9,13 +9,19 @@ machine, and reuses Inductor's on-disk caches afterwards.
 
 The engine file is the scorer's weights (``torch.save`` of the state dict and the width), so the
 engine cache works as for the other backends (key: weights hash, precision, device, versions); the
-compiled kernels live in Inductor's own cache. ``cudagraphs=True`` compiles with
-``mode="reduce-overhead"`` (CUDA graphs: batch-1 latency without per-kernel launch costs); that needs
-PyTorch's own caching allocator, so it is refused when another allocator (RMM) is installed.
+compiled kernels live in Inductor's own cache.
+
+CUDA graphs: each bucket's compiled call is captured once in a CUDA graph (static input buffer,
+replayed per call, outputs copied out), which removes the per-kernel launch costs that dominate
+small batches. Capture needs PyTorch's own caching allocator, so ``cudagraphs=None`` (the default)
+uses graphs where that allocator is in place (``beatflow score``, a serving process, the engine
+benchmark) and not in the flow's GPU workers, where PyTorch allocates from the RMM pool;
+``cudagraphs=True`` with another allocator is refused.
 """
 from __future__ import annotations
 
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -47,6 +53,48 @@ def native_allocator() -> bool:
         return False
 
 
+class _GraphedBuckets:
+    """The compiled scorer with each input shape captured once in a CUDA graph.
+
+    A call copies its rows into that shape's static input, replays the graph and returns copies
+    of the static outputs (the next replay overwrites them). The graphs share one memory pool;
+    a lock keeps concurrent callers from interleaving copy, replay and copy-out.
+    """
+
+    def __init__(self, compiled, device: torch.device):
+        self.compiled = compiled
+        self.device = device
+        self.graphs: dict = {}
+        self.pool = None
+        self.lock = threading.Lock()
+
+    def _capture(self, shape, dtype):
+        static = torch.zeros(shape, dtype=dtype, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.no_grad():  # warm-up (compiles) off the capture
+            for _ in range(2):
+                self.compiled(static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+            outs = self.compiled(static)
+        return graph, static, outs
+
+    def __call__(self, x: torch.Tensor):
+        key = (tuple(x.shape), x.dtype)
+        with self.lock:
+            entry = self.graphs.get(key)
+            if entry is None:
+                entry = self.graphs[key] = self._capture(key[0], key[1])
+            graph, static, (s, m) = entry
+            static.copy_(x)
+            graph.replay()
+            return s.clone(), m.clone()
+
+
 class CompiledEngine(AotInductorEngine):
     """``torch.compile``-d :class:`beatflow.fused.FusedScorer` on one GPU, one static graph per
     batch bucket (:data:`BUCKETS`).
@@ -58,16 +106,17 @@ class CompiledEngine(AotInductorEngine):
     name = "compiled"
 
     def __init__(self, path: PathLike, *, device: str = "cuda", precision: str = "fp32", max_batch: int = 8192,
-                 cudagraphs: bool = False):
+                 cudagraphs: Optional[bool] = None):
         super().__init__(path, device=device, precision=precision, max_batch=max_batch)
         if self.device_index is None:
             raise DeviceError("the compiled engine runs on a CUDA device")
         if precision not in _TORCH_DTYPES:
             raise ValueError(f"compiled engine: precision {precision!r} not supported (fp32, fp16, bf16)")
-        if cudagraphs and not native_allocator():
+        native = native_allocator()
+        if cudagraphs and not native:
             raise DeviceError("compiled engine: CUDA graphs need PyTorch's own CUDA allocator, and another "
                               f"({torch.cuda.memory.get_allocator_backend()}) is installed")
-        self.cudagraphs = bool(cudagraphs)
+        self.cudagraphs = native if cudagraphs is None else bool(cudagraphs)
 
     @property
     def model(self):
@@ -84,7 +133,6 @@ class CompiledEngine(AotInductorEngine):
                     vae = LightVAE(int(blob["width"]))
                     vae.load_state_dict(blob["state_dict"])
                     module = FusedScorer(vae.to(self.torch_device), _TORCH_DTYPES[self.precision]).eval()
-                    mode = "reduce-overhead" if self.cudagraphs else None
                     # one static graph per batch bucket (dynamic shapes made slower kernels: 5.5 M
                     # beats/s at 8192 against 38 M static); every engine in a process recompiles the
                     # same forward, so allow more than dynamo's default 8 variants
@@ -92,20 +140,13 @@ class CompiledEngine(AotInductorEngine):
 
                     dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 256)
                     dynamo.config.accumulated_recompile_limit = max(dynamo.config.accumulated_recompile_limit, 4096)
-                    compiled = torch.compile(module, dynamic=False, mode=mode)
-                    if self.cudagraphs:  # a replay overwrites the previous outputs: hand out copies
-                        def run(x, _c=compiled):
-                            torch.compiler.cudagraph_mark_step_begin()
-                            s, m = _c(x)
-                            return s.clone(), m.clone()
-                        self._model = run
-                    else:
-                        self._model = compiled
+                    compiled = torch.compile(module, dynamic=False)
+                    self._model = _GraphedBuckets(compiled, self.torch_device) if self.cudagraphs else compiled
         return self._model
 
     @classmethod
     def build(cls, scorer: Scorer, path: PathLike, *, device: str = "cuda", precision: str = "fp32",
-              batch_profile=(1, 1024, 8192), cudagraphs: bool = False, **_ignored) -> "CompiledEngine":
+              batch_profile=(1, 1024, 8192), cudagraphs: Optional[bool] = None, **_ignored) -> "CompiledEngine":
         """Save the scorer's weights to ``path`` and compile (warm) for the profile's batches."""
         from .engine import BatchProfile
 
@@ -173,7 +214,7 @@ class CompiledEngine(AotInductorEngine):
 
     @classmethod
     def load(cls, path: PathLike, *, device: str = "cuda", precision: str = "fp32", max_batch: int = 8192,
-             cudagraphs: bool = False, **_ignored) -> "CompiledEngine":
+             cudagraphs: Optional[bool] = None, **_ignored) -> "CompiledEngine":
         """Load the weights (a bad file fails here); compiling waits for the first call."""
         engine = cls(path, device=device, precision=precision, max_batch=max_batch, cudagraphs=cudagraphs)
         try:

@@ -347,13 +347,18 @@ def test_compiled_engine_with_cuda_graphs_needs_the_native_allocator(trained, tm
         with pytest.raises(DeviceError, match="CUDA graphs need PyTorch's own CUDA allocator"):
             CompiledEngine.build(Scorer(load_model(model)), tmp_path / "e.pt", cudagraphs=True)
         return
-    eng = CompiledEngine.build(Scorer(load_model(model)), tmp_path / "e.pt", cudagraphs=True, batch_profile=PROFILE)
+    eng = CompiledEngine.build(Scorer(load_model(model)), tmp_path / "e.pt", batch_profile=PROFILE)
+    assert eng.cudagraphs  # the default where PyTorch's allocator is in place
     x = torch.from_numpy(val[:64]).cuda()
     s1, _ = eng.infer(x)
     s2, _ = eng.infer(torch.zeros_like(x))  # a replay must not overwrite what the first call returned
-    ref, _ = score_beats(load_model(model), val[:64])
-    np.testing.assert_allclose(s1.cpu().numpy(), ref, atol=1e-4, rtol=1e-4)
+    ref, _ = score_beats(load_model(model), val[:300])
+    np.testing.assert_allclose(s1.cpu().numpy(), ref[:64], atol=1e-4, rtol=1e-4)
     assert not torch.equal(s1, s2)
+    for n in (1, 7, 300):  # one bucket exactly, padded buckets, several chunks
+        got, _ = eng.infer(torch.from_numpy(val[:n]).cuda(), batch_size=256)
+        np.testing.assert_allclose(got.cpu().numpy(), ref[:n], atol=1e-4, rtol=1e-4)
+    assert len(eng.model.graphs) >= 3
 
 
 @pytest.mark.skipif(os.environ.get("BEATFLOW_SLOW_TESTS") != "1", reason="AOTInductor on the CPU compiles ~1.5 min")
