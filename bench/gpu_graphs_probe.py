@@ -183,6 +183,41 @@ def engine_graph(pool, precision="fp32"):
     return out
 
 
+def engine_infer(precision="fp32"):
+    """CompiledEngine.infer at batch 1 (the engine's whole call path), with and without CUDA graphs."""
+    import tempfile
+
+    import torch
+
+    from beatflow.engine_compiled import CompiledEngine
+    from beatflow.model import LightVAE, Scorer
+
+    torch.manual_seed(0)
+    scorer = Scorer(LightVAE(256)).eval()
+    x = torch.randn(300, 256, device="cuda")
+    out = {}
+    ref = None
+    for graphs in (False, True):
+        eng = CompiledEngine.build(scorer, os.path.join(tempfile.mkdtemp(), "e.pt"), precision=precision,
+                                   batch_profile=(1, 256, 8192), cudagraphs=graphs)
+        s, _ = eng.infer(x, batch_size=256)
+        ref = s if ref is None else ref
+        key = "graphs" if graphs else "no_graphs"
+        out[key] = latency(lambda v: eng.infer(v, batch_size=1), x[:1])
+        out[key]["max_abs_diff_vs_no_graphs"] = float((s - ref).abs().max())
+        big = torch.randn(8192 * 8, 256, device="cuda")
+        eng.infer(big)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(5):
+            eng.infer(big)
+        b.record()
+        b.synchronize()
+        out[key]["beats_per_s_8192"] = round(5 * big.shape[0] / (a.elapsed_time(b) / 1e3))
+    return out
+
+
 def train_graph(pool, precision="fp32", epochs=10, batch=1024):
     """10 epochs: the compiled step as in train_vae, then the whole step (forward, backward, fused
     Adam) captured in one CUDA graph; loss trajectories compared."""
@@ -357,6 +392,9 @@ def child(mode):
         section(mode, "capture_under_rmm_allocator", capture)
         section(mode, "profile_train_step", lambda: profile_step(None))
         return
+    if mode == "native":
+        section(mode, "engine_infer_fp32", lambda: engine_infer("fp32"))
+        section(mode, "engine_infer_fp16", lambda: engine_infer("fp16"))
     section(mode, "engine_graph_fp32", lambda: engine_graph(pool, "fp32"))
     section(mode, "engine_graph_fp16", lambda: engine_graph(pool, "fp16"))
     section(mode, "train_graph_fp32", lambda: train_graph(pool, "fp32"))
