@@ -195,6 +195,7 @@ class TrainResult:
     train_index: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     test_index: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     seconds: float = 0.0
+    cudagraphs: bool = False  # whether the steps ran as replayed CUDA graphs
 
 
 def _as_float_tensor(beats: ArrayLike, device: Optional[Union[str, torch.device]] = None) -> torch.Tensor:
@@ -219,6 +220,7 @@ def train_vae(
     on_epoch: Optional[Callable[[int, float, float], None]] = None,
     precision: str = "fp32",
     compile: bool = False,
+    cudagraphs: Optional[bool] = False,
 ) -> TrainResult:
     """Train a :class:`LightVAE` on a beat matrix.
 
@@ -252,6 +254,12 @@ def train_vae(
         Run each step's forward and backward as one ``torch.compile``-d function of the fusible
         form of the model (:mod:`beatflow.fused`, same parameters and arithmetic): a few fused
         kernels per step instead of dozens of cuDNN/elementwise launches. The first steps compile.
+    cudagraphs : bool or None
+        On a GPU, capture each step shape's whole step (forward, backward, fused Adam) once in a
+        CUDA graph and replay it: one launch per step instead of dozens (the steps are tiny, so
+        launches are what they cost). ``None``: where it can run (a CUDA device, PyTorch's own
+        allocator (not RMM's), fp32 or bf16; fp16's gradient scaler is not captured). The weights
+        are set back to their initial values after the warm-up steps that precede the capture.
 
     Returns
     -------
@@ -283,13 +291,25 @@ def train_vae(
     # on the GPU the step is launch-bound: one fused Adam kernel instead of a dozen per parameter;
     # deterministic cuDNN so that the same data and seed give the same weights (and so the same
     # engine-cache key) run after run
-    opt = torch.optim.Adam(model.parameters(), lr=lr, fused=True if on_cuda else None)
+    amp = _autocast_dtype(training_precision(precision, data.device))
+    graphs = training_graphs(cudagraphs, data.device, amp)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, fused=True if on_cuda else None,
+                           capturable=graphs)
     if on_cuda:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
-    amp = _autocast_dtype(training_precision(precision, data.device))
     scaler = torch.amp.GradScaler(data.device.type) if amp == torch.float16 else None
     step_loss = _step_loss(model, data.device.type, amp, compile)
+    if graphs:
+        shapes = {min(batch_size, n_train), n_train % batch_size or min(batch_size, n_train)}
+        try:
+            step_loss = _GraphedSteps(model, opt, step_loss, sorted(shapes), width, data.device)
+        except Exception as e:  # capture failed: the same steps, launched one by one
+            import warnings
+
+            warnings.warn(f"CUDA graph capture of the training step failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); training without graphs", RuntimeWarning)
+            graphs = False
     gen = torch.Generator().manual_seed(seed)  # batch order; CPU generator works for any device
     train_idx = torch.from_numpy(train_index).to(data.device)
 
@@ -304,6 +324,9 @@ def train_vae(
         for start in range(0, n_train, batch_size):
             xb = shuffled[start:start + batch_size] if on_cuda else data[order[start:start + batch_size]]
             loss = step_loss(xb)
+            if graphs:  # the replayed graph did the backward pass and the update
+                total += loss
+                continue
             opt.zero_grad(set_to_none=True)
             if scaler is not None:
                 scaler.scale(loss).backward()
@@ -336,10 +359,81 @@ def train_vae(
         train_index=train_index,
         test_index=test_index,
         seconds=time.perf_counter() - t0,
+        cudagraphs=graphs,
     )
 
 
 TRAINING_PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+def training_graphs(cudagraphs: Optional[bool], device, amp=None) -> bool:
+    """Whether :func:`train_vae` captures its steps in CUDA graphs (see its ``cudagraphs``)."""
+    dev = torch.device(device)
+    possible = (dev.type == "cuda" and amp != torch.float16
+                and torch.cuda.memory.get_allocator_backend() == "native")
+    if cudagraphs is None:
+        return possible
+    if cudagraphs and not possible:
+        why = ("they run on a CUDA device" if dev.type != "cuda" else
+               "fp16's gradient scaler is not captured: use bf16 or fp32" if amp == torch.float16 else
+               f"capture needs PyTorch's own CUDA allocator, and {torch.cuda.memory.get_allocator_backend()} "
+               "is installed")
+        raise ValueError(f"training with CUDA graphs: {why}")
+    return bool(cudagraphs)
+
+
+class _GraphedSteps:
+    """Whole training steps (forward, backward, optimizer update, gradients zeroed) captured once
+    per batch shape in a CUDA graph; a call copies the batch into the static input, replays, and
+    returns the step's loss (a device scalar the next replay overwrites).
+
+    Capture is preceded by warm-up steps on a side stream (they compile, create the optimizer's
+    state and the library workspaces); their effect is undone: the weights are set back to their
+    values before them and the optimizer's state to zero, so training starts where it would have.
+    """
+
+    def __init__(self, model, opt, step_loss, shapes, width: int, device):
+        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.graphs = {}
+        try:
+            self._capture(model, opt, step_loss, shapes, width, device)
+        finally:  # also when capture fails: training then starts from the same weights
+            with torch.no_grad():
+                for k, v in model.state_dict().items():
+                    v.copy_(initial[k])
+                for state in opt.state.values():
+                    for v in state.values():
+                        if torch.is_tensor(v):
+                            v.zero_()
+
+    def _capture(self, model, opt, step_loss, shapes, width, device):
+        pool = torch.cuda.graph_pool_handle()
+        for b in shapes:
+            static = torch.zeros((b, width), dtype=torch.float32, device=device)
+
+            def step(static=static):
+                loss = step_loss(static)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+                return loss.detach()
+
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                loss = step()
+            self.graphs[b] = (graph, static, loss)
+
+    def __call__(self, xb: torch.Tensor) -> torch.Tensor:
+        graph, static, loss = self.graphs[xb.shape[0]]
+        static.copy_(xb)
+        graph.replay()
+        return loss
 
 
 def training_precision(precision: str, device) -> str:

@@ -323,7 +323,8 @@ def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshol
         "fs": fs, "hours": total / fs / 3600, "partitions": len(specs), "beats_detected": plan.n_detected,
         "beats_kept": plan.n_kept, "pruned_fraction": pruned, "train_loss": trained["train_loss"],
         "test_loss": trained["test_loss"], "train_seconds": trained["seconds"], "anomalies_flagged": flagged,
-        "training": {"precision": trained.get("precision", "fp32"), "compiled": trained.get("compiled", False)},
+        "training": {"precision": trained.get("precision", "fp32"), "compiled": trained.get("compiled", False),
+                     "cuda_graphs": trained.get("cuda_graphs", False)},
         "threshold": threshold, "device": device, "workers": workers,
         "engine": {k: engine[k] for k in ("backend", "precision", "cache", "max_abs_err", "throughput_beats_per_s")},
     }

@@ -159,7 +159,7 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
     data = torch.from_dlpack(beats) if device == "cuda" else torch.from_numpy(to_host(beats))
     precision = training_precision(train_precision, device)
     res = train_vae(data, epochs=epochs, batch_size=batch_size, seed=seed, device=device, on_epoch=on_epoch,
-                    precision=precision, compile=compile)
+                    precision=precision, compile=compile, cudagraphs=None)
     os.makedirs(folder, exist_ok=True)
     model_path = os.path.join(folder, "model.pt")
     save_model(res.model, model_path)
@@ -170,12 +170,13 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
     with open(os.path.join(folder, "model.json"), "w") as f:
         json.dump({"scale": scale, "width": int(beats.shape[1]), "epochs": epochs, "batch_size": batch_size,
                    "seed": seed, "train_loss": res.train_loss, "test_loss": res.test_loss,
-                   "input": MODEL_INPUT, "precision": precision, "compiled": bool(compile)}, f, indent=1)
+                   "input": MODEL_INPUT, "precision": precision, "compiled": bool(compile),
+                   "cuda_graphs": res.cudagraphs}, f, indent=1)
     return {
         "model": model_path, "validation": val_path, "scale": scale, "train_loss": res.train_loss,
         "test_loss": res.test_loss, "test_index": res.test_index, "seconds": res.seconds,
         "sample_rows": raw_rows, "rows": int(beats.shape[0]), "dominant": dominant, "precision": precision,
-        "compiled": bool(compile),
+        "compiled": bool(compile), "cuda_graphs": res.cudagraphs,
     }
 
 
