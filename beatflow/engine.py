@@ -1007,6 +1007,71 @@ def throughput(engine: Engine, beats, batch_size: int = 8192, *, repeats: int = 
     return n / max(best, 1e-12)
 
 
+PROFILE_BATCHES = (1, 32, 256, 1024, 8192)
+
+
+def profile_engine(engine: Engine, beats, batches=PROFILE_BATCHES, *, latency_calls: int = 200,
+                   min_rows: int = 4096) -> dict[str, Any]:
+    """Latency at batch 1 and throughput by batch size of ``engine.infer``.
+
+    Parameters
+    ----------
+    engine : Engine
+        Engine to profile (a GPU engine gets device input: ``beats`` are copied to its device once).
+    beats : numpy.ndarray
+        ``(n, D)`` rows to feed (repeated up to ``max(min_rows, largest batch)`` rows).
+    batches : sequence of int
+        Batch sizes for the throughput (those above the engine's ``max_batch`` are skipped).
+    latency_calls : int
+        Timed single-beat calls (after 20 untimed ones).
+
+    Returns
+    -------
+    dict
+        ``latency_batch1_us`` {``p50``, ``p99``, ``calls``}; ``throughput_beats_per_s`` {batch:
+        beats/s, best of 2 passes over the rows}; ``clock``: ``"cuda events"`` on a GPU (an event
+        pair around each call, then a synchronisation), else ``"monotonic"``.
+    """
+    x = np.ascontiguousarray(beats, dtype=np.float32)
+    if len(x) == 0:
+        return {"latency_batch1_us": None, "throughput_beats_per_s": {}, "clock": None}
+    sizes = [int(b) for b in batches if 0 < int(b) <= int(getattr(engine, "max_batch", max(batches)))]
+    rows = max(min_rows, max(sizes, default=1))
+    if len(x) < rows:
+        x = np.concatenate([x] * int(np.ceil(rows / len(x))))[:rows]
+    if engine.on_gpu:
+        x = torch.from_numpy(x).to(torch.device("cuda", getattr(engine, "device_index", 0) or 0))
+
+        def timed(fn):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        clock = "cuda events"
+    else:
+        def timed(fn):
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        clock = "monotonic"
+    one = x[:1]
+    for _ in range(20):
+        engine.infer(one, batch_size=1)
+    lat = np.array([timed(lambda: engine.infer(one, batch_size=1)) for _ in range(max(1, int(latency_calls)))]) * 1e6
+    out = {"latency_batch1_us": {"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)),
+                                 "calls": int(lat.size)},
+           "throughput_beats_per_s": {}, "clock": clock}
+    for b in sizes:
+        n = max(b, min(rows, 4 * b)) if b < 256 else rows  # small batches: fewer rows, as many calls
+        chunk = x[:n]
+        engine.infer(chunk, batch_size=b)  # warm-up: this shape's allocations, graphs, compilation
+        best = min(timed(lambda: engine.infer(chunk, batch_size=b)) for _ in range(2))
+        out["throughput_beats_per_s"][b] = float(n / max(best, 1e-12))
+    return out
+
+
 def _synchronizer(x):
     kind = array_kind(x)
     if kind == "torch":

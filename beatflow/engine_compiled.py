@@ -83,16 +83,24 @@ class _GraphedBuckets:
             outs = self.compiled(static)
         return graph, static, outs
 
-    def __call__(self, x: torch.Tensor):
-        key = (tuple(x.shape), x.dtype)
+    def __call__(self, x: torch.Tensor, rows: Optional[int] = None):
+        """Scores of ``x`` through the graph of ``rows`` rows (default ``len(x)``; ``rows >= len(x)``:
+        the rows past ``x`` hold whatever the last call left there, and each row is scored on its own,
+        so they change nothing but their own discarded outputs)."""
+        m = x.shape[0]
+        key = (m if rows is None else rows, x.shape[1], x.dtype)
         with self.lock:
             entry = self.graphs.get(key)
             if entry is None:
-                entry = self.graphs[key] = self._capture(key[0], key[1])
-            graph, static, (s, m) = entry
-            static.copy_(x)
+                entry = self.graphs[key] = self._capture(key[:2], key[2])
+            graph, static, (s, mu) = entry
+            if m == key[0]:
+                static.copy_(x)
+                graph.replay()
+                return s.clone(), mu.clone()
+            static[:m].copy_(x)
             graph.replay()
-            return s.clone(), m.clone()
+            return s[:m].clone(), mu[:m].clone()
 
 
 class CompiledEngine(AotInductorEngine):
@@ -117,6 +125,7 @@ class CompiledEngine(AotInductorEngine):
             raise DeviceError("compiled engine: CUDA graphs need PyTorch's own CUDA allocator, and another "
                               f"({torch.cuda.memory.get_allocator_backend()}) is installed")
         self.cudagraphs = native if cudagraphs is None else bool(cudagraphs)
+        self._bucket_list = self.buckets()
 
     @property
     def model(self):
@@ -177,8 +186,20 @@ class CompiledEngine(AotInductorEngine):
         x = as_cuda_tensor(beats, self.torch_device)
         _check_matrix(x.shape)
         n, step = x.shape[0], max(1, min(int(batch_size), self.max_batch))
-        buckets = [b for b in self.buckets() if b <= step] or [step]
+        buckets = [b for b in self._bucket_list if b <= step] or [step]
         model = self.model
+        if self.cudagraphs:  # chunks go through their bucket's graph (padding stays inside it)
+            def bucket(m):
+                return next(q for q in self._bucket_list if q >= m)  # max_batch >= step >= m is one
+            if 0 < n <= step:  # one call (batch-1 latency: nothing else on the way)
+                s, mu = model(x, bucket(n))
+                return from_cuda_tensor(s, kind), from_cuda_tensor(mu, kind)
+            outs = [model(x[a:a + step], bucket(min(step, n - a))) for a in range(0, n, step)]
+            if not outs:
+                return (from_cuda_tensor(torch.zeros(0, dtype=torch.float32, device=x.device), kind),
+                        from_cuda_tensor(torch.zeros((0, 2), dtype=torch.float32, device=x.device), kind))
+            return (from_cuda_tensor(torch.cat([o[0] for o in outs]), kind),
+                    from_cuda_tensor(torch.cat([o[1] for o in outs]), kind))
         parts_s, parts_m = [], []
         with torch.no_grad():
             for start in range(0, n, step):

@@ -58,6 +58,8 @@ from .engine import (
     cuda_device_index,
     export_onnx,
     throughput,
+    profile_engine,
+    PROFILE_BATCHES,
     validate_engine,
 )
 from .errors import DeviceError
@@ -484,6 +486,7 @@ def build_or_load_engine(model_path: str, validation_beats: np.ndarray, *, backe
         ``backend``, ``precision``, ``device``, ``device_name``, ``cache`` (``"hit"`` or
         ``"built"``), ``max_abs_err`` and ``max_abs_err_mu`` (against PyTorch on the validation
         beats), ``tolerance``, ``throughput_beats_per_s`` (batches of 1024 on the validation beats),
+        ``profile`` (batch-1 latency p50/p99 and throughput by batch size: :func:`beatflow.engine.profile_engine`),
         ``key``, ``path`` (the cached engine file), ``build_s`` (export+build+validation, or
         load+validation on a hit), ``batch_profile``, ``versions``.
 
@@ -591,11 +594,13 @@ def _build_or_load(model_path, validation_beats, backend: str, precision: str, d
             _atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())  # the sidecar commits
         finally:
             shutil.rmtree(work, ignore_errors=True)
+    prof = profile_engine(engine, check, [b for b in PROFILE_BATCHES if b <= profile.max])
     info = {
         "backend": backend, "precision": precision, "device": dev, "device_name": dname, "cache": status,
         "max_abs_err": float(report["max_abs_err"]), "max_abs_err_mu": float(report["max_abs_err_mu"]),
         "tolerance": tol.to_dict(), "validated_on": int(len(check)),
         "throughput_beats_per_s": float(_measure_throughput(engine, check, profile)),
+        "profile": prof,
         "key": key, "path": os.fspath(engine_path), "build_s": time.perf_counter() - t0,
         "batch_profile": list(profile), "versions": versions,
     }

@@ -607,6 +607,24 @@ def _timings_table(d: ReportData) -> str:
     )
 
 
+def _engine_table(d: ReportData) -> str:
+    """The inference engine: what it is, its error against PyTorch, batch-1 latency, throughput by batch."""
+    e = (d.summary or {}).get("engine")
+    if not isinstance(e, dict) or not e:
+        return ""
+    rows = [("backend", f"{e.get('backend', '–')} ({e.get('precision', '–')}), {e.get('cache', '–')}"),
+            ("max abs error vs PyTorch", _fmt_num(e.get("max_abs_err"), 3))]
+    lat = e.get("latency_batch1_us")
+    if isinstance(lat, dict):
+        rows.append(("latency, batch 1", f"p50 {float(lat['p50']):.0f} µs, p99 {float(lat['p99']):.0f} µs "
+                                          f"({e.get('clock') or 'timed'})"))
+    for b, v in (e.get("throughput_by_batch") or {}).items():
+        rows.append((f"throughput, batch {b}", f"{float(v):,.0f} beats/s"))
+    return ('<table><thead><tr><th class="l">engine</th><th class="l">value</th></tr></thead><tbody>'
+            + "".join(f'<tr><td class="l">{html.escape(k)}</td><td class="l">{html.escape(v)}</td></tr>' for k, v in rows)
+            + "</tbody></table>")
+
+
 def _other_table(d: ReportData) -> str:
     s = d.summary or {}
     rows = []
@@ -680,11 +698,13 @@ def render_report_html(data: ReportData) -> str:
     )
     parts.append('<section id="summary"><h2>Summary</h2>')
     parts.append(_summary_cards(d))
-    tt, ot = _timings_table(d), _other_table(d)
-    if tt or ot:
+    tt, ot, et = _timings_table(d), _other_table(d), _engine_table(d)
+    if tt or ot or et:
         parts.append('<div class="tables">')
         if tt:
             parts.append(f'<div><h3>Per-stage timings</h3>{tt}</div>')
+        if et:
+            parts.append(f'<div><h3>Inference engine</h3>{et}</div>')
         if ot:
             parts.append(f"<div><h3>Other details</h3>{ot}</div>")
         parts.append("</div>")

@@ -326,7 +326,11 @@ def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshol
         "training": {"precision": trained.get("precision", "fp32"), "compiled": trained.get("compiled", False),
                      "cuda_graphs": trained.get("cuda_graphs", False)},
         "threshold": threshold, "device": device, "workers": workers,
-        "engine": {k: engine[k] for k in ("backend", "precision", "cache", "max_abs_err", "throughput_beats_per_s")},
+        "engine": {**{k: engine[k] for k in ("backend", "precision", "cache", "max_abs_err", "throughput_beats_per_s")},
+                   "latency_batch1_us": (engine.get("profile") or {}).get("latency_batch1_us"),
+                   "throughput_by_batch": {str(b): v for b, v in
+                                           ((engine.get("profile") or {}).get("throughput_beats_per_s") or {}).items()},
+                   "clock": (engine.get("profile") or {}).get("clock")},
     }
     if truth is not None:
         out["truth"] = {k: v for k, v in truth.items() if not k.startswith("_")}

@@ -12,6 +12,7 @@ from beatflow.engine import (
     EngineValidationError,
     OnnxRuntimeEngine,
     export_onnx,
+    profile_engine,
     throughput,
     validate_engine,
 )
@@ -121,6 +122,44 @@ def test_build_from_lightvae_and_throughput(tmp_path):
     assert validate_engine(eng, vae, beats(64, seed=8)) < 1e-4
     rate = throughput(eng, beats(2048, seed=9), batch_size=512)
     assert np.isfinite(rate) and rate > 0
+
+
+def test_profile_engine_times_latency_and_throughput_by_batch():
+    import time
+
+    class Slow(Engine):
+        """1 ms per chunk of ``batch_size`` rows: latency 1 ms, throughput batch/1 ms."""
+        name, precision, on_gpu, max_batch = "slow", "fp32", False, 1024
+
+        def __init__(self):
+            self.calls = 0
+
+        @classmethod
+        def build(cls, scorer, path, **options):
+            return cls()
+
+        def save(self, path):
+            pass
+
+        @classmethod
+        def load(cls, path, **options):
+            return cls()
+
+        def infer(self, x, batch_size=8192):
+            for _ in range(0, len(x), batch_size):
+                self.calls += 1
+                time.sleep(0.001)
+            return np.zeros(len(x), np.float32), np.zeros((len(x), 2), np.float32)
+
+    eng = Slow()
+    prof = profile_engine(eng, beats(100, seed=1), (1, 32, 256, 8192), latency_calls=30, min_rows=512)
+    assert prof["clock"] == "monotonic"
+    lat = prof["latency_batch1_us"]
+    assert lat["calls"] == 30 and 1000 <= lat["p50"] <= lat["p99"] < 50_000
+    tp = prof["throughput_beats_per_s"]
+    assert set(tp) == {1, 32, 256}  # 8192 is above the engine's max batch
+    for b, rate in tp.items():
+        assert 0.2 * b / 1e-3 < rate <= 1.01 * b / 1e-3, (b, rate)
 
 
 # -- backends, precisions, rewrites (beatflow.engine extensions) ---------------------------------

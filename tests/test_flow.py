@@ -41,12 +41,15 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     assert saved["truth"]["se"] > 0.99 and saved["truth"]["ppv"] > 0.99
     assert saved["truth"]["auc"] > 0.8
     assert saved["engine"]["max_abs_err"] < 1e-4 and saved["engine"]["backend"] == "onnxruntime"
+    assert saved["engine"]["clock"] == "monotonic" and 0 < saved["engine"]["latency_batch1_us"]["p50"] < 1e5
+    assert set(saved["engine"]["throughput_by_batch"]) == {"1", "32", "256", "1024", "8192"}
     assert {"load", "segment", "embed", "train", "engine", "score", "report", "total"} <= set(saved["timings_s"])
     table = pd.read_parquet(out / "anomalies.parquet")
     assert len(table) == saved["beats_kept"] and table["flagged"].sum() == saved["anomalies_flagged"]
     assert list(table.columns) == ["beat", "recording", "start", "peak", "time_s", "length", "score", "flagged", "rank"]
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64") >= 6
+    assert "Inference engine" in html and "latency, batch 1" in html
     assert summary["beats_kept"] == saved["beats_kept"]
 
     # any partition count gives the same beats and (up to float noise) the same scores

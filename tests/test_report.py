@@ -219,7 +219,9 @@ def _fake_data(title="beatflow <script>alert(1)</script> & co", m=600, ncols=400
         "anomalies_flagged": 120,
         "device": "cpu",
         "workers": 2,
-        "engine": {"backend": "onnxruntime", "max_abs_err": 3.2e-6},
+        "engine": {"backend": "onnxruntime", "max_abs_err": 3.2e-6, "precision": "fp32", "cache": "hit",
+                   "latency_batch1_us": {"p50": 41.5, "p99": 97.0, "calls": 200}, "clock": "monotonic",
+                   "throughput_by_batch": {"1": 21000.0, "1024": 412345.0}},
         "timings_s": {"load": 1.2, "detect": 3.4, "train": 20.0, "score": 2.0, "report": 0.8},
         "truth": {"se": 0.91, "ppv": 0.87, "auc": 0.975},
         "seed": 0,
@@ -266,7 +268,8 @@ def test_write_report_self_contained(tmp_path):
     assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; co" in doc
     assert "&lt;b&gt;x&lt;/b&gt;" in doc
     # key figures present
-    for s in ("onnxruntime", "1:30", "0.975", "3.12 %", "detect"):
+    for s in ("onnxruntime", "1:30", "0.975", "3.12 %", "detect", "Inference engine", "p50 42 µs, p99 97 µs",
+              "throughput, batch 1024", "412,345 beats/s"):
         assert s in doc, s
     assert out.stat().st_size < 3_000_000
 
