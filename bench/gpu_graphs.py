@@ -88,8 +88,8 @@ def training(x):
 
     data = torch.from_numpy(x).cuda()
     out = {}
-    for name, compile, graphs in (("compiled, launched (flow workers)", True, False),
-                                  ("eager + CUDA graphs", False, True), ("eager + CUDA graphs (again)", False, True),
+    for name, compile, graphs in (("eager + CUDA graphs", False, True), ("eager + CUDA graphs (again)", False, True),
+                                  ("compiled, launched (flow workers)", True, False),
                                   ("compiled + CUDA graphs", True, True), ("compiled + CUDA graphs (again)", True, True)):
         torch.cuda.synchronize()
         r = train_vae(data, epochs=10, batch_size=1024, seed=0, device="cuda", compile=compile, cudagraphs=graphs)

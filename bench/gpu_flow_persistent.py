@@ -1,0 +1,75 @@
+"""GPU: the flow run several times on one long-lived dask-cuda cluster (``beatflow run --scheduler``).
+
+A fresh ``LocalCUDACluster`` per run pays worker start, imports, CUDA/cuDNN start-up, Numba kernel
+compilation and the compiled training step's per-process start on every run (the warm flow of
+``bench/gpu_flow.sh``). Here one Prefect server and one cluster (one worker per GPU, RMM pool 80 %
+for CuPy, Numba and PyTorch, as the flow's own cluster) stay up, and the same 20 h flow runs
+``RUNS`` times against it (``--scheduler``), as on a deployment whose workers live on.
+
+Run on the GPU machine from the repository root (``PYTHONPATH=/tmp/site:$PWD``)::
+
+    RUNS=3 python3 bench/gpu_flow_persistent.py     # summaries and a table under $OUT
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+OUT = os.environ.get("OUT", os.path.join(ROOT, "bench", "out"))
+
+
+def main() -> int:
+    os.makedirs(OUT, exist_ok=True)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start(timeout=120)
+    env = {"PREFECT_API_URL": server.api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1",
+           "NUMBA_CUDA_MEMORY_MANAGER": "rmm.allocators.numba", "PYTHONPATH": os.environ.get("PYTHONPATH", ROOT)}
+    t = time.perf_counter()
+    cluster = LocalCUDACluster(rmm_pool_size=0.8, rmm_allocator_external_lib_list=["cupy", "torch"],
+                               host="127.0.0.1", dashboard_address="127.0.0.1:0", env=env)
+    client = Client(cluster)
+    print(f"cluster up in {time.perf_counter() - t:.1f} s: {cluster.scheduler_address}", flush=True)
+    rows = []
+    try:
+        for r in range(1, int(os.environ.get("RUNS", "3")) + 1):
+            out = f"/tmp/bf-persistent-{r}"
+            t = time.perf_counter()
+            cmd = [sys.executable, "-m", "beatflow.cli", "run", "--hours", os.environ.get("HOURS", "20"),
+                   "--device", "gpu", "--scheduler", cluster.scheduler_address, "--out", out]
+            with open(os.path.join(OUT, f"log-persistent-{r}.txt"), "w") as log:
+                rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                    timeout=int(os.environ.get("RUN_LIMIT", "150"))).returncode
+            wall = time.perf_counter() - t
+            s = json.load(open(os.path.join(out, "summary.json"))) if os.path.exists(os.path.join(out, "summary.json")) else {}
+            if s:
+                json.dump(s, open(os.path.join(OUT, f"summary-persistent-{r}.json"), "w"), indent=1)
+            rows.append((r, rc, wall, s))
+            t_ = s.get("timings_s", {})
+            print(f"run {r}: rc={rc} wall {wall:.1f} s  " + "  ".join(f"{k} {v:.2f}" for k, v in t_.items())
+                  + f"  training {s.get('training')}  engine {(s.get('engine') or {}).get('cache')}", flush=True)
+    finally:
+        client.close()
+        cluster.close()
+        server.stop()
+    stages = ["synthesize", "load", "segment", "embed", "train", "engine", "score", "report", "total"]
+    print("| run | " + " | ".join(stages) + " | Se | PPV | AUC |")
+    print("|---" * (len(stages) + 4) + "|")
+    for r, rc, wall, s in rows:
+        t_, tru = s.get("timings_s", {}), s.get("truth", {})
+        print(f"| {r} | " + " | ".join(f"{t_.get(k, float('nan')):.2f}" for k in stages)
+              + f" | {tru.get('se', 0):.4f} | {tru.get('ppv', 0):.4f} | {tru.get('auc', 0):.4f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
