@@ -95,6 +95,9 @@ def namespace_of(x):
 
 #: bytes copied from a device to the host by this process (see :func:`transfer_stats`)
 _D2H_BYTES = [0]
+#: the run this process counts for, and its device-to-host count when that run began here (a Dask
+#: worker of a long-lived cluster serves run after run: each run reports its own bytes and peak)
+_RUN = {"id": None, "d2h_base": 0, "pushed": False}
 
 
 def to_host(x) -> np.ndarray:
@@ -115,9 +118,30 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def transfer_stats() -> dict:
-    """Device-to-host bytes of this process and, on a GPU worker, the RMM pool's use."""
-    out = {"d2h_bytes": int(_D2H_BYTES[0])}
+def begin_run(run_id) -> None:
+    """Count device-to-host bytes and the RMM pool's peak from here on for run ``run_id`` (once per
+    run and process: later calls for the same run change nothing)."""
+    if run_id is None or _RUN["id"] == run_id:
+        return
+    _RUN.update(id=run_id, d2h_base=_D2H_BYTES[0])
+    try:
+        import rmm
+
+        mr = rmm.mr.get_current_device_resource()
+        if isinstance(mr, rmm.mr.StatisticsResourceAdaptor) and hasattr(mr, "push_counters"):
+            if _RUN["pushed"]:
+                mr.pop_counters()
+            mr.push_counters()  # a fresh frame: its peak is this run's
+            _RUN["pushed"] = True
+    except Exception:  # no RMM here (CPU worker), or one without counter frames: the peak is since the start
+        pass
+
+
+def transfer_stats(run_id=None) -> dict:
+    """Device-to-host bytes of this process and, on a GPU worker, the RMM pool's use; for run
+    ``run_id`` only when :func:`begin_run` started counting for it here."""
+    base = _RUN["d2h_base"] if run_id is not None and _RUN["id"] == run_id else 0
+    out = {"d2h_bytes": int(_D2H_BYTES[0] - base)}
     try:
         import rmm
 
@@ -136,15 +160,18 @@ def transfer_stats() -> dict:
     return out
 
 
-def track_rmm_statistics() -> bool:
-    """Wrap the current RMM resource (the worker's pool) in a statistics adaptor (peak use)."""
+def track_rmm_statistics(run_id=None) -> bool:
+    """Wrap the current RMM resource (the worker's pool) in a statistics adaptor (peak use), and
+    count for run ``run_id`` from here on (:func:`begin_run`)."""
     try:
         import rmm
     except ImportError:
+        begin_run(run_id)
         return False
     mr = rmm.mr.get_current_device_resource()
     if not isinstance(mr, rmm.mr.StatisticsResourceAdaptor):
         rmm.mr.set_current_device_resource(rmm.mr.StatisticsResourceAdaptor(mr))
+    begin_run(run_id)
     return True
 
 

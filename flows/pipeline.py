@@ -19,7 +19,7 @@ import numpy as np
 from prefect import flow, get_run_logger, unmapped
 from prefect.futures import wait
 
-from beatflow.backend import track_rmm_statistics, transfer_stats
+from beatflow.backend import transfer_stats
 from beatflow.beats import MODEL_INPUT
 from beatflow.errors import InputError
 from beatflow.params import DEFAULT_FS, SegmentParams
@@ -172,9 +172,6 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     threads = max(1, os.cpu_count() or 1)
     truth_path = None
     wait_for_workers(1)  # a cluster whose workers cannot start is an error, not a hang
-    if device == "gpu":
-        tracked = run_on_workers(track_rmm_statistics)
-        log.info("RMM statistics on %d of %d GPU workers", sum(bool(v) for v in tracked.values()), len(tracked))
     if input is None:
         input, truth_path = T.synthesize.submit(hours, fs or DEFAULT_FS, seed, str(work)).result()
         sw.lap("synthesize")
@@ -300,7 +297,9 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
                         summary, truth, kb, rec_offset)
     T.write_report.submit(str(work / "report.html"), data).result()
     sw.lap("report")
-    stats = run_on_workers(transfer_stats)
+    from prefect.runtime import flow_run
+
+    stats = run_on_workers(transfer_stats, flow_run.id)  # this run's counts (workers may serve many runs)
     summary["workers_reporting"] = len(stats)
     summary["transfers"] = {
         "d2h_bytes": int(sum(v.get("d2h_bytes", 0) for v in stats.values())),

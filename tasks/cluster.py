@@ -213,8 +213,8 @@ def flow_client():
         return None
 
 
-def run_on_workers(fn) -> dict:
-    """``fn()`` on every Dask worker of the current flow's cluster: ``{worker address: result}``.
+def run_on_workers(fn, *args) -> dict:
+    """``fn(*args)`` on every Dask worker of the current flow's cluster: ``{worker address: result}``.
 
     Used for per-worker bookkeeping (RMM statistics, transfer counters); empty when no Dask client
     is reachable (e.g. another task runner).
@@ -223,7 +223,7 @@ def run_on_workers(fn) -> dict:
     if client is None:
         return {}
     try:
-        return client.run(fn)
+        return client.run(fn, *args)
     except Exception as e:  # bookkeeping must not fail a run; say why it is missing
         logging.getLogger("beatflow").warning("%s on the workers failed: %s", getattr(fn, "__name__", fn), e)
         return {}

@@ -43,11 +43,21 @@ def synthesize(hours: float, fs: float, seed: int, folder: str) -> tuple[str, st
                 retry_condition_fn=lambda t, tr, state: not _is_input_error(state))
 def load_partition(source: Source, spec: PartitionSpec, device: str):
     """Read one partition (host), then one copy to the device on the GPU path."""
-    if device == "gpu":  # peak pool use is counted from the first device allocation of this worker on
-        from beatflow.backend import track_rmm_statistics
+    from beatflow.backend import begin_run, track_rmm_statistics
 
-        track_rmm_statistics()
+    # this run's transfer counters and pool peak start on this worker before its first device allocation
+    (track_rmm_statistics if device == "gpu" else begin_run)(_flow_run_id())
     return to_namespace(source.read(spec), namespace(device))
+
+
+def _flow_run_id():
+    """The id of the flow run this task belongs to (None outside a flow run)."""
+    try:
+        from prefect.runtime import flow_run
+
+        return flow_run.id
+    except Exception:
+        return None
 
 
 def _is_input_error(state) -> bool:

@@ -48,3 +48,20 @@ def test_workers_start_without_eager_malloc_trimming(monkeypatch):
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         assert list(client.run(_trim_setting).values()) == [None]
+
+
+def test_transfer_counters_are_per_run_on_long_lived_workers():
+    """A worker of an existing cluster serves run after run: each run reports its own device-to-host bytes."""
+    from beatflow import backend as bk
+
+    total = bk._D2H_BYTES[0]
+    bk.begin_run("run-a")
+    bk._D2H_BYTES[0] += 100  # what to_host adds for a 100-byte device array
+    bk.begin_run("run-a")  # another partition of the same run on this worker: no reset
+    bk._D2H_BYTES[0] += 20
+    assert bk.transfer_stats("run-a")["d2h_bytes"] == 120
+    bk.begin_run("run-b")
+    bk._D2H_BYTES[0] += 7
+    assert bk.transfer_stats("run-b")["d2h_bytes"] == 7
+    assert bk.transfer_stats("run-a")["d2h_bytes"] == total + 127  # not this worker's current run: all bytes
+    assert bk.transfer_stats()["d2h_bytes"] == total + 127
