@@ -1035,7 +1035,8 @@ def profile_engine(engine: Engine, beats, batches=PROFILE_BATCHES, *, latency_ca
     x = np.ascontiguousarray(beats, dtype=np.float32)
     if len(x) == 0:
         return {"latency_batch1_us": None, "throughput_beats_per_s": {}, "clock": None}
-    sizes = [int(b) for b in batches if 0 < int(b) <= int(getattr(engine, "max_batch", max(batches)))]
+    limit = getattr(engine, "max_batch", None)
+    sizes = [int(b) for b in batches if 0 < int(b) and (limit is None or int(b) <= int(limit))]
     rows = max(min_rows, max(sizes, default=1))
     if len(x) < rows:
         x = np.concatenate([x] * int(np.ceil(rows / len(x))))[:rows]

@@ -554,6 +554,16 @@ def _ctx_for(*arrays) -> tuple[_Ctx, bool]:
     return ctx, host_in
 
 
+def _vector_call(a, name: str):
+    """``(ctx, host_in, kernels, xp, a)`` for a kernel wrapper whose input ``a`` is a 1-D array."""
+    ctx, host_in = _ctx_for(a)
+    kernels, _ = _build()
+    a = ctx.array(a)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    return ctx, host_in, kernels, ctx.xp, a
+
+
 def local_maxima_gpu(env, half_window: int, *, tiled: bool | None = None):
     """Indices where ``env`` is the maximum of its ``±half_window`` neighbourhood and positive.
 
@@ -576,12 +586,7 @@ def local_maxima_gpu(env, half_window: int, *, tiled: bool | None = None):
     half = int(half_window)
     if half < 0:
         raise ValueError(f"half_window must be >= 0, got {half}")
-    ctx, host_in = _ctx_for(env)
-    kernels, _ = _build()
-    xp = ctx.xp
-    env = ctx.array(env)
-    if env.ndim != 1:
-        raise ValueError(f"env must be 1-D, got shape {env.shape}")
+    ctx, host_in, kernels, xp, env = _vector_call(env, "env")
     n = int(env.shape[0])
     if n == 0:
         out = xp.zeros(0, dtype=xp.int64)
@@ -693,12 +698,7 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
     """
     from .segment import _detect_peaks_xp, gaussian_derivative
 
-    ctx, host_in = _ctx_for(x)
-    kernels, _ = _build()
-    xp = ctx.xp
-    x = ctx.array(x)
-    if x.ndim != 1:
-        raise ValueError(f"x must be 1-D, got shape {x.shape}")
+    ctx, host_in, kernels, xp, x = _vector_call(x, "x")
     n = int(x.shape[0])
     if n < 3 or 2 * s.blocks + 1 > _MAX_WINDOW:  # too short for the 3-point median, or a window too wide
         out = _detect_peaks_xp(x, s, first=first, core=core)
@@ -745,13 +745,10 @@ def qrs_envelope_gpu(x, s):
     :func:`beatflow.cpu_kernels.envelope_cpu` in its order, float64, same length as ``x`` (n >= 3)."""
     from .segment import gaussian_derivative
 
-    ctx, host_in = _ctx_for(x)
-    kernels, _ = _build()
-    xp = ctx.xp
-    x = ctx.array(x)
+    ctx, host_in, kernels, xp, x = _vector_call(x, "x")
     n = int(x.shape[0])
-    if x.ndim != 1 or n < 3:
-        raise ValueError(f"the envelope kernel takes a 1-D stream of at least 3 samples, got shape {x.shape}")
+    if n < 3:
+        raise ValueError(f"the envelope kernel takes a stream of at least 3 samples, got {n}")
     kr = xp.asarray(gaussian_derivative(s.kernel, s.a)[::-1].copy())
     env = xp.empty(n, dtype=xp.float64)
     box = int(s.box)
@@ -766,10 +763,7 @@ def qrs_envelope_gpu(x, s):
 def block_amplitude_gpu(env, first: int, s):
     """:func:`beatflow.segment.block_amplitude` as two kernels (block maxima, one warp per block;
     the median over ``±s.blocks`` blocks, one thread per block). Returns ``(amp, b0)``."""
-    ctx, host_in = _ctx_for(env)
-    kernels, _ = _build()
-    xp = ctx.xp
-    env = ctx.array(env)
+    ctx, host_in, kernels, xp, env = _vector_call(env, "env")
     n = int(env.shape[0])
     if 2 * s.blocks + 1 > _MAX_WINDOW:
         raise ValueError(f"threshold_blocks={s.blocks}: the level's window is at most {_MAX_WINDOW} blocks")

@@ -116,12 +116,11 @@ def to_engine_input(engine, x: np.ndarray):
 
 
 def latency(engine, x: np.ndarray, timer: Timer, calls: int) -> dict:
-    one = to_engine_input(engine, x[:1])
-    for _ in range(20):
-        engine.infer(one, batch_size=1)
-    ts = np.array([timer(lambda: engine.infer(one, batch_size=1)) for _ in range(calls)])
-    return {"p50_us": float(np.percentile(ts, 50) * 1e6), "p99_us": float(np.percentile(ts, 99) * 1e6),
-            "calls": calls}
+    """Batch-1 latency p50/p99 as every engine step measures it (:func:`beatflow.engine.profile_engine`)."""
+    from beatflow.engine import profile_engine
+
+    lat = profile_engine(engine, x[:64], (), latency_calls=calls, min_rows=1)["latency_batch1_us"]
+    return {"p50_us": lat["p50"], "p99_us": lat["p99"], "calls": lat["calls"]}
 
 
 def tput_curve(engine, pool: np.ndarray, timer: Timer, batches, target_s: float, max_rows: int) -> dict:
