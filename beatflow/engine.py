@@ -31,7 +31,7 @@ import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -1010,6 +1010,26 @@ def throughput(engine: Engine, beats, batch_size: int = 8192, *, repeats: int = 
 PROFILE_BATCHES = (1, 32, 256, 1024, 8192)
 
 
+def timer(gpu: bool) -> Callable[[Callable[[], Any]], float]:
+    """``timed(fn)``: seconds ``fn()`` takes; on a GPU between two CUDA events on the current stream
+    (then synchronised), else by the monotonic clock."""
+    if gpu:
+        def timed(fn):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return timed
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    return timed
+
+
 def profile_engine(engine: Engine, beats, batches=PROFILE_BATCHES, *, latency_calls: int = 200,
                    min_rows: int = 4096) -> dict[str, Any]:
     """Latency at batch 1 and throughput by batch size of ``engine.infer``.
@@ -1042,21 +1062,7 @@ def profile_engine(engine: Engine, beats, batches=PROFILE_BATCHES, *, latency_ca
         x = np.concatenate([x] * int(np.ceil(rows / len(x))))[:rows]
     if engine.on_gpu:
         x = torch.from_numpy(x).to(torch.device("cuda", getattr(engine, "device_index", 0) or 0))
-
-        def timed(fn):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) / 1e3
-        clock = "cuda events"
-    else:
-        def timed(fn):
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-        clock = "monotonic"
+    timed, clock = timer(engine.on_gpu), ("cuda events" if engine.on_gpu else "monotonic")
     one = x[:1]
     for _ in range(20):
         engine.infer(one, batch_size=1)

@@ -90,23 +90,11 @@ def train(rows: np.ndarray, epochs: int, out: Path, seed: int):
 # timing
 # ----------------------------------------------------------------------------------------------
 
-class Timer:
-    """Wall time of ``fn()``: CUDA events on a GPU, the monotonic clock on the CPU."""
+def Timer(gpu: bool):
+    """Seconds of ``fn()``: CUDA events on a GPU, the monotonic clock on the CPU (``beatflow.engine.timer``)."""
+    from beatflow.engine import timer
 
-    def __init__(self, gpu: bool):
-        self.gpu = gpu
-
-    def __call__(self, fn) -> float:
-        if self.gpu:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+    return timer(gpu)
 
 
 def to_engine_input(engine, x: np.ndarray):
@@ -115,7 +103,7 @@ def to_engine_input(engine, x: np.ndarray):
     return x
 
 
-def latency(engine, x: np.ndarray, timer: Timer, calls: int) -> dict:
+def latency(engine, x: np.ndarray, timer, calls: int) -> dict:
     """Batch-1 latency p50/p99 as every engine step measures it (:func:`beatflow.engine.profile_engine`)."""
     from beatflow.engine import profile_engine
 
@@ -123,7 +111,7 @@ def latency(engine, x: np.ndarray, timer: Timer, calls: int) -> dict:
     return {"p50_us": lat["p50"], "p99_us": lat["p99"], "calls": lat["calls"]}
 
 
-def tput_curve(engine, pool: np.ndarray, timer: Timer, batches, target_s: float, max_rows: int) -> dict:
+def tput_curve(engine, pool: np.ndarray, timer, batches, target_s: float, max_rows: int) -> dict:
     out = {}
     dev_pool = to_engine_input(engine, pool)
     for b in batches:
