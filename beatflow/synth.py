@@ -28,6 +28,7 @@ Beat windows are rendered in chunks and accumulated into the stream with ``np.bi
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,6 +147,70 @@ class SyntheticECG:
         with np.load(truth_path(sig)) as t:
             return cls(signal=signal, fs=float(t["fs"]), r_peaks=t["r_peaks"].astype(np.int64),
                        labels=t["labels"].astype(np.int8))
+
+
+# ----------------------------------------------------------------------------------------------
+# a cache of generated recordings
+# ----------------------------------------------------------------------------------------------
+
+#: where :func:`synthesize_cached` keeps recordings, unless ``$BEATFLOW_SYNTH_CACHE`` says otherwise
+#: (``off`` turns the cache off)
+DEFAULT_SYNTH_CACHE = os.path.join("~", ".cache", "beatflow", "synthetic")
+
+
+def synthesize_cached(out_signal, out_truth, hours: float = 20.0, fs: float = 250.0, seed: int = 0,
+                      cache_dir=None) -> tuple[SyntheticECG | None, bool]:
+    """Write the recording of :func:`synthesize_ecg` ``(hours, fs, seed)`` to ``out_signal``
+    (float32 ``.npy``) and its truth to ``out_truth`` (``.npz``: ``r_peaks``, ``labels``, ``fs``),
+    copied from a cache when it was generated before.
+
+    The recording is a pure function of its arguments and of this module's code, so the cache key
+    is a hash of both; a changed generator never serves an old recording. Entries are written
+    atomically (a partial file is never taken for an entry); a cache that cannot be written only
+    costs the time of generating.
+
+    Parameters
+    ----------
+    out_signal, out_truth : path-like
+        Files to write.
+    hours, fs, seed : as :func:`synthesize_ecg`.
+    cache_dir : path-like, optional
+        Cache folder; default ``$BEATFLOW_SYNTH_CACHE`` or :data:`DEFAULT_SYNTH_CACHE`; ``"off"``: none.
+
+    Returns
+    -------
+    (ecg, hit) : (SyntheticECG or None, bool)
+        The generated recording (None on a hit: the files were copied) and whether it came from the cache.
+    """
+    import hashlib
+    import shutil
+    import tempfile
+
+    folder = cache_dir if cache_dir is not None else os.environ.get("BEATFLOW_SYNTH_CACHE", DEFAULT_SYNTH_CACHE)
+    entry = None
+    if os.fspath(folder) != "off":
+        code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+        key = hashlib.sha256(repr((float(hours), float(fs), int(seed), code)).encode()).hexdigest()[:24]
+        entry = Path(os.path.expanduser(os.fspath(folder))) / f"ecg-{key}.npy"
+        if entry.is_file() and truth_path(entry).is_file():
+            shutil.copyfile(entry, out_signal)
+            shutil.copyfile(truth_path(entry), out_truth)
+            return None, True
+    ecg = synthesize_ecg(hours=hours, fs=fs, seed=seed)
+    np.save(out_signal, np.ascontiguousarray(ecg.signal, dtype=np.float32))
+    np.savez(out_truth, r_peaks=np.asarray(ecg.r_peaks, np.int64), labels=np.asarray(ecg.labels, np.int8),
+             fs=np.float64(ecg.fs))
+    if entry is not None:
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=entry.parent, prefix=".tmp-") as tmp:
+                shutil.copyfile(out_truth, Path(tmp) / "t.npz")
+                shutil.copyfile(out_signal, Path(tmp) / "s.npy")
+                os.replace(Path(tmp) / "t.npz", truth_path(entry))  # the truth first: the signal commits
+                os.replace(Path(tmp) / "s.npy", entry)
+        except OSError:
+            pass
+    return ecg, False
 
 
 # ----------------------------------------------------------------------------------------------

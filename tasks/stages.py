@@ -27,15 +27,17 @@ partition_task = functools.partial(task, cache_policy=NO_CACHE, persist_result=F
 
 @partition_task(name="synthesize-ecg")
 def synthesize(hours: float, fs: float, seed: int, folder: str) -> tuple[str, str]:
-    """Generate the synthetic ECG; write ``input.npy`` and the truth (``truth.npz``) to ``folder``."""
-    from beatflow.synth import synthesize_ecg
+    """Generate the synthetic ECG (or copy it from the cache of generated recordings); write
+    ``input.npy`` and the truth (``truth.npz``) to ``folder``."""
+    from beatflow.synth import synthesize_cached
 
-    ecg = synthesize_ecg(hours=hours, fs=fs, seed=seed)
     sig, truth = os.path.join(folder, "input.npy"), os.path.join(folder, "truth.npz")
-    np.save(sig, ecg.signal)
-    np.savez(truth, r_peaks=ecg.r_peaks, labels=ecg.labels, fs=ecg.fs)
-    get_run_logger().info("synthesized %.1f h at %g Hz: %d beats (%d PVC, %d artifacts)", hours, fs,
-                          len(ecg.r_peaks), int((ecg.labels == 1).sum()), int((ecg.labels == 2).sum()))
+    _, hit = synthesize_cached(sig, truth, hours=hours, fs=fs, seed=seed)
+    with np.load(truth) as t:
+        labels = t["labels"]
+    get_run_logger().info("synthesized %.1f h at %g Hz%s: %d beats (%d PVC, %d artifacts)", hours, fs,
+                          " (from the cache of generated recordings)" if hit else "", len(labels),
+                          int((labels == 1).sum()), int((labels == 2).sum()))
     return sig, truth
 
 

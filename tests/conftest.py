@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 MITDB = ROOT.parent / "shared" / "data" / "mitdb"
 # engines built by tests go to a throw-away cache (inherited by CLI subprocesses and Dask workers)
 os.environ.setdefault("BEATFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="beatflow-engine-cache-"))
+os.environ.setdefault("BEATFLOW_SYNTH_CACHE", tempfile.mkdtemp(prefix="beatflow-synth-cache-"))
 
 
 @pytest.fixture(scope="session")

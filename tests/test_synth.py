@@ -245,3 +245,39 @@ def test_bad_arguments_raise(kwargs):
     args = {"hours": 0.01, **kwargs}
     with pytest.raises(ValueError):
         synthesize_ecg(**args)
+
+
+def test_cache_of_generated_recordings(tmp_path, monkeypatch):
+    from beatflow import synth
+
+    cache = tmp_path / "cache"
+    a = (tmp_path / "a.npy", tmp_path / "a.npz")
+    ecg, hit = synth.synthesize_cached(*a, hours=0.01, fs=250.0, seed=4, cache_dir=cache)
+    assert not hit and ecg is not None
+    ref = synthesize_ecg(hours=0.01, fs=250.0, seed=4)
+    np.testing.assert_array_equal(np.load(a[0]), ref.signal)
+    assert len(list(cache.glob("ecg-*.npy"))) == 1 and len(list(cache.glob("ecg-*.truth.npz"))) == 1
+    assert not list(cache.glob(".tmp-*"))  # nothing half-written is left
+    b = (tmp_path / "b.npy", tmp_path / "b.npz")
+    ecg, hit = synth.synthesize_cached(*b, hours=0.01, fs=250.0, seed=4, cache_dir=cache)
+    assert hit and ecg is None
+    np.testing.assert_array_equal(np.load(b[0]), ref.signal)
+    with np.load(b[1]) as t:
+        np.testing.assert_array_equal(t["r_peaks"], ref.r_peaks)
+        np.testing.assert_array_equal(t["labels"], ref.labels)
+        assert float(t["fs"]) == 250.0
+    # another seed, or a changed generator, is another entry
+    assert not synth.synthesize_cached(*b, hours=0.01, fs=250.0, seed=5, cache_dir=cache)[1]
+    real = synth.Path.read_bytes
+    monkeypatch.setattr(synth.Path, "read_bytes", lambda self: real(self) + b"# changed")
+    assert not synth.synthesize_cached(*b, hours=0.01, fs=250.0, seed=4, cache_dir=cache)[1]
+    monkeypatch.undo()
+    # an entry missing its truth is not an entry; "off" and an unwritable folder only cost the generation
+    for t in cache.glob("ecg-*.truth.npz"):
+        t.unlink()
+    assert not synth.synthesize_cached(*b, hours=0.01, fs=250.0, seed=4, cache_dir=cache)[1]
+    assert not synth.synthesize_cached(*b, hours=0.01, fs=250.0, seed=4, cache_dir="off")[1]
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert not synth.synthesize_cached(*b, hours=0.01, fs=250.0, seed=4, cache_dir=blocker / "sub")[1]
+    np.testing.assert_array_equal(np.load(b[0]), ref.signal)
