@@ -1,8 +1,11 @@
-"""The two CUDA kernels of the GPU path (Numba CUDA): 1-D non-maximum suppression and beat embedding.
+"""The CUDA kernels of the GPU path (Numba CUDA): beat detection, 1-D non-maximum suppression and
+beat embedding.
 
-``segment.local_maxima`` and ``beats.embed`` dispatch here when their input is a CuPy array; each
-wrapper has exactly the contract of the NumPy function it replaces and is tested against the same
-loop references (``tests/naive.py``).
+``segment.detect_peaks``, ``segment.local_maxima`` and ``beats.embed`` dispatch here when their input
+is a CuPy array; each wrapper has exactly the contract of the NumPy function it replaces and is tested
+against it and against the same loop references (``tests/naive.py``). The seed's two kernels are the
+NMS (``nms_tiled``) and the warp-per-beat embedding (``embed_warp``); detection adds a fused envelope,
+the block levels and the per-candidate decisions (:func:`detect_peaks_gpu`).
 
 Zero copy
     CuPy arrays go to the kernels as views (``cuda.as_cuda_array`` over their

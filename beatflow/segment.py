@@ -5,9 +5,11 @@ One implementation for NumPy and CuPy (the array namespace comes from the input)
 are array code on the whole signal (a 3-point median, a direct convolution, a moving average, the
 non-maximum suppression), the decisions are vectorised over the sparse candidate peaks. Where the
 array code is too slow for its device, a kernel with exactly its contract takes over and is tested
-against it and against the loop references in ``tests/naive.py``: on the GPU the NMS kernel of
-:mod:`beatflow.kernels` (Numba CUDA); on the CPU the fused envelope, the NMS scan and the sparse
-slope of :mod:`beatflow.cpu_kernels` (Numba), which make the CPU path ~15x faster.
+against it and against the loop references in ``tests/naive.py``: on the GPU the whole of
+:func:`detect_peaks` runs as the kernels of :func:`beatflow.kernels.detect_peaks_gpu` (Numba CUDA:
+nine launches instead of some forty array operations and their host synchronisations); on the CPU
+the fused envelope, the NMS scan and the sparse slope of :mod:`beatflow.cpu_kernels` (Numba), which
+make the CPU path ~15x faster.
 
 The steps of :func:`detect_peaks`:
 
