@@ -14,7 +14,8 @@ compiled kernels live in Inductor's own cache.
 CUDA graphs: each bucket's compiled call is captured once in a CUDA graph (static input buffer,
 replayed per call, outputs copied out), which removes the per-kernel launch costs that dominate
 small batches. Capture needs PyTorch's own caching allocator, so ``cudagraphs=None`` (the default)
-uses graphs where that allocator is in place (``beatflow score``, a serving process, the engine
+uses graphs where that allocator is in place (a process that loads the engine with
+``beatflow.engines.load_engine``, the engine
 benchmark) and not in the flow's GPU workers, where PyTorch allocates from the RMM pool;
 ``cudagraphs=True`` with another allocator is refused.
 """
