@@ -30,8 +30,9 @@ import torch
 from .engine import _TORCH_DTYPES, PathLike, Scorer, check_precision, cuda_device_index
 from .engine_aoti import AotInductorEngine
 from .errors import DeviceError
+from .model import native_allocator
 
-__all__ = ["CompiledEngine", "compiled_available"]
+__all__ = ["CompiledEngine", "compiled_available", "native_allocator"]
 
 #: batch sizes the engine compiles a static graph for (up to its max batch)
 BUCKETS = (1, 32, 256, 2048, 8192)
@@ -44,14 +45,6 @@ def compiled_available(device: str = "cuda") -> bool:
     import importlib.util
 
     return importlib.util.find_spec("triton") is not None
-
-
-def native_allocator() -> bool:
-    """Whether PyTorch allocates CUDA memory with its own caching allocator (needed by CUDA graphs)."""
-    try:
-        return torch.cuda.memory.get_allocator_backend() == "native"
-    except Exception:  # pragma: no cover - older torch
-        return False
 
 
 class _GraphedBuckets:

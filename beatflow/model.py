@@ -366,11 +366,18 @@ def train_vae(
 TRAINING_PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
+def native_allocator() -> bool:
+    """Whether PyTorch allocates CUDA memory with its own caching allocator (needed by CUDA graphs)."""
+    try:
+        return torch.cuda.memory.get_allocator_backend() == "native"
+    except Exception:  # pragma: no cover - older torch
+        return False
+
+
 def training_graphs(cudagraphs: Optional[bool], device, amp=None) -> bool:
     """Whether :func:`train_vae` captures its steps in CUDA graphs (see its ``cudagraphs``)."""
     dev = torch.device(device)
-    possible = (dev.type == "cuda" and amp != torch.float16
-                and torch.cuda.memory.get_allocator_backend() == "native")
+    possible = dev.type == "cuda" and amp != torch.float16 and native_allocator()
     if cudagraphs is None:
         return possible
     if cudagraphs and not possible:

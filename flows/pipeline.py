@@ -317,6 +317,7 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
 
 def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers, specs,
              truth) -> dict:
+    prof = engine.get("profile") or {}
     out = {
         "input": source.path, "recordings": [r.name for r in source.recordings], "samples": int(total),
         "fs": fs, "hours": total / fs / 3600, "partitions": len(specs), "beats_detected": plan.n_detected,
@@ -326,10 +327,9 @@ def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshol
                      "cuda_graphs": trained.get("cuda_graphs", False)},
         "threshold": threshold, "device": device, "workers": workers,
         "engine": {**{k: engine[k] for k in ("backend", "precision", "cache", "max_abs_err", "throughput_beats_per_s")},
-                   "latency_batch1_us": (engine.get("profile") or {}).get("latency_batch1_us"),
-                   "throughput_by_batch": {str(b): v for b, v in
-                                           ((engine.get("profile") or {}).get("throughput_beats_per_s") or {}).items()},
-                   "clock": (engine.get("profile") or {}).get("clock")},
+                   "latency_batch1_us": prof.get("latency_batch1_us"),
+                   "throughput_by_batch": {str(b): v for b, v in (prof.get("throughput_beats_per_s") or {}).items()},
+                   "clock": prof.get("clock")},
     }
     if truth is not None:
         out["truth"] = {k: v for k, v in truth.items() if not k.startswith("_")}
