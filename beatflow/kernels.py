@@ -51,7 +51,6 @@ _SIM_NMS_TPB = 32
 _SIM_MAX_BLOCKS = 4
 # detection: threads per block of the envelope tiles and of the per-candidate kernels; the widest
 # window of blocks the level's median takes (2 * threshold_blocks + 1)
-_ENV_TPB = 256
 _CAND_TPB = 128
 _MAX_WINDOW = 63
 
@@ -204,8 +203,9 @@ def _build():
     def embed_warp(x, start, length, first, width, baseline, rows, p2p, counter, beat_of_row):
         """One warp per beat (grid-stride over beats). Writes compact rows in claim order.
 
-        Lane 0 checks ``0 < length <= width`` and claims the next output row with an atomic add on
-        ``counter``; the row is broadcast with shfl_sync. The baseline (mean of the first
+        Lane 0 claims the next output row with an atomic add on ``counter``; the row is broadcast
+        with shfl_sync. A beat with a bad length (not ``0 < length <= width``) gets a zero row and
+        p2p 0, so every beat has a row and ``beat_of_row`` is a permutation. The baseline (mean of the first
         ``baseline`` samples of the beat's window) is a shfl_xor_sync butterfly sum, the row is
         written (samples minus baseline, then zeros) in a warp-stride loop that also tracks the
         lane's min/max of the valid samples, reduced with shfl_down_sync. ``beat_of_row[row]`` is
@@ -218,16 +218,15 @@ def _build():
         n_warps = cuda.gridsize(1) // WARP
         for beat in range(warp, n_beats, n_warps):  # uniform over the warp
             ln = length[beat]
-            row = np.int32(-1)
+            if ln <= 0 or ln > width:
+                ln = 0  # skipped: a zero row
+            row = np.int32(0)
             if lane == 0:
-                if ln > 0 and ln <= width:
-                    row = cuda.atomic.add(counter, 0, 1)
+                row = cuda.atomic.add(counter, 0, 1)
             row = _shfl_idx(_FULL_MASK, row, 0)
-            if row < 0:
-                continue  # skipped beat: whole warp
             s = start[beat] - first
             base = np.float32(0.0)
-            if baseline > 0:
+            if baseline > 0 and ln > 0:
                 nb = min(baseline, width)
                 acc = 0.0
                 for j in range(lane, nb, WARP):
@@ -252,11 +251,12 @@ def _build():
                 hi = max(hi, _shfl_down(_FULL_MASK, hi, off))
                 off //= 2
             if lane == 0:
-                p2p[row] = hi - lo
+                p2p[row] = hi - lo if ln > 0 else np.float32(0.0)
                 beat_of_row[row] = beat
 
-    # --- detection (segment.detect_peaks on the GPU): the dense envelope, block levels, and the
-    # decisions over the sparse candidates as one thread per candidate walking to its neighbours ---
+    # --- detection (segment.detect_peaks on the GPU): the dense stages are built per parameter set
+    # by _detect_build (their loop bounds are compile-time constants); the decisions over the sparse
+    # candidates are one thread per candidate walking to its neighbours ---
     @cuda.jit(device=True)
     def _clip(i, n):
         return 0 if i < 0 else (n - 1 if i >= n else i)
@@ -268,130 +268,41 @@ def _build():
         c = np.float64(x[j + 1] if j < n - 1 else x[n - 2])
         return max(min(a, b), min(max(a, b), c))
 
-    @cuda.jit
-    def envelope_tiled(x, kr, box, g, groups, env):
-        """env[i] = sqrt(mean over ±box//2 of slope²), the slope the derivative-of-Gaussian response
-        of the despiked signal: ``cpu_kernels.envelope_cpu`` one tile per block, with its sums in the
-        same order (slope: taps in order; box: ``groups`` sums of ``g`` consecutive squares, then
-        the rest). Shared memory: the tile's despiked samples, then its squared slopes."""
-        sh = cuda.shared.array(0, _F64)
-        n = x.shape[0]
-        K = kr.shape[0]
-        kh = K // 2
-        bh = box // 2
-        tpb = cuda.blockDim.x
-        tid = cuda.threadIdx.x
-        yl = tpb + 2 * bh
-        xl = yl + 2 * kh
-        for base in range(cuda.blockIdx.x * tpb, n, cuda.gridDim.x * tpb):
-            _syncthreads()
-            xlo = base - bh - kh
-            for t in range(tid, xl, tpb):
-                sh[t] = _despiked(x, _clip(xlo + t, n), n)
-            _syncthreads()
-            ylo = base - bh
-            for t in range(tid, yl, tpb):  # slope at clip(ylo + t): the envelope repeats the edge values
-                off = _clip(ylo + t, n) - kh - xlo
-                acc = 0.0
-                for i in range(K):
-                    acc += sh[off + i] * kr[i]
-                sh[xl + t] = acc * acc
-            _syncthreads()
-            i = base + tid
-            if i < n:
-                y0 = xl + tid
-                acc = 0.0
-                for q in range(groups):
-                    part = sh[y0 + q * g]
-                    for ii in range(1, g):
-                        part += sh[y0 + q * g + ii]
-                    acc = part if q == 0 else acc + part
-                for ii in range(groups * g, box):
-                    acc += sh[y0 + ii]
-                env[i] = math.sqrt(max(acc / box, 0.0))
-
-    @cuda.jit
-    def block_max_warp(env, lead, block, bmax):
-        """bmax[b] = max of env over stream-aligned block b (global samples [b*block - lead, +block)
-        of env): one warp per block, a shfl_xor_sync butterfly."""
-        n = env.shape[0]
+    @cuda.jit(device=True)
+    def _window_median(bmax, b, k, w):
+        """Median of bmax over blocks b-k .. b+k that exist and are not NaN (nanmedian of the
+        NaN-padded window), sorted into the local array ``w``; NaN when there are none."""
         nb = bmax.shape[0]
-        lane = cuda.threadIdx.x % WARP
-        warp = cuda.grid(1) // WARP
-        for b in range(warp, nb, cuda.gridsize(1) // WARP):
-            lo = b * block - lead
-            m = -_INF
-            for j in range(max(lo, 0) + lane, min(lo + block, n), WARP):
-                m = max(m, env[j])
-            off = WARP // 2
-            while off > 0:
-                m = max(m, _shfl_xor(_FULL_MASK, m, off))
-                off //= 2
-            if lane == 0:
-                bmax[b] = m
+        m = 0
+        for j in range(max(b - k, 0), min(b + k + 1, nb)):
+            v = bmax[j]
+            if math.isnan(v):
+                continue
+            p = m  # insertion sort
+            while p > 0 and w[p - 1] > v:
+                w[p] = w[p - 1]
+                p -= 1
+            w[p] = v
+            m += 1
+        if m == 0:
+            return math.nan
+        if m % 2 == 1:
+            return w[m // 2]
+        return (w[m // 2 - 1] + w[m // 2]) / 2.0
 
     @cuda.jit
     def block_median(bmax, k, amp):
-        """amp[b] = median of bmax over blocks b-k .. b+k that exist (nanmedian of the NaN-padded window)."""
-        nb = bmax.shape[0]
+        """amp[b] = _window_median(bmax, b, k): the local level of every block."""
         w = cuda.local.array(_MAX_WINDOW, _F64)
-        for b in range(cuda.grid(1), nb, cuda.gridsize(1)):
-            m = 0
-            for j in range(max(b - k, 0), min(b + k + 1, nb)):
-                v = bmax[j]
-                if math.isnan(v):
-                    continue
-                p = m  # insertion sort
-                while p > 0 and w[p - 1] > v:
-                    w[p] = w[p - 1]
-                    p -= 1
-                w[p] = v
-                m += 1
-            if m == 0:
-                amp[b] = math.nan
-            elif m % 2 == 1:
-                amp[b] = w[m // 2]
-            else:
-                amp[b] = (w[m // 2 - 1] + w[m // 2]) / 2.0
+        for b in range(cuda.grid(1), bmax.shape[0], cuda.gridsize(1)):
+            amp[b] = _window_median(bmax, b, k, w)
 
     @cuda.jit
-    def cand_eval(x, env, cand, amp, b0, first, block, edge, weak_ratio, ratio, xmax, kf, shalf,
-                  state, height, slope):
-        """Per candidate: 0 dropped (edge, below the weak threshold or the flat-line floor), 1 weak,
-        2 strong; its envelope height and (when kept) its steepest fine slope (segment.steepest_at)."""
-        n = x.shape[0]
-        K = kf.shape[0]
-        kh = K // 2
-        floor = 1e-7 * np.float64(xmax[0])
-        for j in range(cuda.grid(1), cand.shape[0], cuda.gridsize(1)):
-            c = cand[j]
-            h = env[c]
-            height[j] = h
-            slope[j] = 0.0
-            st = 0
-            if c >= edge and c < n - edge:
-                level = amp[(c + first) // block - b0]
-                if h > weak_ratio * level and h > floor:
-                    st = 2 if h > ratio * level else 1
-                    best = 0.0
-                    for u in range(2 * shalf + 1):
-                        q = c - shalf + u
-                        if q < 0 or q >= n:
-                            continue
-                        d = 0.0
-                        for jj in range(K):
-                            d += _despiked(x, _clip(q + kh - jj, n), n) * kf[jj]
-                        d = abs(d)
-                        if d > best:
-                            best = d
-                    slope[j] = best
-            state[j] = st
-
-    @cuda.jit
-    def cand_twave(cand, state, slope, window, ratio, out):
+    def cand_twave(cand, mcount, state, slope, window, ratio, out):
         """Strong candidates that are the T wave of the previous strong one (segment.t_wave_mask)
-        become 0; others keep their state."""
-        for j in range(cuda.grid(1), cand.shape[0], cuda.gridsize(1)):
+        become 0; others keep their state. The candidates are ``cand[:mcount[0]]`` (a count on the
+        device: the launch is sized for the capacity, so no host synchronisation is needed)."""
+        for j in range(cuda.grid(1), mcount[0], cuda.gridsize(1)):
             st = state[j]
             if st == 2:
                 c = cand[j]
@@ -405,11 +316,11 @@ def _build():
             out[j] = st
 
     @cuda.jit
-    def cand_refractory(cand, state, member, height, window, out, mark):
+    def cand_refractory(cand, mcount, state, member, height, window, out, mark):
         """segment.refractory_mask over the candidates whose state is ``member``: a member closer
         than ``window`` to the next member and smaller than it, or to the previous one and not larger
         than it, is dropped (0); a kept member becomes ``mark``; others keep their state."""
-        m = cand.shape[0]
+        m = mcount[0]
         for j in range(cuda.grid(1), m, cuda.gridsize(1)):
             st = state[j]
             if st == member:
@@ -434,17 +345,18 @@ def _build():
             out[j] = st
 
     @cuda.jit
-    def cand_search_back(cand, state, slope, nbeats, max_gap, rr_window, searchback, margin, tw_ratio, out):
+    def cand_search_back(cand, mcount, state, slope, max_gap, rr_window, searchback, margin, tw_ratio, out):
         """segment.search_back: weak candidates (state 1) that fill a gap among the beats (state 3)
-        become 4; beats stay 3; the rest 0."""
-        m = cand.shape[0]
+        become 4; beats stay 3; the rest 0. (The array code's "fewer than 2 beats: none" is implied
+        by the test below, which needs 3 beats around the candidate.)"""
+        m = mcount[0]
         for j in range(cuda.grid(1), m, cuda.gridsize(1)):
             st = state[j]
             if st == 3:
                 out[j] = 3
                 continue
             out[j] = 0
-            if st != 1 or nbeats[0] < 2:
+            if st != 1:
                 continue
             c = cand[j]
             dp = max_gap
@@ -490,9 +402,9 @@ def _build():
                 out[j] = 4
 
     return {"nms_tiled": nms_tiled, "nms_global": nms_global, "embed_warp": embed_warp,
-            "envelope_tiled": envelope_tiled, "block_max_warp": block_max_warp, "block_median": block_median,
-            "cand_eval": cand_eval, "cand_twave": cand_twave, "cand_refractory": cand_refractory,
-            "cand_search_back": cand_search_back}, sim
+            "block_median": block_median, "cand_twave": cand_twave, "cand_refractory": cand_refractory,
+            "cand_search_back": cand_search_back, "_clip": _clip, "_despiked": _despiked,
+            "_window_median": _window_median}, sim
 
 
 # --- host side -----------------------------------------------------------------------------------
@@ -622,8 +534,9 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
     Row order: the kernel runs one warp per beat and each warp claims its output row with an atomic
     counter, so rows come out of the kernel in a nondeterministic order; it records
     ``beat_of_row[row] = beat`` and the wrapper scatters ``out[beat_of_row] = rows``, so the result
-    is in beat order, the same as ``beats.embed`` (and deterministic). Unclaimed rows (skipped beats)
-    are sent to a spare last row that is dropped, so no device-to-host synchronisation is needed.
+    is in beat order, the same as ``beats.embed`` (and deterministic). Every beat claims a row (a
+    skipped one writes zeros), so the scatter covers the whole output and nothing is zero-filled
+    first, and no device-to-host synchronisation is needed.
 
     Parameters
     ----------
@@ -659,42 +572,328 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
     else:
         rows_c = xp.empty((n, width), dtype=xp.float32)  # rows in claim order
         p2p_c = xp.empty(n, dtype=xp.float32)
-        beat_of_row = xp.full(n, n, dtype=xp.int64)  # unclaimed rows -> the spare row n
+        beat_of_row = xp.empty(n, dtype=xp.int64)
         counter = xp.zeros(1, dtype=xp.int32)
         warps = 1 if ctx.sim else _EMBED_WARPS  # simulator: a block is one warp (shuffle emulation)
         ctx.launch(kernels["embed_warp"], ctx.blocks(-(-n // warps)), warps * WARP, 0,
                    ctx.arg(x), ctx.arg(start), ctx.arg(length), int(first), width, max(0, int(baseline_samples)),
                    ctx.arg(rows_c), ctx.arg(p2p_c), ctx.arg(counter), ctx.arg(beat_of_row))
-        rows = xp.zeros((n + 1, width), dtype=xp.float32)
-        p2p = xp.zeros(n + 1, dtype=xp.float32)
-        rows[beat_of_row] = rows_c  # back to beat order
+        rows = xp.empty((n, width), dtype=xp.float32)
+        p2p = xp.empty(n, dtype=xp.float32)
+        rows[beat_of_row] = rows_c  # back to beat order (beat_of_row is a permutation)
         p2p[beat_of_row] = p2p_c
-        rows, p2p = rows[:n], p2p[:n]
     if host_in:
         return xp.asnumpy(rows), xp.asnumpy(p2p)
     return rows, p2p
 
 
-def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = None):
+@functools.lru_cache(maxsize=None)
+def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, tile: int, tpb: int):
+    """The detection kernels for one set of window sizes (their loops then have constant bounds,
+    which NVVM unrolls: a fused stage whose every bound was a runtime value issued ~4x the
+    instructions). Cached per parameter set; compiled by Numba on first launch."""
+    kernels, sim = _build()
+    _clip, _despiked, _window_median = kernels["_clip"], kernels["_despiked"], kernels["_window_median"]
+    kh, bh = K // 2, box // 2
+    g = max(1, int(np.sqrt(box)))
+    groups = box // g
+    E = tile + 2 * nms  # envelope: the tile and the NMS window's reach on both sides
+    YL = E + 2 * bh  # squared slopes: that and the RMS window's reach
+    XL = YL + 2 * kh  # despiked samples: that and the slope kernel's reach
+    PL = YL - g + 1  # sums of g consecutive squared slopes
+    R = tile // tpb
+    NW = tpb // WARP
+    fkh = KF // 2
+    f64, i32 = _F64, np.int32
+    u32 = np.uint32  # unsigned shared-memory indices: no negative-index wraparound code
+
+    @cuda.jit
+    def dense(x, kr, first, b0, write_env, env_out, bmax, xmax, cap, tcount, tpos, theight, info):
+        """One tile of ``tile`` samples per block, everything in shared memory: 3-point median,
+        derivative-of-Gaussian slope, RMS over ``box`` (the sums of ``cpu_kernels.envelope_cpu``
+        in its order), then for the tile's own samples the NMS over ±nms (the candidates, in
+        arrival order, into this tile's ``cap`` slots of tpos/theight; ``info[1] = 1`` if they
+        overflow), the maximum of the envelope per stream-aligned block (one atomic max per block
+        and tile into ``bmax``) and of |x| (into ``xmax[0]``); the envelope itself into ``env_out``
+        when ``write_env``."""
+        a = cuda.shared.array(XL, f64)  # despiked samples, then the envelope
+        y2 = cuda.shared.array(YL, f64)
+        part = cuda.shared.array(PL, f64)
+        red = cuda.shared.array(tpb, f64)
+        redx = cuda.shared.array(NW, f64)
+        cnt = cuda.shared.array(1, i32)
+        n = x.shape[0]
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        w = tid // WARP
+        ti = cuda.blockIdx.x
+        base = ti * tile
+        xlo = base - nms - bh - kh
+        if tid == 0:
+            cnt[0] = 0
+        for t in range(tid, XL, tpb):
+            a[t] = _despiked(x, _clip(xlo + t, n), n)
+        _syncthreads()
+        ylo = base - nms - bh
+        for t in range(tid, YL, tpb):  # slope at clip(ylo + t): the envelope repeats the edge values
+            off = _clip(ylo + t, n) - kh - xlo
+            acc = 0.0
+            for i in range(K):
+                acc += a[u32(off + i)] * kr[i]
+            y2[t] = acc * acc
+        _syncthreads()
+        for t in range(tid, PL, tpb):
+            p = y2[t]
+            for i in range(1, g):
+                p += y2[u32(t + i)]
+            part[t] = p
+        _syncthreads()
+        elo = base - nms
+        for t in range(tid, E, tpb):  # outside the stream: -inf, never larger (the NMS window is clipped)
+            pos = elo + t
+            v = -_INF
+            if pos >= 0 and pos < n:
+                acc = part[t]
+                for q in range(1, groups):
+                    acc += part[u32(t + q * g)]
+                for i in range(groups * g, box):
+                    acc += y2[u32(t + i)]
+                v = math.sqrt(max(acc / box, 0.0))
+            a[t] = v
+        _syncthreads()
+        xm = 0.0
+        for r in range(R):
+            c = r * tpb + tid
+            pos = base + c
+            if pos < n:
+                e = c + nms
+                v = a[e]
+                keep = v > 0
+                if keep:  # outwards from the centre: a sample on a slope stops at d = 1
+                    for d in range(1, nms + 1):
+                        if a[u32(e - d)] > v or a[u32(e + d)] > v:
+                            keep = False
+                            break
+                if keep:
+                    k = cuda.atomic.add(cnt, 0, 1)
+                    if k < cap:
+                        tpos[ti * cap + k] = pos
+                        theight[ti * cap + k] = v
+                if write_env:
+                    env_out[pos] = v
+                xm = max(xm, abs(np.float64(x[pos])))
+        # block maxima: warp w takes the stream blocks jb = w, w + NW, ... that meet this tile
+        end = min(base + tile, n)
+        gb0 = (base + first) // block
+        nj = (end - 1 + first) // block - gb0 + 1
+        for j0 in range(0, nj, NW):  # uniform over the block
+            jb = j0 + w
+            m = -_INF
+            if jb < nj:
+                lo = max((gb0 + jb) * block - first, base)
+                hi = min((gb0 + jb + 1) * block - first, end)
+                for p in range(lo + lane, hi, WARP):
+                    m = max(m, a[u32(p - elo)])
+            red[tid] = m
+            _syncthreads()
+            if lane == 0 and jb < nj:
+                for l in range(1, WARP):
+                    m = max(m, red[tid + l])
+                cuda.atomic.max(bmax, gb0 + jb - b0, m)
+            _syncthreads()
+        red[tid] = xm
+        _syncthreads()
+        if lane == 0:
+            for l in range(1, WARP):
+                xm = max(xm, red[tid + l])
+            redx[w] = xm
+        _syncthreads()
+        if tid == 0:
+            for l in range(1, NW):
+                xm = max(xm, redx[l])
+            cuda.atomic.max(xmax, 0, xm)
+            c = cnt[0]
+            if c > cap:
+                info[1] = 1
+                c = cap
+            tcount[ti] = c
+
+    @cuda.jit
+    def cand_eval(x, tcount, offsets, cap, tpos, theight, bmax, b0, first, k, edge, weak_ratio, ratio, xmax, kf,
+                  cand, height, slope, state):
+        """One block per tile: its candidates go to ``offsets[tile] + rank`` (rank by position
+        within the tile, so the list is sorted), with their height, class (0 dropped: edge, below
+        the weak threshold or the flat-line floor; 1 weak; 2 strong, against the median of the
+        block maxima around them) and steepest fine slope (segment.steepest_at)."""
+        n = x.shape[0]
+        ti = cuda.blockIdx.x
+        num = tcount[ti]
+        s0 = ti * cap
+        o = offsets[ti]
+        floor = 1e-7 * np.float64(xmax[0])
+        w = cuda.local.array(_MAX_WINDOW, f64)
+        for t in range(cuda.threadIdx.x, num, cuda.blockDim.x):
+            c = tpos[s0 + t]
+            rank = 0
+            for u in range(num):
+                if tpos[s0 + u] < c:
+                    rank += 1
+            j = o + rank
+            h = theight[s0 + t]
+            cand[j] = c
+            height[j] = h
+            best = 0.0
+            st = 0
+            if c >= edge and c < n - edge:
+                level = _window_median(bmax, (c + first) // block - b0, k, w)
+                if h > weak_ratio * level and h > floor:
+                    st = 2 if h > ratio * level else 1
+                    for u in range(2 * shalf + 1):
+                        q = c - shalf + u
+                        if q < 0 or q >= n:
+                            continue
+                        d = 0.0
+                        for jj in range(KF):
+                            d += _despiked(x, _clip(q + fkh - jj, n), n) * kf[jj]
+                        d = abs(d)
+                        if d > best:
+                            best = d
+            slope[j] = best
+            state[j] = st
+
+    @cuda.jit
+    def scan(counts, offsets):
+        """offsets[i] = sum of counts[:i] for i <= len(counts) (one block; each thread sums a
+        contiguous chunk, then a shared-memory scan of the chunk sums)."""
+        sh = cuda.shared.array(tpb, np.int64)
+        nt = counts.shape[0]
+        tid = cuda.threadIdx.x
+        ch = (nt + tpb - 1) // tpb
+        lo = min(tid * ch, nt)
+        hi = min(lo + ch, nt)
+        s = 0
+        for i in range(lo, hi):
+            s += counts[i]
+        sh[tid] = s
+        _syncthreads()
+        d = 1
+        while d < tpb:
+            v = sh[tid - d] if tid >= d else 0
+            _syncthreads()
+            sh[tid] += v
+            _syncthreads()
+            d *= 2
+        run = sh[tid] - s
+        for i in range(lo, hi):
+            offsets[i] = run
+            run += counts[i]
+        if tid == tpb - 1:
+            offsets[nt] = sh[tid]
+
+    @cuda.jit
+    def emit_count(offsets, cand, state, first, lo, hi, counts):
+        """Per tile: how many of its candidates are beats (state >= 3) with lo <= cand + first < hi."""
+        nt = counts.shape[0]
+        for ti in range(cuda.grid(1), nt, cuda.gridsize(1)):
+            c = 0
+            for j in range(offsets[ti], offsets[ti + 1]):
+                p = cand[j] + first
+                if state[j] >= 3 and p >= lo and p < hi:
+                    c += 1
+            counts[ti] = c
+
+    @cuda.jit
+    def emit(offsets, cand, state, first, lo, hi, out_offsets, peaks):
+        """The beats of each tile, in order, at ``out_offsets[tile]`` of ``peaks`` (global indices)."""
+        nt = out_offsets.shape[0] - 1
+        for ti in range(cuda.grid(1), nt, cuda.gridsize(1)):
+            o = out_offsets[ti]
+            for j in range(offsets[ti], offsets[ti + 1]):
+                p = cand[j] + first
+                if state[j] >= 3 and p >= lo and p < hi:
+                    peaks[o] = p
+                    o += 1
+
+    return {"dense": dense, "cand_eval": cand_eval, "scan": scan, "emit_count": emit_count, "emit": emit}
+
+
+# the detection's launch shape: threads per tile and samples per tile (GPU; the simulator runs one
+# warp per tile), and the threads of the scans
+_DET_TPB, _DET_TILE = 256, 1024
+_SIM_DET_TPB, _SIM_DET_TILE = WARP, 4 * WARP
+
+
+def _detect_plan(s, sim: bool):
+    """``(kernels, tile, tpb)`` for these parameters, or None where the fused kernels cannot take
+    them (a level window wider than ``_MAX_WINDOW`` blocks, or windows so wide that even a tile of
+    one sample per thread would not fit in 48 KiB of shared memory): then the array code runs."""
+    tpb, tile = (_SIM_DET_TPB, _SIM_DET_TILE) if sim else (_DET_TPB, _DET_TILE)
+    if 2 * s.blocks + 1 > _MAX_WINDOW:
+        return None
+    K, box, nms = int(s.kernel), int(s.box), int(s.nms)
+    g = max(1, int(np.sqrt(box)))
+    while True:
+        E = tile + 2 * nms
+        shared = 8 * ((E + 2 * (box // 2) + 2 * (K // 2)) + (E + 2 * (box // 2)) + (E + 2 * (box // 2) - g + 1) + tpb)
+        if shared <= _SHARED_BYTES:
+            break
+        if tile == tpb:
+            return None
+        tile //= 2
+    return _detect_build(K, box, nms, int(s.block), int(s.fine_kernel), int(s.slope_half), tile, tpb), tile, tpb
+
+
+def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
+    """Launch the fused dense kernel over ``x``; returns its outputs (device arrays)."""
+    from .segment import gaussian_derivative
+
+    kern, tile, tpb = plan
+    xp = ctx.xp
+    n = int(x.shape[0])
+    nt = -(-n // tile)
+    b0 = first // s.block
+    nb = -(-(first - b0 * s.block + n) // s.block)
+    out = {
+        "bmax": xp.full(nb, -np.inf, dtype=xp.float64),
+        "xmax": xp.zeros(1, dtype=xp.float64),
+        "tcount": xp.empty(nt, dtype=xp.int64),
+        "tpos": xp.empty(nt * cap, dtype=xp.int64),
+        "theight": xp.empty(nt * cap, dtype=xp.float64),
+        "info": xp.zeros(2, dtype=xp.int64),  # [number of peaks, candidate slots overflowed]
+        "env": xp.empty(n if write_env else 1, dtype=xp.float64),
+    }
+    kr = xp.asarray(gaussian_derivative(s.kernel, s.a)[::-1].copy())
+    a = ctx.arg
+    ctx.launch(kern["dense"], nt, tpb, 0, a(x), a(kr), first, b0, bool(write_env), a(out["env"]), a(out["bmax"]),
+               a(out["xmax"]), cap, a(out["tcount"]), a(out["tpos"]), a(out["theight"]), a(out["info"]))
+    out.update(nt=nt, b0=b0, tile=tile, tpb=tpb)
+    return out
+
+
+def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = None, _cap: int | None = None):
     """:func:`beatflow.segment.detect_peaks` on the GPU: same contract, same peaks.
 
-    The array code of :mod:`beatflow.segment` makes some forty small passes and host
-    synchronisations over the ~1 candidate per beat; here the whole detection is nine kernel
-    launches and two synchronisations (the sizes of the candidate list and of the result):
+    The whole detection is ten kernel launches and one synchronisation (the number of peaks), with
+    nothing of the size of the stream written to memory but the stream itself read once:
 
-    1. ``envelope_tiled``: despike, derivative-of-Gaussian slope and moving RMS in one pass, one
-       shared-memory tile per block (the sums in the order of the CPU kernel);
-    2. ``nms_tiled`` + ``flatnonzero``: the candidates (:func:`local_maxima_gpu`);
-    3. ``block_max_warp`` and ``block_median``: the local level of every 1 s block;
-    4. ``cand_eval``: per candidate its height, weak/strong class and steepest slope;
-    5. ``cand_twave``, ``cand_refractory``: the strong candidates' T-wave test and refractory period;
-    6. ``cand_search_back``, ``cand_refractory``: the weak candidates that fill a gap, and their
-       refractory period.
+    1. ``dense`` (one tile of 1024 samples per block, everything in shared memory): despike,
+       derivative-of-Gaussian slope and moving RMS (the envelope), the NMS over it, the tile's
+       candidates into a fixed number of slots per tile, the maxima per 1 s block and of |x|;
+    2. ``scan``: where each tile's candidates go in the sorted candidate list;
+    3. ``cand_eval``: each candidate at its sorted place, with its height, its local level (the
+       median of the block maxima around it), weak/strong class and steepest slope;
+    4. ``cand_twave``, ``cand_refractory``: the strong candidates' T-wave test and refractory period;
+    5. ``cand_search_back``, ``cand_refractory``: the weak candidates that fill a gap, and their
+       refractory period;
+    6. ``emit_count``, ``scan``, ``emit``: the accepted peaks in the core, in order.
 
-    The decisions of 5-6 compare a candidate with its neighbours in a set (the previous strong
-    one, the beats around it): each thread walks along the sorted candidates from its own until
-    it finds them or passes the distance that matters (``twave``, ``refractory``, ``max_gap``,
-    ``rr_window``), so no compaction is needed between the steps.
+    Sizes that depend on the data stay on the device (the candidate count is read by the kernels,
+    which are launched for the capacity), so the host waits once, for the number of peaks. The
+    decisions of 4-5 compare a candidate with its neighbours in a set (the previous strong one, the
+    beats around it): each thread walks along the sorted candidates from its own until it finds
+    them or passes the distance that matters (``twave``, ``refractory``, ``max_gap``, ``rr_window``).
+    The slots per tile hold every candidate the NMS can produce unless a plateau of equal maxima
+    fills them; then the detection runs again with a slot for every sample.
 
     Parameters and result as :func:`beatflow.segment.detect_peaks` (``x`` a CuPy array, or NumPy
     under the simulator; the peaks in the same namespace).
@@ -703,81 +902,84 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
 
     ctx, host_in, kernels, xp, x = _vector_call(x, "x")
     n = int(x.shape[0])
-    if n < 3 or 2 * s.blocks + 1 > _MAX_WINDOW:  # too short for the 3-point median, or a window too wide
+    plan = None if n < 3 else _detect_plan(s, ctx.sim)
+    if plan is None:  # too short for the 3-point median, or windows the kernels do not take
         out = _detect_peaks_xp(x, s, first=first, core=core)
         return xp.asnumpy(out) if host_in else out
     first = int(first)
-    sim = ctx.sim
+    kern, tile, tpb = plan
+    cap = int(_cap) if _cap is not None else tile // (int(s.nms) + 1) + 2
+    d = _dense_pass(ctx, plan, x, s, first, cap, write_env=False)  # 1.
+    nt = d["nt"]
     a = ctx.arg
-    env = qrs_envelope_gpu(x, s)  # 1.
-    cand = local_maxima_gpu(env, s.nms)  # 2.
-    m = int(cand.shape[0])
-    if m == 0:
-        out = xp.zeros(0, dtype=xp.int64)
-        return xp.asnumpy(out) if host_in else out
-    amp, b0 = block_amplitude_gpu(env, first, s)  # 3.
-    # 4.-6.
-    xmax = xp.abs(x).max().reshape(1)
+    offsets = xp.empty(nt + 1, dtype=xp.int64)
+    ctx.launch(kern["scan"], 1, tpb, 0, a(d["tcount"]), a(offsets))  # 2.
+    mcap = nt * cap
+    mcount = a(offsets[nt:])
+    cand = xp.empty(mcap, dtype=xp.int64)
+    height = xp.empty(mcap, dtype=xp.float64)
+    slope = xp.empty(mcap, dtype=xp.float64)
+    st_a = xp.empty(mcap, dtype=xp.int8)
+    st_b = xp.empty(mcap, dtype=xp.int8)
     kf = xp.asarray(gaussian_derivative(s.fine_kernel, s.fine_a))
-    st_a = xp.empty(m, dtype=xp.int8)
-    st_b = xp.empty(m, dtype=xp.int8)
-    height = xp.empty(m, dtype=xp.float64)
-    slope = xp.empty(m, dtype=xp.float64)
-    blocks, threads = ctx.blocks(-(-m // _CAND_TPB)), WARP if sim else _CAND_TPB
-    ctx.launch(kernels["cand_eval"], blocks, threads, 0, a(x), a(env), a(cand), a(amp), b0, first, int(s.block),
-               int(s.edge), float(s.weak_ratio), float(s.ratio), a(xmax), a(kf), int(s.slope_half),
-               a(st_a), a(height), a(slope))
-    ctx.launch(kernels["cand_twave"], blocks, threads, 0, a(cand), a(st_a), a(slope), int(s.twave),
-               float(s.twave_slope), a(st_b))
-    ctx.launch(kernels["cand_refractory"], blocks, threads, 0, a(cand), a(st_b), 2, a(height), int(s.refractory),
-               a(st_a), 3)
-    nbeats = (st_a == 3).sum(dtype=xp.int64).reshape(1)
-    ctx.launch(kernels["cand_search_back"], blocks, threads, 0, a(cand), a(st_a), a(slope), a(nbeats),
-               int(s.max_gap), int(s.rr_window), float(s.searchback), float(s.margin), float(s.twave_slope),
-               a(st_b))
-    ctx.launch(kernels["cand_refractory"], blocks, threads, 0, a(cand), a(st_b), 4, a(height), int(s.twave),
-               a(st_a), 4)
-    peaks = cand[xp.flatnonzero(st_a >= 3)] + first
-    if core is not None:
-        peaks = peaks[(peaks >= core[0]) & (peaks < core[1])]
-    return xp.asnumpy(peaks) if host_in else peaks
+    ac, ah, asl, sa, sb = a(cand), a(height), a(slope), a(st_a), a(st_b)
+    ctx.launch(kern["cand_eval"], nt, WARP * max(1, min(4, -(-cap // WARP))), 0, a(x), a(d["tcount"]), a(offsets),
+               cap, a(d["tpos"]), a(d["theight"]), a(d["bmax"]), d["b0"], first, int(s.blocks), int(s.edge),
+               float(s.weak_ratio), float(s.ratio), a(d["xmax"]), a(kf), ac, ah, asl, sa)  # 3.
+    blocks, threads = ctx.blocks(-(-mcap // _CAND_TPB)), WARP if ctx.sim else _CAND_TPB
+    ctx.launch(kernels["cand_twave"], blocks, threads, 0, ac, mcount, sa, asl, int(s.twave), float(s.twave_slope),
+               sb)  # 4.
+    ctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 2, ah, int(s.refractory), sa, 3)
+    ctx.launch(kernels["cand_search_back"], blocks, threads, 0, ac, mcount, sa, asl, int(s.max_gap),
+               int(s.rr_window), float(s.searchback), float(s.margin), float(s.twave_slope), sb)  # 5.
+    ctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 4, ah, int(s.twave), sa, 4)
+    lo, hi = (-_FAR, _FAR) if core is None else (int(core[0]), int(core[1]))  # 6.
+    counts = xp.empty(nt, dtype=xp.int64)
+    out_offsets = xp.empty(nt + 1, dtype=xp.int64)
+    peaks = xp.empty(mcap, dtype=xp.int64)
+    tblocks = ctx.blocks(-(-nt // _CAND_TPB))
+    ctx.launch(kern["emit_count"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, a(counts))
+    ctx.launch(kern["scan"], 1, tpb, 0, a(counts), a(out_offsets))
+    ctx.launch(kern["emit"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, a(out_offsets), a(peaks))
+    info = d["info"]
+    info[0:1] = out_offsets[nt:]
+    total, overflow = (int(v) for v in (info if ctx.sim else info.get()))  # the one synchronisation
+    if overflow:  # a plateau of equal maxima filled a tile's slots: a slot for every sample
+        out = detect_peaks_gpu(x, s, first=first, core=core, _cap=tile)
+    else:
+        out = peaks[:total]
+    return xp.asnumpy(out) if host_in else out
 
 
-def qrs_envelope_gpu(x, s):
-    """:func:`beatflow.segment.qrs_envelope` as one kernel (``envelope_tiled``): the sums of
-    :func:`beatflow.cpu_kernels.envelope_cpu` in its order, float64, same length as ``x`` (n >= 3)."""
-    from .segment import gaussian_derivative
+_FAR = 1 << 40  # "no limit" for the core filter
 
+
+def qrs_envelope_gpu(x, s, *, first: int = 0, levels: bool = False):
+    """:func:`beatflow.segment.qrs_envelope` with the detection's dense kernel (the sums of
+    :func:`beatflow.cpu_kernels.envelope_cpu` in its order), float64, same length as ``x`` (n >= 3).
+
+    With ``levels=True`` also the local amplitude of :func:`beatflow.segment.block_amplitude`
+    (``x`` starting at global sample ``first``): returns ``(env, amp, b0)``, the block maxima from
+    the same kernel and their medians from the per-block kernel that the detection's ``cand_eval``
+    shares (``_window_median``).
+    """
     ctx, host_in, kernels, xp, x = _vector_call(x, "x")
     n = int(x.shape[0])
     if n < 3:
         raise ValueError(f"the envelope kernel takes a stream of at least 3 samples, got {n}")
-    kr = xp.asarray(gaussian_derivative(s.kernel, s.a)[::-1].copy())
-    env = xp.empty(n, dtype=xp.float64)
-    box = int(s.box)
-    g = max(1, int(np.sqrt(box)))
-    tpb = WARP if ctx.sim else _ENV_TPB
-    shared = (2 * tpb + 4 * (box // 2) + 2 * (int(s.kernel) // 2)) * 8
-    ctx.launch(kernels["envelope_tiled"], ctx.blocks(-(-n // tpb)), tpb, shared, ctx.arg(x), ctx.arg(kr), box, g,
-               box // g, ctx.arg(env))
-    return xp.asnumpy(env) if host_in else env
-
-
-def block_amplitude_gpu(env, first: int, s):
-    """:func:`beatflow.segment.block_amplitude` as two kernels (block maxima, one warp per block;
-    the median over ``±s.blocks`` blocks, one thread per block). Returns ``(amp, b0)``."""
-    ctx, host_in, kernels, xp, env = _vector_call(env, "env")
-    n = int(env.shape[0])
-    if 2 * s.blocks + 1 > _MAX_WINDOW:
-        raise ValueError(f"threshold_blocks={s.blocks}: the level's window is at most {_MAX_WINDOW} blocks")
-    b0 = int(first) // s.block
-    lead = int(first) - b0 * s.block
-    nb = -(-(lead + n) // s.block)
-    bmax = xp.empty(nb, dtype=xp.float64)
-    amp = xp.empty(nb, dtype=xp.float64)
-    warps = 1 if ctx.sim else 8  # simulator: one-warp blocks (shuffle emulation)
-    ctx.launch(kernels["block_max_warp"], ctx.blocks(-(-nb // warps)), warps * WARP, 0, ctx.arg(env), lead,
-               int(s.block), ctx.arg(bmax))
+    plan = _detect_plan(s, ctx.sim)
+    if plan is None:
+        raise ValueError("these segmentation parameters exceed what the detection kernels take "
+                         f"(threshold_blocks <= {(_MAX_WINDOW - 1) // 2}, windows that fit a shared-memory tile)")
+    d = _dense_pass(ctx, plan, x, s, int(first), plan[1] // (int(s.nms) + 1) + 2, write_env=True)
+    env = d["env"]
+    if not levels:
+        return xp.asnumpy(env) if host_in else env
+    bmax = d["bmax"]
+    amp = xp.empty_like(bmax)
+    nb = int(bmax.shape[0])
     ctx.launch(kernels["block_median"], ctx.blocks(-(-nb // _CAND_TPB)), WARP if ctx.sim else _CAND_TPB, 0,
                ctx.arg(bmax), int(s.blocks), ctx.arg(amp))
-    return (xp.asnumpy(amp) if host_in else amp), b0
+    if host_in:
+        return xp.asnumpy(env), xp.asnumpy(amp), d["b0"]
+    return env, amp, d["b0"]

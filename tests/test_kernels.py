@@ -204,7 +204,7 @@ def test_cupy_input_dispatches_to_kernels(synthetic_ecg):
 # --- beat detection (segment.detect_peaks on the GPU) -------------------------------------------
 from test_segment import _random_beats, small_params  # noqa: E402
 
-from beatflow.kernels import block_amplitude_gpu, detect_peaks_gpu, qrs_envelope_gpu  # noqa: E402
+from beatflow.kernels import _detect_plan, detect_peaks_gpu, qrs_envelope_gpu  # noqa: E402
 
 
 def test_envelope_kernel_matches_cpu_kernel_and_array_code():
@@ -221,21 +221,22 @@ def test_envelope_kernel_matches_cpu_kernel_and_array_code():
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
 
 
-def test_block_amplitude_kernels_match_array_code():
+def test_block_levels_of_the_dense_kernel_match_array_code():
     rng = np.random.default_rng(6)
-    env = np.abs(rng.normal(size=537))
+    x = (np.cumsum(rng.normal(size=1337)) + 3 * rng.normal(size=1337)).astype(np.float32)
     for blocks, block, first in ((2, 10, 0), (5, 25, 13), (1, 7, 300), (3, 600, 5)):
         s = small_params(block_s=block / 100.0, threshold_blocks=blocks)
-        amp, b0 = block_amplitude_gpu(dev(env), first, s)
-        want, wb0 = S.block_amplitude(env, first, s)
+        env, amp, b0 = qrs_envelope_gpu(dev(x), s, first=first, levels=True)
+        want, wb0 = S.block_amplitude(S.qrs_envelope(x, s), first, s)
         assert b0 == wb0
-        np.testing.assert_array_equal(host(amp), want)
+        np.testing.assert_allclose(host(amp), want, rtol=1e-13)
 
 
 @pytest.mark.parametrize("first", [0, 55])
 def test_detect_peaks_kernels_match_array_code_and_loops(first):
     # the random beats of test_segment exercise the T-wave test and the search-back with these params
     s = small_params(nms_half_window_s=0.08, refractory_s=0.08, twave_window_s=0.2, threshold_blocks=3, block_s=0.3)
+    assert _detect_plan(s, MODE == "sim") is not None  # the kernels run, not the array code's fallback
     for seed in range(4):
         x = _random_beats(seed)
         want = naive.detect_peaks(x, s, first=first)
@@ -243,6 +244,8 @@ def test_detect_peaks_kernels_match_array_code_and_loops(first):
         got = detect_peaks_gpu(dev(x), s, first=first)
         assert got.dtype == np.int64
         np.testing.assert_array_equal(host(got), want, err_msg=f"seed {seed}")
+        # one candidate slot per tile: the slots overflow and the detection reruns with one per sample
+        np.testing.assert_array_equal(host(detect_peaks_gpu(dev(x), s, first=first, _cap=1)), want)
         core = (first + 300, first + 900)
         np.testing.assert_array_equal(host(detect_peaks_gpu(dev(x), s, first=first, core=core)),
                                       want[(want >= core[0]) & (want < core[1])])
