@@ -676,9 +676,32 @@ def _top_table(d: ReportData, limit: int = 50) -> str:
     )
 
 
-def render_report_html(data: ReportData) -> str:
-    """Build the complete, self-contained HTML document as a string."""
+#: the report's figures: name -> function of the (parts of the) ReportData it reads
+FIGURES = {"stream": _fig_stream, "lengths": _fig_lengths, "aligned": _fig_aligned, "training": _fig_training,
+           "scores": _fig_scores, "latent": _fig_latent, "top": _fig_top}
+#: which figures need only what is known once the model is trained (the flow renders them while the
+#: engine is built and the beats are scored)
+EARLY_FIGURES = ("lengths", "aligned", "training")
+
+
+def render_figures(data, names=EARLY_FIGURES) -> dict:
+    """The PNGs (base64) of the named figures. ``data`` may be a :class:`ReportData` or any object
+    with the fields those figures read (``fs``, ``length_hist_counts``, ``length_hist_edges``,
+    ``length_bounds``, ``aligned_beats``, ``train_loss``, ``test_loss`` for the early ones)."""
+    return {name: FIGURES[name](data) for name in names}
+
+
+def render_report_html(data: ReportData, figures: dict | None = None) -> str:
+    """Build the complete, self-contained HTML document as a string.
+
+    ``figures``: PNGs already rendered (:func:`render_figures`); the others are rendered here.
+    """
     d = data
+    done = dict(figures or {})
+
+    def fig(name):
+        return done[name] if name in done else FIGURES[name](d)
+
     title = html.escape(str(d.title))
     fs = float(d.fs) if d.fs else 0.0
     dur_s = float(d.total_samples) / fs if fs else float("nan")
@@ -711,28 +734,28 @@ def render_report_html(data: ReportData) -> str:
     parts.append("</section>")
 
     parts.append('<section id="stream"><h2>Whole stream</h2><div class="panel">')
-    parts.append(_img(_fig_stream(d), "min/max envelope of the whole recording with flagged beats"))
+    parts.append(_img(fig("stream"), "min/max envelope of the whole recording with flagged beats"))
     parts.append('<p class="note">Each pixel column shows the minimum and maximum of the samples it covers; '
                  "red ticks below mark the start of every flagged beat.</p></div></section>")
 
     parts.append('<section id="beats"><h2>Beats</h2><div class="row">')
-    parts.append('<div class="panel"><h3>Beat-length histogram</h3>' + _img(_fig_lengths(d), "beat length histogram")
+    parts.append('<div class="panel"><h3>Beat-length histogram</h3>' + _img(fig("lengths"), "beat length histogram")
                  + '<p class="note">Shaded band: the row length range; shorter beats are pruned, longer ones are cut to the row.</p></div>')
-    parts.append('<div class="panel"><h3>Aligned beats</h3>' + _img(_fig_aligned(d), "aligned beats overlay")
+    parts.append('<div class="panel"><h3>Aligned beats</h3>' + _img(fig("aligned"), "aligned beats overlay")
                  + '<p class="note">Overlay of typical kept beats; a sharp common QRS means good alignment.</p></div>')
     parts.append("</div></section>")
 
     parts.append('<section id="model"><h2>Model</h2><div class="row">')
-    parts.append('<div class="panel"><h3>Training curve</h3>' + _img(_fig_training(d), "training curve") + "</div>")
-    parts.append('<div class="panel"><h3>Anomaly score distribution</h3>' + _img(_fig_scores(d), "score histogram")
+    parts.append('<div class="panel"><h3>Training curve</h3>' + _img(fig("training"), "training curve") + "</div>")
+    parts.append('<div class="panel"><h3>Anomaly score distribution</h3>' + _img(fig("scores"), "score histogram")
                  + '<p class="note">All kept beats; the red line is the flagging threshold.</p></div>')
     parts.append("</div>")
-    parts.append('<div class="panel" style="margin-top:14px"><h3>Latent space</h3>' + _img(_fig_latent(d), "latent space")
+    parts.append('<div class="panel" style="margin-top:14px"><h3>Latent space</h3>' + _img(fig("latent"), "latent space")
                  + '<p class="note">Flagged beats (score ≥ threshold) are circled in red.</p></div>')
     parts.append("</section>")
 
     parts.append(f'<section id="anomalies"><h2>Top anomalies</h2>')
-    top_png = _fig_top(d)
+    top_png = fig("top")
     if top_png is not None:
         parts.append(f'<div class="panel"><h3>Top {n_top} in context</h3>' + _img(top_png, "top anomalies")
                      + '<p class="note">Shaded: the flagged beat. Titles: rank, time (h:mm:ss), score.</p></div>')
@@ -743,10 +766,11 @@ def render_report_html(data: ReportData) -> str:
     return "".join(parts)
 
 
-def write_report(path, data: ReportData) -> None:
-    """Render ``data`` and write one self-contained HTML file atomically."""
+def write_report(path, data: ReportData, figures: dict | None = None) -> None:
+    """Render ``data`` (with the ``figures`` already rendered) and write one self-contained HTML file
+    atomically."""
     path = os.fspath(path)
-    doc = render_report_html(data)
+    doc = render_report_html(data, figures)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = path + ".tmp"

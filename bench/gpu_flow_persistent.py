@@ -56,7 +56,8 @@ def main() -> int:
             rows.append((r, rc, wall, s))
             t_ = s.get("timings_s", {})
             print(f"run {r}: rc={rc} wall {wall:.1f} s  " + "  ".join(f"{k} {v:.2f}" for k, v in t_.items())
-                  + f"  training {s.get('training')}  engine {(s.get('engine') or {}).get('cache')}", flush=True)
+                  + f"  training {s.get('training')}  engine {(s.get('engine') or {}).get('cache')}"
+                  + f"  transfers {s.get('transfers')}", flush=True)
     finally:
         client.close()
         cluster.close()

@@ -112,6 +112,18 @@ def main():
     time_it("embed_gpu", lambda: K.embed_gpu(xg, st, ln, s.width, baseline_samples=base))
     time_it("segmentation + embedding (detect, bounds, embed)", seg_embed)
     time_it("array code on CuPy (segment._detect_peaks_xp, before)", lambda: S._detect_peaks_xp(xg, s), n_repeat=5)
+    print("== launch shapes of the detection kernels (threads per tile, samples per tile)", flush=True)
+    default = (K._DET_TPB, K._DET_TILE)
+    for tpb, tile in ((256, 1024), (128, 1024), (256, 2048), (512, 2048), (128, 512), (512, 4096)):
+        K._DET_TPB, K._DET_TILE = tpb, tile
+        try:
+            same = bool(np.array_equal(cupy.asnumpy(K.detect_peaks_gpu(xg, s)), peaks_h))
+            c[f"peaks_equal_tpb{tpb}_tile{tile}"] = same
+        except Exception:
+            res["errors"][f"tpb{tpb}_tile{tile}"] = traceback.format_exc()[-2000:]
+            continue
+        time_it(f"detect_peaks_gpu, tpb {tpb}, tile {tile}", lambda: K.detect_peaks_gpu(xg, s))
+    K._DET_TPB, K._DET_TILE = default
     save()
 
 

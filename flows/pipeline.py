@@ -248,6 +248,9 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     log.info("training: train loss %s, test loss %.5f", ", ".join(f"{v:.4f}" for v in trained["train_loss"]),
              trained["test_loss"])
     sw.lap("train")
+    # the report's figures that need nothing more are drawn here, in the flow's process, while the
+    # workers build the engine and score (the report task then renders only the rest)
+    early = _draw_early_figures(fs, s, plan, trained)
 
     engine = T.build_engine.submit(trained["model"], trained["validation"], threads, device, engine_backend,
                                    precision).result()
@@ -274,10 +277,9 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     log.info("scoring: %d of %d beats flagged (threshold %.4g)", flagged, len(table), threshold)
     sw.lap("score")
 
-    truth = None
-    if truth_path:
-        truth = T.evaluate_truth.submit(truth_path, np.concatenate(peaks), plan.peak[kb], scores, fs).result()
-        log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
+    truth = None  # the check against the synthetic truth runs beside the report's context snippets
+    truth_future = (T.evaluate_truth.submit(truth_path, np.concatenate(peaks), plan.peak[kb], scores, fs)
+                    if truth_path else None)
 
     # report: whole-stream picture per partition, context of the top anomalies
     overview = [f.result() for f in overview_futures]
@@ -289,13 +291,16 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
         windows[int(plan.owner[b])].append((int(row["start"]) - pad, int(row["start"]) + int(row["length"]) + pad))
     ctx_lists = T.context_snippets.map(parts, lefts, rights, firsts, [windows[k] for k in range(len(specs))])
     ctx = {k: f.result() for k, f in enumerate(ctx_lists)}
+    if truth_future is not None:
+        truth = truth_future.result()
+        log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
     summary = _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers,
                        specs, truth)
     if truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end
         summary["input"] = f"synthetic ECG ({hours:g} h, seed {seed}): input.npy, truth.npz"
     data = _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, table, top, ctx, overview,
                         summary, truth, kb, rec_offset)
-    T.write_report.submit(str(work / "report.html"), data).result()
+    T.write_report.submit(str(work / "report.html"), data, early.result()).result()
     sw.lap("report")
     from prefect.runtime import flow_run
 
@@ -336,12 +341,35 @@ def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshol
     return out
 
 
+def _length_histogram(plan, s):
+    """The report's histogram of beat lengths: (counts, edges), bins of 4 samples."""
+    return np.histogram(plan.length, bins=np.arange(0, 3 * s.upper + 8, 4))
+
+
+def _draw_early_figures(fs, s, plan, trained):
+    """A future of the report's early figures (``beatflow.report.EARLY_FIGURES``), drawn in a thread
+    of the flow's process: the flow only waits for its workers meanwhile."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from beatflow.report import EARLY_FIGURES, render_figures
+
+    counts, edges_ = _length_histogram(plan, s)
+    d = SimpleNamespace(fs=fs, length_hist_counts=counts, length_hist_edges=edges_, length_bounds=(s.lower, s.upper),
+                        aligned_beats=trained["sample_rows"], train_loss=trained["train_loss"],
+                        test_loss=trained["test_loss"])
+    pool = ThreadPoolExecutor(1, thread_name_prefix="beatflow-figures")
+    future = pool.submit(render_figures, d, EARLY_FIGURES)
+    pool.shutdown(wait=False)
+    return future
+
+
 def _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, table, top, ctx, overview, summary,
                  truth, kb, rec_offset):
     from beatflow.report import ReportData, combine_minmax
 
     smin, smax = combine_minmax(overview, N_COLUMNS)
-    counts, edges_ = np.histogram(plan.length, bins=np.arange(0, 3 * s.upper + 8, 4))
+    counts, edges_ = _length_histogram(plan, s)
     test_idx = np.asarray(trained["test_index"])
     rng = np.random.default_rng(0)
     sub = np.sort(rng.choice(test_idx, size=min(20000, len(test_idx)), replace=False))

@@ -251,9 +251,10 @@ def evaluate_truth(truth_path: str, peaks, kept_peaks, kept_scores, fs: float) -
 
 
 @task(name="write-report", cache_policy=NO_CACHE, persist_result=False)
-def write_report(path: str, data) -> str:
-    """Render ``report.html`` (self-contained) from the small results."""
+def write_report(path: str, data, figures: dict | None = None) -> str:
+    """Render ``report.html`` (self-contained) from the small results (``figures``: PNGs already
+    rendered while the flow went on, see ``beatflow.report.render_figures``)."""
     from beatflow.report import write_report as render
 
-    render(path, data)
+    render(path, data, figures)
     return path

@@ -298,3 +298,20 @@ def test_write_report_fast_realistic(tmp_path):
     dt = time.perf_counter() - t0
     assert dt < 20.0, dt  # target is < ~8 s; generous bound for slow CI machines
     assert (tmp_path / "r.html").stat().st_size < 3_000_000
+
+
+def test_figures_drawn_ahead_are_used_and_match():
+    from types import SimpleNamespace
+
+    from beatflow.report import EARLY_FIGURES, render_figures, render_report_html
+
+    d = _fake_data()
+    # the early figures read only what the flow has once the model is trained
+    part = SimpleNamespace(fs=d.fs, length_hist_counts=d.length_hist_counts, length_hist_edges=d.length_hist_edges,
+                           length_bounds=d.length_bounds, aligned_beats=d.aligned_beats, train_loss=d.train_loss,
+                           test_loss=d.test_loss)
+    early = render_figures(part, EARLY_FIGURES)
+    assert early == render_figures(d, EARLY_FIGURES)  # same pictures as from the whole ReportData
+    doc = render_report_html(d, {**early, "lengths": "QUFBQQ=="})
+    assert "data:image/png;base64,QUFBQQ==" in doc  # a figure given is not drawn again
+    assert doc.count("data:image/png;base64,") == render_report_html(d).count("data:image/png;base64,")
