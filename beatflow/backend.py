@@ -154,10 +154,29 @@ def transfer_stats(run_id=None) -> dict:
                 out["rmm_current_bytes"] = int(get("current_bytes"))
             if isinstance(mr, rmm.mr.PoolMemoryResource):
                 out["rmm_pool_bytes"] = int(mr.pool_size())
+                out["rmm_resource"] = "pool"
+            if isinstance(mr, rmm.mr.CudaAsyncMemoryResource):  # its reserve: dask-cuda's setting
+                out["rmm_resource"] = "async"
+                size = _rmm_setup_pool_size()
+                if size:
+                    out["rmm_pool_bytes"] = size
             mr = getattr(mr, "upstream_mr", None)
     except Exception:  # no rmm on CPU workers
         pass
     return out
+
+
+def _rmm_setup_pool_size():
+    """The initial pool size that dask-cuda's RMM plugin gave this worker (None elsewhere)."""
+    try:
+        from distributed import get_worker
+
+        for plugin in get_worker().plugins.values():
+            if type(plugin).__name__ == "RMMSetup" and plugin.initial_pool_size:
+                return int(plugin.initial_pool_size)
+    except Exception:
+        return None
+    return None
 
 
 def track_rmm_statistics(run_id=None) -> bool:

@@ -24,6 +24,9 @@ def _run_parser(sub) -> None:
     p.add_argument("--gpus", help="GPUs for --device gpu, as CUDA_VISIBLE_DEVICES lists them (default: all)")
     p.add_argument("--rmm-pool-size", default=None,
                    help="RMM pool per GPU: a share (80%%, 0.8) or a size (40GB); default 80%%")
+    p.add_argument("--rmm-allocator", choices=("async", "pool"), default="async",
+                   help="RMM's resource on each GPU: CUDA's stream-ordered pool (async: PyTorch can capture "
+                        "CUDA graphs in it) or RMM's pool; default async")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic ECG and of the train/test split")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=1024)
@@ -113,7 +116,7 @@ def cmd_run(args) -> int:
 
     with prefect_api():
         runner = make_task_runner(device, workers, scheduler=args.scheduler, rmm_pool_size=args.rmm_pool_size,
-                                  gpus=args.gpus)
+                                  gpus=args.gpus, rmm_allocator=args.rmm_allocator)
         summary = ecg_anomaly_flow.with_options(task_runner=runner)(
             input=args.input, column=args.column, fs=args.fs, lead=args.lead, hours=args.hours, seed=args.seed,
             out=args.out, device=device, workers=workers, partitions=args.partitions, epochs=args.epochs,

@@ -374,17 +374,44 @@ def native_allocator() -> bool:
         return False
 
 
+def rmm_async_resource() -> bool:
+    """Whether RMM's current device resource is (an adaptor over) ``CudaAsyncMemoryResource``: CUDA's
+    own stream-ordered pool (``cudaMallocAsync``), which allocates inside a CUDA graph capture."""
+    try:
+        import rmm
+    except ImportError:
+        return False
+    mr = rmm.mr.get_current_device_resource()
+    while mr is not None:
+        if isinstance(mr, rmm.mr.CudaAsyncMemoryResource):
+            return True
+        mr = getattr(mr, "upstream_mr", None)
+    return False
+
+
+def graph_allocator() -> bool:
+    """Whether CUDA graphs can be captured with PyTorch's current CUDA allocator: its own caching
+    allocator or its ``cudaMallocAsync`` backend, or RMM over CUDA's stream-ordered pool (the flow's
+    GPU workers with ``--rmm-allocator async``). Not RMM's pool resource: its bookkeeping breaks the
+    capture (``cudaErrorStreamCaptureInvalidated``, measured on an H200)."""
+    try:
+        backend = torch.cuda.memory.get_allocator_backend()
+    except Exception:  # pragma: no cover - older torch
+        return False
+    return backend in ("native", "cudaMallocAsync") or rmm_async_resource()
+
+
 def training_graphs(cudagraphs: Optional[bool], device, amp=None) -> bool:
     """Whether :func:`train_vae` captures its steps in CUDA graphs (see its ``cudagraphs``)."""
     dev = torch.device(device)
-    possible = dev.type == "cuda" and amp != torch.float16 and native_allocator()
+    possible = dev.type == "cuda" and amp != torch.float16 and graph_allocator()
     if cudagraphs is None:
         return possible
     if cudagraphs and not possible:
         why = ("they run on a CUDA device" if dev.type != "cuda" else
                "fp16's gradient scaler is not captured: use bf16 or fp32" if amp == torch.float16 else
-               f"capture needs PyTorch's own CUDA allocator, and {torch.cuda.memory.get_allocator_backend()} "
-               "is installed")
+               "capture needs PyTorch's own CUDA allocator or RMM over cudaMallocAsync, and "
+               f"{torch.cuda.memory.get_allocator_backend()} with another resource is installed")
         raise ValueError(f"training with CUDA graphs: {why}")
     return bool(cudagraphs)
 

@@ -35,7 +35,8 @@ def main() -> int:
     env = {"PREFECT_API_URL": server.api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1",
            "NUMBA_CUDA_MEMORY_MANAGER": "rmm.allocators.numba", "PYTHONPATH": os.environ.get("PYTHONPATH", ROOT)}
     t = time.perf_counter()
-    cluster = LocalCUDACluster(rmm_pool_size=0.8, rmm_allocator_external_lib_list=["cupy", "torch"],
+    rmm_async = os.environ.get("RMM_ALLOCATOR", "async") == "async"  # as `beatflow run --rmm-allocator`
+    cluster = LocalCUDACluster(rmm_pool_size=0.8, rmm_async=rmm_async, rmm_allocator_external_lib_list=["cupy", "torch"],
                                host="127.0.0.1", dashboard_address="127.0.0.1:0", env=env)
     client = Client(cluster)
     print(f"cluster up in {time.perf_counter() - t:.1f} s: {cluster.scheduler_address}", flush=True)

@@ -113,7 +113,7 @@ def parse_pool_size(value) -> float | int | str:
 
 
 def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler: str | None = None,
-                     rmm_pool_size=None, gpus: str | None = None):
+                     rmm_pool_size=None, gpus: str | None = None, rmm_allocator: str = "async"):
     """The Dask task runner of a flow run.
 
     Parameters
@@ -130,6 +130,10 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
         :func:`parse_pool_size`.
     gpus : str, optional
         GPUs to use, as ``CUDA_VISIBLE_DEVICES`` lists them (``"0,1"``); default all.
+    rmm_allocator : {"async", "pool"}
+        The pool behind RMM on each GPU: ``async``, CUDA's stream-ordered pool (``cudaMallocAsync``,
+        RMM's ``CudaAsyncMemoryResource``, ``rmm_pool_size`` reserved up front), in which PyTorch can
+        capture CUDA graphs (whole training steps); ``pool``, RMM's own ``PoolMemoryResource``.
     """
     from prefect_dask import DaskTaskRunner
 
@@ -138,6 +142,10 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
         return DaskTaskRunner(address=scheduler)
     env = worker_env()
     _configure_worker_spawn()
+    if rmm_allocator not in ("async", "pool"):
+        from beatflow.errors import InputError
+
+        raise InputError(f"--rmm-allocator: {rmm_allocator!r} is not one of async, pool")
     if device == "gpu":
         try:
             import dask_cuda  # noqa: F401
@@ -150,6 +158,7 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
                 **kwargs,
                 # dask-cuda reads a float as a fraction of the device ("80%" is not understood)
                 "rmm_pool_size": parse_pool_size(rmm_pool_size if rmm_pool_size is not None else 0.8),
+                "rmm_async": rmm_allocator == "async",
                 "rmm_allocator_external_lib_list": ["cupy", "torch"],
                 "dashboard_address": "127.0.0.1:0",
                 "host": "127.0.0.1",
