@@ -65,3 +65,10 @@ def test_transfer_counters_are_per_run_on_long_lived_workers():
     assert bk.transfer_stats("run-b")["d2h_bytes"] == 7
     assert bk.transfer_stats("run-a")["d2h_bytes"] == total + 127  # not this worker's current run: all bytes
     assert bk.transfer_stats()["d2h_bytes"] == total + 127
+
+
+def test_unknown_rmm_allocator_is_an_input_error():
+    from tasks.cluster import make_task_runner
+
+    with pytest.raises(InputError, match="--rmm-allocator: 'arena' is not one of async, pool"):
+        make_task_runner("gpu", 1, rmm_allocator="arena")

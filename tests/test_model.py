@@ -212,3 +212,32 @@ def test_cuda_graph_training_matches_launched_steps(compile):
     assert abs(graphed.train_loss[0] / plain.train_loss[0] - 1) < 0.05
     assert abs(graphed.test_loss / plain.test_loss - 1) < 0.05
     assert graphed.train_loss[-1] < graphed.train_loss[0]
+
+
+def test_graph_allocator_rule(monkeypatch):
+    import sys
+
+    from beatflow import model as M
+
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
+    assert M.graph_allocator()
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "pluggable")
+    monkeypatch.setitem(sys.modules, "rmm", None)  # no RMM: a pluggable allocator cannot capture
+    assert not M.rmm_async_resource() and not M.graph_allocator()
+
+    class Async:
+        upstream_mr = None
+
+    class Stats:
+        upstream_mr = Async()
+
+    class Pool:
+        upstream_mr = None
+
+    fake = type(sys)("rmm")
+    fake.mr = type(sys)("rmm.mr")
+    fake.mr.CudaAsyncMemoryResource = Async
+    for current, want in ((Stats(), True), (Pool(), False)):  # an adaptor over the async pool; RMM's own pool
+        fake.mr.get_current_device_resource = lambda c=current: c
+        monkeypatch.setitem(sys.modules, "rmm", fake)
+        assert M.rmm_async_resource() is want and M.graph_allocator() is want
