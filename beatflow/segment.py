@@ -7,7 +7,8 @@ non-maximum suppression), the decisions are vectorised over the sparse candidate
 array code is too slow for its device, a kernel with exactly its contract takes over and is tested
 against it and against the loop references in ``tests/naive.py``: on the GPU the whole of
 :func:`detect_peaks` runs as the kernels of :func:`beatflow.kernels.detect_peaks_gpu` (Numba CUDA:
-nine launches instead of some forty array operations and their host synchronisations); on the CPU
+one fused pass over the stream in shared memory and small kernels over the candidates, with one
+host synchronisation instead of some forty array operations and their synchronisations); on the CPU
 the fused envelope, the NMS scan and the sparse slope of :mod:`beatflow.cpu_kernels` (Numba), which
 make the CPU path ~15x faster.
 
