@@ -604,6 +604,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     R = tile // tpb
     NW = tpb // WARP
     fkh = KF // 2
+    SW = 2 * (shalf + fkh) + 1  # despiked samples around a candidate that its steepest slope reads
     f64, i32 = _F64, np.int32
     u32 = np.uint32  # unsigned shared-memory indices: no negative-index wraparound code
 
@@ -732,6 +733,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         o = offsets[ti]
         floor = 1e-7 * np.float64(xmax[0])
         w = cuda.local.array(_MAX_WINDOW, f64)
+        dl = cuda.local.array(SW, f64)
         for t in range(cuda.threadIdx.x, num, cuda.blockDim.x):
             c = tpos[s0 + t]
             rank = 0
@@ -748,13 +750,16 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                 level = _window_median(bmax, (c + first) // block - b0, k, w)
                 if h > weak_ratio * level and h > floor:
                     st = 2 if h > ratio * level else 1
+                    # the despiked samples the slopes need, once (not once per tap and position)
+                    for v in range(SW):
+                        dl[v] = _despiked(x, _clip(c - shalf - fkh + v, n), n)
                     for u in range(2 * shalf + 1):
                         q = c - shalf + u
                         if q < 0 or q >= n:
                             continue
                         d = 0.0
                         for jj in range(KF):
-                            d += _despiked(x, _clip(q + fkh - jj, n), n) * kf[jj]
+                            d += dl[u + 2 * fkh - jj] * kf[jj]
                         d = abs(d)
                         if d > best:
                             best = d
