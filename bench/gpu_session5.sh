@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One H200 call (session 5): the detection kernels (timings and checks, the GPU tests), CUDA graphs of
-# training under RMM (async resource), the flow on a
-# standing cluster (3 runs), then Nsight Compute on the detection kernels if time is left.
+# One H200 call (session 5): the detection kernels (timings and checks, the GPU tests),
+# the flow on a standing cluster (3 runs), then, as time allows, two GPU workers on the one GPU and
+# Nsight Compute on the detection kernels.
 #   bash bench/gpu_session5.sh      (from the repository root, .whl carried; outputs under $OUT)
 set -u
 t0=$(date +%s)
@@ -11,14 +11,17 @@ echo "== detection kernels: bench/gpu_segment.py"
 timeout 200 python3 bench/gpu_segment.py 2>&1 | grep -v Warn | tail -44
 echo "== GPU tests: tests/test_kernels.py"
 timeout 150 python3 -m pytest -x -q tests/test_kernels.py 2>&1 | tail -4
-echo "== training graphs with PyTorch on RMM: bench/gpu_rmm_async_probe.py (async resource)"
-timeout 100 python3 bench/gpu_rmm_async_probe.py async 2>&1 | grep -v Warn | tail -4
 echo "== flow on a standing cluster: bench/gpu_flow_persistent.py ($(( $(date +%s) - t0 )) s so far)"
 rm -rf /tmp/bf-persistent-* /tmp/flowout
 mkdir -p /tmp/flowout
 OUT=/tmp/flowout RUNS=${RUNS:-3} RUN_LIMIT=150 timeout 330 python3 bench/gpu_flow_persistent.py 2>&1 | grep -v Warn | tail -14
 tar czf "$OUT/flow.tgz" -C /tmp flowout
-left=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
+left=$(( ${BUDGET:-560} - ($(date +%s) - t0) ))
+if [ "$left" -gt 230 ]; then
+  echo "== two GPU workers on the one GPU: bench/gpu_two_workers.sh ($left s left)"
+  HOURS=2 RUN_LIMIT=$(( (left - 30) / 2 )) bash bench/gpu_two_workers.sh 2>&1 | tail -30
+fi
+left=$(( ${BUDGET:-560} - ($(date +%s) - t0) ))
 echo "== Nsight Compute ($left s left)"
 if [ "$left" -gt 60 ]; then
   cat > /tmp/one.py <<'PY'
