@@ -262,3 +262,34 @@ def test_detect_peaks_kernels_on_synthetic_ecg_and_edge_cases():
     np.testing.assert_array_equal(host(detect_peaks_gpu(dev(x), s)), want)
     for flat in (np.zeros(900, np.float32), np.full(900, 2.0, np.float32), np.ones(2, np.float32)):
         assert host(detect_peaks_gpu(dev(flat), s)).size == 0
+
+
+# --- on a GPU: one partition's device memory through CuPy, Numba and PyTorch (no copies) ---------
+@pytest.mark.skipif(MODE != "gpu", reason="needs CuPy on a CUDA GPU")
+def test_zero_copy_one_partition_cupy_numba_torch(synthetic_ecg):
+    import cupy
+    import torch
+    from numba import cuda
+
+    from beatflow.engine import as_cuda_tensor, from_cuda_tensor
+    from beatflow.params import SegmentParams
+
+    s = SegmentParams().samples(250.0)
+    stream = cupy.asarray(synthetic_ecg.signal)  # the loaded stream on the device
+    a, b = 2000, 6000
+    part = stream[a:b]  # one partition: a view, not a copy
+    assert part.data.ptr == stream.data.ptr + a * stream.itemsize
+    view = cuda.as_cuda_array(part)  # what the kernels receive (CUDA array interface)
+    assert view.device_ctypes_pointer.value == part.data.ptr
+    peaks = S.detect_peaks(stream, s)  # the kernels, on CuPy arrays
+    _, start, length = B.beats_from_peaks(peaks, s, stream.shape[0])
+    sel = (start >= a) & (start + length <= b)
+    rows, _ = B.embed(part, start[sel], length[sel], s.width, first=a)  # the warp-per-beat kernel
+    assert isinstance(rows, cupy.ndarray) and rows.shape[0] == int(sel.sum()) > 3
+    t = as_cuda_tensor(rows)  # to PyTorch for the engine: DLPack
+    assert t.data_ptr() == rows.data.ptr and t.is_cuda
+    t[0, 0] += 1.0  # one buffer: a write through PyTorch is seen by CuPy
+    torch.cuda.synchronize()
+    assert float(rows[0, 0]) == float(t[0, 0])
+    back = from_cuda_tensor(t, "cupy")  # and back (scores come this way)
+    assert back.data.ptr == rows.data.ptr
