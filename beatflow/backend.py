@@ -167,16 +167,22 @@ def transfer_stats(run_id=None) -> dict:
 
 
 def _rmm_setup_pool_size():
-    """The initial pool size that dask-cuda's RMM plugin gave this worker (None elsewhere)."""
-    try:
-        from distributed import get_worker
-
-        for plugin in get_worker().plugins.values():
-            if type(plugin).__name__ == "RMMSetup" and plugin.initial_pool_size:
-                return int(plugin.initial_pool_size)
-    except Exception:
+    """The pool reserved on this worker's GPU, from ``BEATFLOW_RMM_POOL_SIZE`` (set for the flow's GPU
+    workers: a share of the device like ``0.8``, or bytes / a size like ``40GB``); None if unset."""
+    value = os.environ.get("BEATFLOW_RMM_POOL_SIZE")
+    if not value:
         return None
-    return None
+    try:
+        v = float(value)
+    except ValueError:
+        from dask.utils import parse_bytes
+
+        return int(parse_bytes(value))
+    if v <= 1.0:
+        import cupy
+
+        return int(v * cupy.cuda.Device().mem_info[1])
+    return int(v)
 
 
 def track_rmm_statistics(run_id=None) -> bool:

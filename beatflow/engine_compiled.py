@@ -30,9 +30,9 @@ import torch
 from .engine import _TORCH_DTYPES, PathLike, Scorer, check_precision, cuda_device_index
 from .engine_aoti import AotInductorEngine
 from .errors import DeviceError
-from .model import native_allocator
+from .model import graph_allocator, native_allocator
 
-__all__ = ["CompiledEngine", "compiled_available", "native_allocator"]
+__all__ = ["CompiledEngine", "compiled_available", "graph_allocator", "native_allocator"]
 
 #: batch sizes the engine compiles a static graph for (up to its max batch)
 BUCKETS = (1, 32, 256, 2048, 8192)
@@ -86,7 +86,23 @@ class _GraphedBuckets:
         with self.lock:
             entry = self.graphs.get(key)
             if entry is None:
-                entry = self.graphs[key] = self._capture(key[:2], key[2])
+                try:
+                    entry = self._capture(key[:2], key[2])
+                except Exception as e:  # this allocator cannot capture after all: launch the kernels
+                    import warnings
+
+                    warnings.warn(f"compiled engine: CUDA graph capture failed ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); launching kernels", RuntimeWarning)
+                    entry = None
+                entry = self.graphs[key] = entry or "launch"
+            if isinstance(entry, str):  # "launch"
+                with torch.no_grad():
+                    if m != key[0]:
+                        padded = torch.zeros(key[:2], dtype=x.dtype, device=x.device)
+                        padded[:m] = x
+                        x = padded
+                    s, mu = self.compiled(x)
+                return s[:m], mu[:m]
             graph, static, (s, mu) = entry
             if m == key[0]:
                 static.copy_(x)
@@ -114,11 +130,12 @@ class CompiledEngine(AotInductorEngine):
             raise DeviceError("the compiled engine runs on a CUDA device")
         if precision not in _TORCH_DTYPES:
             raise ValueError(f"compiled engine: precision {precision!r} not supported (fp32, fp16, bf16)")
-        native = native_allocator()
-        if cudagraphs and not native:
-            raise DeviceError("compiled engine: CUDA graphs need PyTorch's own CUDA allocator, and another "
-                              f"({torch.cuda.memory.get_allocator_backend()}) is installed")
-        self.cudagraphs = native if cudagraphs is None else bool(cudagraphs)
+        capturable = graph_allocator()
+        if cudagraphs and not capturable:
+            raise DeviceError("compiled engine: CUDA graphs need PyTorch's own CUDA allocator or RMM over "
+                              f"cudaMallocAsync, and {torch.cuda.memory.get_allocator_backend()} with another "
+                              "resource is installed")
+        self.cudagraphs = capturable if cudagraphs is None else bool(cudagraphs)
         self._bucket_list = self.buckets()
 
     @property

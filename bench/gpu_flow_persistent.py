@@ -33,7 +33,7 @@ def main() -> int:
     server = SubprocessASGIServer()
     server.start(timeout=120)
     env = {"PREFECT_API_URL": server.api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1",
-           "NUMBA_CUDA_MEMORY_MANAGER": "rmm.allocators.numba", "PYTHONPATH": os.environ.get("PYTHONPATH", ROOT)}
+           "NUMBA_CUDA_MEMORY_MANAGER": "rmm.allocators.numba", "BEATFLOW_RMM_POOL_SIZE": "0.8", "PYTHONPATH": os.environ.get("PYTHONPATH", ROOT)}
     t = time.perf_counter()
     rmm_async = os.environ.get("RMM_ALLOCATOR", "async") == "async"  # as `beatflow run --rmm-allocator`
     cluster = LocalCUDACluster(rmm_pool_size=0.8, rmm_async=rmm_async, rmm_allocator_external_lib_list=["cupy", "torch"],

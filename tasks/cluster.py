@@ -152,17 +152,19 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
         except ImportError:
             raise DeviceError("--device gpu needs dask-cuda and rmm (pip install 'beatflow[gpu]')") from None
         kwargs = {"CUDA_VISIBLE_DEVICES": gpus} if gpus else {}
+        pool = parse_pool_size(rmm_pool_size if rmm_pool_size is not None else 0.8)
         return DaskTaskRunner(
             cluster_class="dask_cuda.LocalCUDACluster",
             cluster_kwargs={
                 **kwargs,
                 # dask-cuda reads a float as a fraction of the device ("80%" is not understood)
-                "rmm_pool_size": parse_pool_size(rmm_pool_size if rmm_pool_size is not None else 0.8),
+                "rmm_pool_size": pool,
                 "rmm_async": rmm_allocator == "async",
                 "rmm_allocator_external_lib_list": ["cupy", "torch"],
                 "dashboard_address": "127.0.0.1:0",
                 "host": "127.0.0.1",
-                "env": {**env, "NUMBA_CUDA_MEMORY_MANAGER": "rmm.allocators.numba"},
+                "env": {**env, "NUMBA_CUDA_MEMORY_MANAGER": "rmm.allocators.numba",
+                        "BEATFLOW_RMM_POOL_SIZE": str(pool)},  # what the summary reports as the pool
             },
         )
     n = workers or max(2, os.cpu_count() or 2)

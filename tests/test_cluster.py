@@ -72,3 +72,11 @@ def test_unknown_rmm_allocator_is_an_input_error():
 
     with pytest.raises(InputError, match="--rmm-allocator: 'arena' is not one of async, pool"):
         make_task_runner("gpu", 1, rmm_allocator="arena")
+
+
+@pytest.mark.parametrize("value, want", [("40GB", 40_000_000_000), ("3000000000", 3_000_000_000), ("", None)])
+def test_reported_pool_size(monkeypatch, value, want):
+    from beatflow.backend import _rmm_setup_pool_size
+
+    monkeypatch.setenv("BEATFLOW_RMM_POOL_SIZE", value)
+    assert _rmm_setup_pool_size() == want

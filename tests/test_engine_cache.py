@@ -338,17 +338,17 @@ def test_compiled_backend_is_for_gpus_only():
 
 
 @cuda
-def test_compiled_engine_with_cuda_graphs_needs_the_native_allocator(trained, tmp_path):
-    from beatflow.engine_compiled import CompiledEngine, native_allocator
+def test_compiled_engine_with_cuda_graphs_needs_a_capturable_allocator(trained, tmp_path):
+    from beatflow.engine_compiled import CompiledEngine, graph_allocator
     from beatflow.model import Scorer, load_model
 
     model, val = trained
-    if not native_allocator():
-        with pytest.raises(DeviceError, match="CUDA graphs need PyTorch's own CUDA allocator"):
+    if not graph_allocator():
+        with pytest.raises(DeviceError, match="CUDA graphs need PyTorch's own CUDA allocator or RMM over cudaMallocAsync"):
             CompiledEngine.build(Scorer(load_model(model)), tmp_path / "e.pt", cudagraphs=True)
         return
     eng = CompiledEngine.build(Scorer(load_model(model)), tmp_path / "e.pt", batch_profile=PROFILE)
-    assert eng.cudagraphs  # the default where PyTorch's allocator is in place
+    assert eng.cudagraphs  # the default where the allocator can capture
     x = torch.from_numpy(val[:64]).cuda()
     s1, _ = eng.infer(x)
     s2, _ = eng.infer(torch.zeros_like(x))  # a replay must not overwrite what the first call returned
@@ -373,3 +373,23 @@ def test_aoti_on_cpu(trained, cache):
     assert eng.infer(val[:1])[0].shape == (1,)
     assert build_or_load_engine(model, val, backend="aoti", device="cpu", cache_dir=cache,
                                 batch_profile=PROFILE)[1]["cache"] == "hit"
+
+
+def test_graphed_buckets_fall_back_to_launching_when_capture_fails(monkeypatch):
+    # where an allocator cannot capture after all, the engine launches the compiled kernels instead
+    from beatflow import engine_compiled as EC
+
+    calls = []
+
+    def scorer(x):
+        calls.append(tuple(x.shape))
+        return x.sum(dim=1), x[:, :2]
+
+    g = EC._GraphedBuckets(scorer, torch.device("cpu"))
+    monkeypatch.setattr(g, "_capture", lambda shape, dtype: (_ for _ in ()).throw(RuntimeError("capture invalidated")))
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    with pytest.warns(RuntimeWarning, match="CUDA graph capture failed .*RuntimeError: capture invalidated"):
+        s, mu = g(x, 8)  # padded to the bucket of 8 rows
+    assert calls == [(8, 4)] and torch.equal(s, x.sum(dim=1)) and torch.equal(mu, x[:, :2])
+    s, _ = g(x, 8)  # the failure is remembered: no second capture attempt, no second warning
+    assert calls == [(8, 4), (8, 4)] and torch.equal(s, x.sum(dim=1))
