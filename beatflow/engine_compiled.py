@@ -30,9 +30,9 @@ import torch
 from .engine import _TORCH_DTYPES, PathLike, Scorer, check_precision, cuda_device_index
 from .engine_aoti import AotInductorEngine
 from .errors import DeviceError
-from .model import graph_allocator, native_allocator
+from .model import native_allocator
 
-__all__ = ["CompiledEngine", "compiled_available", "graph_allocator", "native_allocator"]
+__all__ = ["CompiledEngine", "compiled_available", "native_allocator"]
 
 #: batch sizes the engine compiles a static graph for (up to its max batch)
 BUCKETS = (1, 32, 256, 2048, 8192)
@@ -130,12 +130,15 @@ class CompiledEngine(AotInductorEngine):
             raise DeviceError("the compiled engine runs on a CUDA device")
         if precision not in _TORCH_DTYPES:
             raise ValueError(f"compiled engine: precision {precision!r} not supported (fp32, fp16, bf16)")
-        capturable = graph_allocator()
-        if cudagraphs and not capturable:
-            raise DeviceError("compiled engine: CUDA graphs need PyTorch's own CUDA allocator or RMM over "
-                              f"cudaMallocAsync, and {torch.cuda.memory.get_allocator_backend()} with another "
-                              "resource is installed")
-        self.cudagraphs = capturable if cudagraphs is None else bool(cudagraphs)
+        # graphs by default only where PyTorch allocates with its own allocator: under RMM, even over
+        # CUDA's async pool where training steps are captured, capturing the compiled scorer failed on
+        # an H200 ("CUDA driver error: invalid argument", bench/gpu_engine_async_probe.py); if a capture
+        # fails anyway, that bucket launches its kernels (_GraphedBuckets)
+        native = native_allocator()
+        if cudagraphs and not native:
+            raise DeviceError("compiled engine: CUDA graphs need PyTorch's own CUDA allocator, and another "
+                              f"({torch.cuda.memory.get_allocator_backend()}) is installed")
+        self.cudagraphs = native if cudagraphs is None else bool(cudagraphs)
         self._bucket_list = self.buckets()
 
     @property

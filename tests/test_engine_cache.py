@@ -338,17 +338,17 @@ def test_compiled_backend_is_for_gpus_only():
 
 
 @cuda
-def test_compiled_engine_with_cuda_graphs_needs_a_capturable_allocator(trained, tmp_path):
-    from beatflow.engine_compiled import CompiledEngine, graph_allocator
+def test_compiled_engine_with_cuda_graphs_needs_the_native_allocator(trained, tmp_path):
+    from beatflow.engine_compiled import CompiledEngine, native_allocator
     from beatflow.model import Scorer, load_model
 
     model, val = trained
-    if not graph_allocator():
-        with pytest.raises(DeviceError, match="CUDA graphs need PyTorch's own CUDA allocator or RMM over cudaMallocAsync"):
+    if not native_allocator():
+        with pytest.raises(DeviceError, match="CUDA graphs need PyTorch's own CUDA allocator"):
             CompiledEngine.build(Scorer(load_model(model)), tmp_path / "e.pt", cudagraphs=True)
         return
     eng = CompiledEngine.build(Scorer(load_model(model)), tmp_path / "e.pt", batch_profile=PROFILE)
-    assert eng.cudagraphs  # the default where the allocator can capture
+    assert eng.cudagraphs  # the default where PyTorch's allocator is in place
     x = torch.from_numpy(val[:64]).cuda()
     s1, _ = eng.infer(x)
     s2, _ = eng.infer(torch.zeros_like(x))  # a replay must not overwrite what the first call returned
