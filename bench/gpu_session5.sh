@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call (session 5): the detection kernels (timings and checks, the GPU tests),
-# the flow on a standing cluster (3 runs), then, as time allows, two GPU workers on the one GPU and
-# Nsight Compute on the detection kernels.
+# the flow on a standing cluster (3 runs), then, as time allows, Nsight Compute on the detection kernels.
+# (The call of 2026-12-03 05:10 also tried two GPU workers on the one GPU: dask-cuda refuses --gpus 0,0.)
 #   bash bench/gpu_session5.sh      (from the repository root, .whl carried; outputs under $OUT)
 set -u
 t0=$(date +%s)
@@ -17,10 +17,6 @@ mkdir -p /tmp/flowout
 OUT=/tmp/flowout RUNS=${RUNS:-3} RUN_LIMIT=150 timeout 330 python3 bench/gpu_flow_persistent.py 2>&1 | grep -v Warn | tail -14
 tar czf "$OUT/flow.tgz" -C /tmp flowout
 left=$(( ${BUDGET:-560} - ($(date +%s) - t0) ))
-if [ "$left" -gt 230 ]; then
-  echo "== two GPU workers on the one GPU: bench/gpu_two_workers.sh ($left s left)"
-  HOURS=2 RUN_LIMIT=$(( (left - 30) / 2 )) bash bench/gpu_two_workers.sh 2>&1 | tail -30
-fi
 left=$(( ${BUDGET:-560} - ($(date +%s) - t0) ))
 echo "== Nsight Compute ($left s left)"
 if [ "$left" -gt 60 ]; then
