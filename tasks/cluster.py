@@ -147,6 +147,12 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
 
         raise InputError(f"--rmm-allocator: {rmm_allocator!r} is not one of async, pool")
     if device == "gpu":
+        if gpus:
+            listed = [g.strip() for g in gpus.split(",") if g.strip()]
+            if len(set(listed)) != len(listed):
+                from beatflow.errors import InputError
+
+                raise InputError(f"--gpus {gpus}: a GPU is listed twice (one worker per GPU)")
         try:
             import dask_cuda  # noqa: F401
         except ImportError:

@@ -80,3 +80,10 @@ def test_reported_pool_size(monkeypatch, value, want):
 
     monkeypatch.setenv("BEATFLOW_RMM_POOL_SIZE", value)
     assert _rmm_setup_pool_size() == want
+
+
+def test_a_gpu_listed_twice_is_an_input_error():
+    from tasks.cluster import make_task_runner
+
+    with pytest.raises(InputError, match="--gpus 0,0: a GPU is listed twice"):
+        make_task_runner("gpu", 2, gpus="0,0")
