@@ -152,6 +152,18 @@ def _build():
         def _syncthreads():
             cuda.syncthreads()
 
+    @cuda.jit(device=True)
+    def _nms_keep(tile, c, half):
+        """Whether tile[c] > 0 and no tile[c ± d], 1 <= d <= half, is larger. Outwards from the
+        centre: a sample on a slope stops at d = 1, only (near-)maxima scan the whole window."""
+        v = tile[c]
+        if not v > 0:
+            return False
+        for d in range(1, half + 1):
+            if tile[c - d] > v or tile[c + d] > v:
+                return False
+        return True
+
     @cuda.jit
     def nms_tiled(env, half, gate):
         """gate[i] = env[i] > 0 and env[i] >= every env[j], |i - j| <= half (window clipped at the ends).
@@ -175,15 +187,7 @@ def _build():
             _syncthreads()
             i = base + tid
             if i < n:
-                c = tid + half
-                v = tile[c]
-                keep = v > 0
-                if keep:  # outwards from the centre: a sample on a slope stops at d = 1
-                    for d in range(1, half + 1):
-                        if tile[c - d] > v or tile[c + d] > v:
-                            keep = False
-                            break
-                gate[i] = 1 if keep else 0
+                gate[i] = 1 if _nms_keep(tile, tid + half, half) else 0
 
     @cuda.jit
     def nms_global(env, half, gate):
@@ -404,7 +408,7 @@ def _build():
     return {"nms_tiled": nms_tiled, "nms_global": nms_global, "embed_warp": embed_warp,
             "block_median": block_median, "cand_twave": cand_twave, "cand_refractory": cand_refractory,
             "cand_search_back": cand_search_back, "_clip": _clip, "_despiked": _despiked,
-            "_window_median": _window_median}, sim
+            "_window_median": _window_median, "_nms_keep": _nms_keep}, sim
 
 
 # --- host side -----------------------------------------------------------------------------------
@@ -594,6 +598,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     instructions). Cached per parameter set; compiled by Numba on first launch."""
     kernels, sim = _build()
     _clip, _despiked, _window_median = kernels["_clip"], kernels["_despiked"], kernels["_window_median"]
+    _nms_keep = kernels["_nms_keep"]
     kh, bh = K // 2, box // 2
     g = max(1, int(np.sqrt(box)))
     groups = box // g
@@ -669,13 +674,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
             if pos < n:
                 e = c + nms
                 v = a[e]
-                keep = v > 0
-                if keep:  # outwards from the centre: a sample on a slope stops at d = 1
-                    for d in range(1, nms + 1):
-                        if a[u32(e - d)] > v or a[u32(e + d)] > v:
-                            keep = False
-                            break
-                if keep:
+                if _nms_keep(a, e, nms):
                     k = cuda.atomic.add(cnt, 0, 1)
                     if k < cap:
                         tpos[ti * cap + k] = pos
