@@ -163,7 +163,29 @@ def transfer_stats(run_id=None) -> dict:
             mr = getattr(mr, "upstream_mr", None)
     except Exception:  # no rmm on CPU workers
         pass
+    mm = _numba_memory_manager()
+    if mm:
+        out["numba_memory_manager"] = mm
     return out
+
+
+def _numba_memory_manager():
+    """Class name of the memory manager of Numba's CUDA context in this process (``RMMNumbaManager``
+    when Numba allocates from RMM), if Numba has a real CUDA context here; else None."""
+    import sys
+
+    if "numba.cuda" not in sys.modules:
+        return None
+    try:
+        from numba import cuda
+
+        from .kernels import simulator_active
+
+        if simulator_active() or not cuda.is_available():
+            return None
+        return type(cuda.current_context().memory_manager).__name__
+    except Exception:
+        return None
 
 
 def _rmm_setup_pool_size():

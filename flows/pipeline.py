@@ -311,6 +311,8 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
         "stream_bytes": int(total * 4),
         "rmm_pool_bytes_per_worker": [v["rmm_pool_bytes"] for v in stats.values() if "rmm_pool_bytes" in v],
         "rmm_peak_bytes_per_worker": [v["rmm_peak_bytes"] for v in stats.values() if "rmm_peak_bytes" in v],
+        "numba_memory_manager_per_worker": [v["numba_memory_manager"] for v in stats.values()
+                                            if "numba_memory_manager" in v],
     }
     summary["timings_s"] = sw.total()
     (work / "summary.json").write_text(json.dumps(summary, indent=2))

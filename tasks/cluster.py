@@ -69,6 +69,22 @@ def _configure_worker_spawn() -> None:
     os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
 
 
+def gpu_worker_env(env: dict[str, str], pool) -> dict[str, str]:
+    """Set the environment of dask-cuda's worker processes: ``env`` plus Numba's RMM memory manager
+    and the pool size (what ``summary.json`` reports), as Nanny pre-spawn variables.
+
+    dask-cuda replaces each worker's ``env`` option with its ``CUDA_VISIBLE_DEVICES``, so variables
+    given there never reach a GPU worker; a Nanny writes ``distributed.nanny.pre-spawn-environ``
+    into the environment before it starts the worker process. Returns the variables set.
+    """
+    import dask
+
+    extra = {**env, "NUMBA_CUDA_MEMORY_MANAGER": "rmm.allocators.numba", "BEATFLOW_RMM_POOL_SIZE": str(pool)}
+    current = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
+    dask.config.set({"distributed.nanny.pre-spawn-environ": {**current, **extra}})
+    return extra
+
+
 def worker_env() -> dict[str, str]:
     """Environment for Dask worker processes: the flow's Prefect API, quiet analytics, one BLAS thread."""
     from prefect.settings import get_current_settings
@@ -169,8 +185,7 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
                 "rmm_allocator_external_lib_list": ["cupy", "torch"],
                 "dashboard_address": "127.0.0.1:0",
                 "host": "127.0.0.1",
-                "env": {**env, "NUMBA_CUDA_MEMORY_MANAGER": "rmm.allocators.numba",
-                        "BEATFLOW_RMM_POOL_SIZE": str(pool)},  # what the summary reports as the pool
+                "env": gpu_worker_env(env, pool),  # (dask-cuda drops it: pre-spawn variables instead)
             },
         )
     n = workers or max(2, os.cpu_count() or 2)

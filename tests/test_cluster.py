@@ -87,3 +87,17 @@ def test_a_gpu_listed_twice_is_an_input_error():
 
     with pytest.raises(InputError, match="--gpus 0,0: a GPU is listed twice"):
         make_task_runner("gpu", 2, gpus="0,0")
+
+
+def test_gpu_workers_get_their_environment_as_pre_spawn_variables():
+    # dask-cuda replaces a worker's `env` with CUDA_VISIBLE_DEVICES: Numba's RMM manager and the pool
+    # size must reach the worker processes another way
+    import dask
+
+    from tasks.cluster import gpu_worker_env
+
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": {"KEEP": "1"}}):
+        got = gpu_worker_env({"OMP_NUM_THREADS": "1"}, 0.8)
+        env = dask.config.get("distributed.nanny.pre-spawn-environ")
+    assert env["NUMBA_CUDA_MEMORY_MANAGER"] == "rmm.allocators.numba" == got["NUMBA_CUDA_MEMORY_MANAGER"]
+    assert env["BEATFLOW_RMM_POOL_SIZE"] == "0.8" and env["OMP_NUM_THREADS"] == "1" and env["KEEP"] == "1"
