@@ -153,14 +153,16 @@ def _build():
             cuda.syncthreads()
 
     @cuda.jit(device=True)
-    def _nms_keep(tile, c, half):
-        """Whether tile[c] > 0 and no tile[c ± d], 1 <= d <= half, is larger. Outwards from the
-        centre: a sample on a slope stops at d = 1, only (near-)maxima scan the whole window."""
-        v = tile[c]
+    def _nms_keep(win, half):
+        """Whether the centre of ``win`` (2*half + 1 values, a view of a tile) is > 0 and no other
+        value is larger. Outwards from the centre: a sample on a slope stops at d = 1, only
+        (near-)maxima scan the whole window. (A view: with a constant ``half`` the offsets are
+        constants in the addresses.)"""
+        v = win[half]
         if not v > 0:
             return False
         for d in range(1, half + 1):
-            if tile[c - d] > v or tile[c + d] > v:
+            if win[half - d] > v or win[half + d] > v:
                 return False
         return True
 
@@ -187,7 +189,7 @@ def _build():
             _syncthreads()
             i = base + tid
             if i < n:
-                gate[i] = 1 if _nms_keep(tile, tid + half, half) else 0
+                gate[i] = 1 if _nms_keep(tile[tid:tid + 2 * half + 1], half) else 0
 
     @cuda.jit
     def nms_global(env, half, gate):
@@ -637,21 +639,32 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         xlo = base - nms - bh - kh
         if tid == 0:
             cnt[0] = 0
-        for t in range(tid, XL, tpb):
-            a[t] = _despiked(x, _clip(xlo + t, n), n)
+        if xlo >= 1 and xlo + XL + 1 <= n:  # (uniform over the block) no end of the stream in reach
+            xv = x[xlo - 1:xlo + XL + 1]
+            for t in range(tid, XL, tpb):
+                w3 = xv[t:t + 3]  # a view: constant offsets, no clipping
+                p0 = np.float64(w3[0])
+                p1 = np.float64(w3[1])
+                p2 = np.float64(w3[2])
+                a[t] = max(min(p0, p1), min(max(p0, p1), p2))
+        else:
+            for t in range(tid, XL, tpb):
+                a[t] = _despiked(x, _clip(xlo + t, n), n)
         _syncthreads()
         ylo = base - nms - bh
         for t in range(tid, YL, tpb):  # slope at clip(ylo + t): the envelope repeats the edge values
             off = _clip(ylo + t, n) - kh - xlo
+            win = a[off:off + K]  # a view: the taps' offsets become constants in the addresses
             acc = 0.0
             for i in range(K):
-                acc += a[u32(off + i)] * kr[i]
+                acc += win[i] * kr[i]
             y2[t] = acc * acc
         _syncthreads()
         for t in range(tid, PL, tpb):
-            p = y2[t]
+            win = y2[t:t + g]
+            p = win[0]
             for i in range(1, g):
-                p += y2[u32(t + i)]
+                p += win[i]
             part[t] = p
         _syncthreads()
         elo = base - nms
@@ -659,11 +672,13 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
             pos = elo + t
             v = -_INF
             if pos >= 0 and pos < n:
-                acc = part[t]
+                pw = part[t:t + groups * g]
+                acc = pw[0]
                 for q in range(1, groups):
-                    acc += part[u32(t + q * g)]
+                    acc += pw[q * g]
+                yw = y2[t:t + box]
                 for i in range(groups * g, box):
-                    acc += y2[u32(t + i)]
+                    acc += yw[i]
                 v = math.sqrt(max(acc / box, 0.0))
             a[t] = v
         _syncthreads()
@@ -674,7 +689,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
             if pos < n:
                 e = c + nms
                 v = a[e]
-                if _nms_keep(a, e, nms):
+                if _nms_keep(a[e - nms:e + nms + 1], nms):
                     k = cuda.atomic.add(cnt, 0, 1)
                     if k < cap:
                         tpos[ti * cap + k] = pos
