@@ -593,6 +593,18 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
     return rows, p2p
 
 
+def _dense_tile(K: int, box: int, nms: int, tile: int):
+    """Sizes of the dense kernel's shared-memory stages for a tile of ``tile`` samples:
+    ``(g, groups, E, YL, XL, PL)``, the RMS window's partial sums (``groups`` sums of ``g``), then the
+    lengths of the envelope (the tile and the NMS window's reach on both sides), of the squared
+    slopes (that and the RMS window's reach), of the despiked samples (that and the slope kernel's
+    reach) and of the partial sums."""
+    g = max(1, int(np.sqrt(box)))
+    E = tile + 2 * nms
+    YL = E + 2 * (box // 2)
+    return g, box // g, E, YL, YL + 2 * (K // 2), YL - g + 1
+
+
 @functools.lru_cache(maxsize=None)
 def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, tile: int, tpb: int):
     """The detection kernels for one set of window sizes (their loops then have constant bounds,
@@ -602,12 +614,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     _clip, _despiked, _window_median = kernels["_clip"], kernels["_despiked"], kernels["_window_median"]
     _nms_keep = kernels["_nms_keep"]
     kh, bh = K // 2, box // 2
-    g = max(1, int(np.sqrt(box)))
-    groups = box // g
-    E = tile + 2 * nms  # envelope: the tile and the NMS window's reach on both sides
-    YL = E + 2 * bh  # squared slopes: that and the RMS window's reach
-    XL = YL + 2 * kh  # despiked samples: that and the slope kernel's reach
-    PL = YL - g + 1  # sums of g consecutive squared slopes
+    g, groups, E, YL, XL, PL = _dense_tile(K, box, nms, tile)
     R = tile // tpb
     NW = tpb // WARP
     fkh = KF // 2
@@ -850,10 +857,9 @@ def _detect_plan(s, sim: bool):
     if 2 * s.blocks + 1 > _MAX_WINDOW:
         return None
     K, box, nms = int(s.kernel), int(s.box), int(s.nms)
-    g = max(1, int(np.sqrt(box)))
     while True:
-        E = tile + 2 * nms
-        shared = 8 * ((E + 2 * (box // 2) + 2 * (K // 2)) + (E + 2 * (box // 2)) + (E + 2 * (box // 2) - g + 1) + tpb)
+        _, _, _, YL, XL, PL = _dense_tile(K, box, nms, tile)
+        shared = 8 * (XL + YL + PL + tpb + tpb // WARP) + 4
         if shared <= _SHARED_BYTES:
             break
         if tile == tpb:

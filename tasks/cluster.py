@@ -10,7 +10,7 @@ import contextlib
 import logging
 import os
 
-from beatflow.errors import DeviceError
+from beatflow.errors import DeviceError, InputError
 
 
 @contextlib.contextmanager
@@ -107,8 +107,6 @@ def parse_pool_size(value) -> float | int | str:
     """
     import dask.utils
 
-    from beatflow.errors import InputError
-
     text = str(value).strip()
     percent = text.endswith("%")
     try:
@@ -159,15 +157,11 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
     env = worker_env()
     _configure_worker_spawn()
     if rmm_allocator not in ("async", "pool"):
-        from beatflow.errors import InputError
-
         raise InputError(f"--rmm-allocator: {rmm_allocator!r} is not one of async, pool")
     if device == "gpu":
         if gpus:
             listed = [g.strip() for g in gpus.split(",") if g.strip()]
             if len(set(listed)) != len(listed):
-                from beatflow.errors import InputError
-
                 raise InputError(f"--gpus {gpus}: a GPU is listed twice (one worker per GPU)")
         try:
             import dask_cuda  # noqa: F401
@@ -175,6 +169,7 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
             raise DeviceError("--device gpu needs dask-cuda and rmm (pip install 'beatflow[gpu]')") from None
         kwargs = {"CUDA_VISIBLE_DEVICES": gpus} if gpus else {}
         pool = parse_pool_size(rmm_pool_size if rmm_pool_size is not None else 0.8)
+        gpu_worker_env(env, pool)  # dask-cuda replaces a worker's `env` option: pre-spawn variables instead
         return DaskTaskRunner(
             cluster_class="dask_cuda.LocalCUDACluster",
             cluster_kwargs={
@@ -185,7 +180,6 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
                 "rmm_allocator_external_lib_list": ["cupy", "torch"],
                 "dashboard_address": "127.0.0.1:0",
                 "host": "127.0.0.1",
-                "env": gpu_worker_env(env, pool),  # (dask-cuda drops it: pre-spawn variables instead)
             },
         )
     n = workers or max(2, os.cpu_count() or 2)
