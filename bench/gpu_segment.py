@@ -114,7 +114,8 @@ def main():
     time_it("array code on CuPy (segment._detect_peaks_xp, before)", lambda: S._detect_peaks_xp(xg, s), n_repeat=5)
     print("== launch shapes of the detection kernels (threads per tile, samples per tile)", flush=True)
     default = (K._DET_TPB, K._DET_TILE)
-    for tpb, tile in ((256, 1024), (128, 1024), (256, 2048), (512, 2048), (128, 512), (512, 4096)):
+    shapes = ((256, 1024), (128, 1024), (256, 2048), (512, 2048), (128, 512), (512, 4096))
+    for tpb, tile in shapes[:int(os.environ.get("SHAPES", len(shapes)))]:
         K._DET_TPB, K._DET_TILE = tpb, tile
         try:
             same = bool(np.array_equal(cupy.asnumpy(K.detect_peaks_gpu(xg, s)), peaks_h))
