@@ -27,8 +27,8 @@ def beats_from_peaks(peaks, s: SegmentSamples, n_samples: int):
         return e, e, e
     start = peaks[:-1] - s.pre
     length = xp.diff(peaks)
-    ok = (start >= 0) & (start + length <= n_samples)
-    return peaks[:-1][ok], start[ok], length[ok]
+    ok = xp.flatnonzero((start >= 0) & (start + length <= n_samples))  # one compaction (one sync on a GPU)
+    return peaks[ok], start[ok], length[ok]
 
 
 #: what the VAE is trained on and scores (recorded in model.json)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct as _struct
 import sys
 import threading
 import weakref
@@ -427,19 +428,21 @@ class _Ctx:
         if sim:
             self.xp = np
             self.stream = 0
+            self.stream_ptr = 0
         else:
             try:
                 import cupy
             except ImportError as e:
                 raise DeviceError("the GPU kernels return CuPy arrays: install cupy") from e
             self.xp = cupy
-            ptr = cupy.cuda.get_current_stream().ptr
+            self.stream_ptr = ptr = cupy.cuda.get_current_stream().ptr
             self.stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
 
     def arg(self, a):
-        """A kernel argument: NumPy itself in the simulator; a zero-copy Numba view of a CuPy array
-        (no synchronisation: the kernel runs on CuPy's stream, after the work that produced ``a``)."""
-        return a if self.sim else cuda.as_cuda_array(a, sync=False)
+        """A kernel argument as it is: NumPy in the simulator, the CuPy array itself on the GPU (the
+        launch passes its device pointer, no copy and no synchronisation: the kernel runs on CuPy's
+        stream, after the work that produced ``a``)."""
+        return a
 
     def array(self, a, dtype=None):
         """``a`` in this call's namespace (no copy when it already is, with that dtype)."""
@@ -453,11 +456,24 @@ class _Ctx:
         return max(1, min(needed, _SIM_MAX_BLOCKS)) if self.sim else max(1, needed)
 
     def launch(self, kernel, blocks: int, threads: int, shared: int, *args):
-        """``kernel[blocks, threads, stream, shared](*args)``. In the simulator the interpreter's
-        thread switch interval is cut while it runs: its block manager busy-polls, and with the
-        default 5 ms every barrier of its Python threads waits for the GIL."""
+        """``kernel[blocks, threads, stream, shared](*args)``.
+
+        On the GPU a kernel's first launch with a given signature goes through Numba (which compiles
+        it), the next ones through :class:`_FastLaunch` (CuPy's driver call with the arguments packed
+        as Numba lays them out): Numba's own launch converts and types every argument on each call,
+        about 14 µs per CuPy array, 100-270 µs per detection kernel on the H200 (session 6), which
+        the GPU spends waiting. In the simulator the interpreter's thread switch interval is cut while
+        a kernel runs: its block manager busy-polls, and with the default 5 ms every barrier of its
+        Python threads waits for the GIL."""
         if not self.sim:
-            kernel[blocks, threads, self.stream, shared](*args)
+            fast = _FastLaunch.get(kernel, args) if _FAST_LAUNCH else None
+            if fast is not None:
+                fast(blocks, threads, shared, self.stream_ptr, args)
+                return
+            nargs = [cuda.as_cuda_array(a, sync=False) if _is_device(a) else a for a in args]
+            kernel[blocks, threads, self.stream, shared](*nargs)
+            if _FAST_LAUNCH:
+                _FastLaunch.register(kernel, args, nargs)
             return
         old = sys.getswitchinterval()
         sys.setswitchinterval(min(old, 2e-4))
@@ -465,6 +481,105 @@ class _Ctx:
             kernel[blocks, threads, 0, shared](*args)
         finally:
             sys.setswitchinterval(old)
+
+
+#: launch compiled kernels through CuPy's driver call (False: always through Numba, for comparison)
+_FAST_LAUNCH = True
+
+
+def _arg_key(a):
+    """What selects a kernel's compiled signature: (kind, dtype, ndim, C-contiguous) of an array, the
+    Python type of a scalar."""
+    if _is_device(a):
+        return ("a", a.dtype.str, a.ndim, bool(a.flags.c_contiguous))
+    return ("s", type(a))
+
+
+class _FastLaunch:
+    """A compiled Numba kernel launched with ``cupy.cuda.driver.launchKernel``.
+
+    The kernel's cubin (Numba's, for this device) is loaded as a CuPy module once; each launch
+    packs the arguments into one buffer of 8-byte slots in Numba's kernel ABI (per array: meminfo,
+    parent, size, itemsize, data pointer, shape, strides in bytes; per scalar: its value; the driver
+    reads as many bytes of a slot as the parameter has) with one ``struct.pack_into`` and launches.
+    The slot pointers are fixed, so packing and launching hold a lock (Dask workers launch from
+    several threads). Kernels with module set-up code, debug or cooperative kernels stay with Numba.
+    """
+
+    _cache: dict = {}
+    _lock = threading.Lock()
+
+    def __init__(self, fn, module, fmt: str, kinds: tuple, nslots: int):
+        import ctypes
+
+        self.fn, self.module, self.fmt, self.kinds = fn, module, fmt, kinds
+        self.buf = (ctypes.c_int64 * max(1, nslots))()
+        base = ctypes.addressof(self.buf)
+        self.ptrs = (ctypes.c_void_p * max(1, nslots))(*[base + 8 * i for i in range(nslots)])
+        self.params = ctypes.addressof(self.ptrs)
+        self.lock = threading.Lock()
+
+    @classmethod
+    def _key(cls, kernel, args):
+        import cupy
+
+        return (id(kernel), cupy.cuda.runtime.getDevice(), tuple(_arg_key(a) for a in args))
+
+    @classmethod
+    def get(cls, kernel, args):
+        return cls._cache.get(cls._key(kernel, args))
+
+    @classmethod
+    def register(cls, kernel, args, nargs):
+        """After Numba's launch of ``kernel`` with ``nargs`` (``args`` as Numba sees them): its
+        compiled overload, as a fast launcher for calls with the same argument kinds."""
+        import cupy
+
+        key = cls._key(kernel, args)
+        if key in cls._cache:
+            return
+        try:
+            sig = tuple(kernel.typeof_pyval(a) for a in nargs)
+            ov = kernel.overloads[sig]
+            lib = ov._codelibrary
+            if (getattr(ov, "debug", False) or getattr(ov, "cooperative", False)
+                    or getattr(ov, "launch_config_sensitive", False) or getattr(lib, "_setup_functions", None)):
+                cls._cache[key] = None
+                return
+            module = cupy.cuda.function.Module()
+            module.load(bytes(lib.get_cubin()))
+            fn = module.get_function(lib._entry_name)
+        except Exception:  # an unexpected Numba layout: keep launching through Numba
+            cls._cache[key] = None
+            return
+        fmt, kinds, nslots = "<", [], 0
+        for a in args:
+            if _is_device(a):
+                fmt += "q" * (5 + 2 * a.ndim)
+                kinds.append(a.ndim)
+                nslots += 5 + 2 * a.ndim
+            else:
+                fmt += "d" if isinstance(a, (float, np.floating)) else "q"
+                kinds.append(-1)
+                nslots += 1
+        with cls._lock:
+            cls._cache[key] = cls(fn, module, fmt, tuple(kinds), nslots)
+
+    def __call__(self, blocks: int, threads: int, shared: int, stream_ptr: int, args):
+        import cupy
+
+        vals = []
+        for a, k in zip(args, self.kinds):
+            if k >= 0:
+                vals += (0, 0, a.size, a.itemsize, a.data.ptr)
+                vals += a.shape
+                vals += a.strides
+            else:
+                vals.append(a)
+        with self.lock:
+            _struct.pack_into(self.fmt, self.buf, 0, *vals)
+            cupy.cuda.driver.launchKernel(self.fn.ptr, int(blocks), 1, 1, int(threads), 1, 1, int(shared),
+                                          stream_ptr, self.params, 0)
 
 
 def _ctx_for(*arrays) -> tuple[_Ctx, bool]:
@@ -611,14 +726,16 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     which NVVM unrolls: a fused stage whose every bound was a runtime value issued ~4x the
     instructions). Cached per parameter set; compiled by Numba on first launch."""
     kernels, sim = _build()
-    _clip, _despiked, _window_median = kernels["_clip"], kernels["_despiked"], kernels["_window_median"]
-    _nms_keep = kernels["_nms_keep"]
+    _clip, _despiked = kernels["_clip"], kernels["_despiked"]
     kh, bh = K // 2, box // 2
     g, groups, E, YL, XL, PL = _dense_tile(K, box, nms, tile)
     R = tile // tpb
     NW = tpb // WARP
     fkh = KF // 2
-    SW = 2 * (shalf + fkh) + 1  # despiked samples around a candidate that its steepest slope reads
+    SP = 2 * shalf + 1  # positions of a candidate's steepest-slope window
+    W = 2 * nms + 1  # the NMS window, and the largest power of two in it (2**LEVELS)
+    LEVELS = W.bit_length() - 1
+    L = 1 << LEVELS
     f64, i32 = _F64, np.int32
     u32 = np.uint32  # unsigned shared-memory indices: no negative-index wraparound code
 
@@ -689,14 +806,29 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                 v = math.sqrt(max(acc / box, 0.0))
             a[t] = v
         _syncthreads()
+        # the NMS window's maxima by doubling (van Herk-style, exact): level l turns the maxima of
+        # runs of 2**l envelope values into those of 2**(l+1), ping-ponging between the two free
+        # buffers; then max(env[c .. c + 2*nms]) = max(mL[c], mL[c + W - L]), two loads per sample
+        # instead of a walk over the window (which a warp ran for as long as its longest lane)
+        for lev in range(LEVELS):
+            sh = 1 << lev
+            src = a if lev == 0 else (y2 if lev % 2 == 1 else part)
+            dst = y2 if lev % 2 == 0 else part
+            for t in range(tid, E - 2 * sh + 1, tpb):
+                p0 = src[u32(t)]
+                p1 = src[u32(t + sh)]
+                dst[u32(t)] = p1 if p1 > p0 else p0
+            _syncthreads()
+        mL = a if LEVELS == 0 else (y2 if LEVELS % 2 == 1 else part)
         xm = 0.0
         for r in range(R):
             c = r * tpb + tid
             pos = base + c
             if pos < n:
-                e = c + nms
-                v = a[e]
-                if _nms_keep(a[e - nms:e + nms + 1], nms):
+                v = a[u32(c + nms)]
+                w0 = mL[u32(c)]
+                w1 = mL[u32(c + W - L)]
+                if v > 0 and not (w0 > v or w1 > v):  # _nms_keep(a[c:c + W], nms)
                     k = cuda.atomic.add(cnt, 0, 1)
                     if k < cap:
                         tpos[ti * cap + k] = pos
@@ -741,51 +873,65 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
             tcount[ti] = c
 
     @cuda.jit
-    def cand_eval(x, tcount, offsets, cap, tpos, theight, bmax, b0, first, k, edge, weak_ratio, ratio, xmax, kf,
+    def cand_eval(x, tcount, offsets, cap, tpos, theight, amp, b0, first, edge, weak_ratio, ratio, xmax, kf,
                   cand, height, slope, state):
-        """One block per tile: its candidates go to ``offsets[tile] + rank`` (rank by position
-        within the tile, so the list is sorted), with their height, class (0 dropped: edge, below
-        the weak threshold or the flat-line floor; 1 weak; 2 strong, against the median of the
-        block maxima around them) and steepest fine slope (segment.steepest_at)."""
+        """One warp per candidate slot (grid-stride; a warp whose slot is empty moves on): the
+        candidate goes to ``offsets[tile] + rank`` (rank by position within the tile, a butterfly
+        sum of the lanes' comparisons, so the list is sorted), with its height, class (0 dropped:
+        edge, below the weak threshold or the flat-line floor; 1 weak; 2 strong, against ``amp``, the
+        median of the block maxima around its block) and steepest fine slope (segment.steepest_at:
+        each lane takes positions of the ``±slope_half`` window, a butterfly max joins them)."""
         n = x.shape[0]
-        ti = cuda.blockIdx.x
-        num = tcount[ti]
-        s0 = ti * cap
-        o = offsets[ti]
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.grid(1) // WARP
+        n_warps = cuda.gridsize(1) // WARP
         floor = 1e-7 * np.float64(xmax[0])
-        w = cuda.local.array(_MAX_WINDOW, f64)
-        dl = cuda.local.array(SW, f64)
-        for t in range(cuda.threadIdx.x, num, cuda.blockDim.x):
+        for g in range(warp, tcount.shape[0] * cap, n_warps):  # uniform over the warp
+            ti = g // cap
+            t = g - ti * cap
+            num = tcount[ti]
+            if t >= num:
+                continue
+            s0 = ti * cap
             c = tpos[s0 + t]
-            rank = 0
-            for u in range(num):
-                if tpos[s0 + u] < c:
-                    rank += 1
-            j = o + rank
+            cnt = 0
+            for u0 in range(0, num, WARP):
+                u = u0 + lane
+                if u < num and tpos[s0 + u] < c:
+                    cnt += 1
+            off = WARP // 2
+            while off > 0:
+                cnt += _shfl_xor(_FULL_MASK, cnt, off)
+                off //= 2
             h = theight[s0 + t]
-            cand[j] = c
-            height[j] = h
             best = 0.0
             st = 0
             if c >= edge and c < n - edge:
-                level = _window_median(bmax, (c + first) // block - b0, k, w)
+                level = amp[(c + first) // block - b0]
                 if h > weak_ratio * level and h > floor:
                     st = 2 if h > ratio * level else 1
-                    # the despiked samples the slopes need, once (not once per tap and position)
-                    for v in range(SW):
-                        dl[v] = _despiked(x, _clip(c - shalf - fkh + v, n), n)
-                    for u in range(2 * shalf + 1):
+                    for u0 in range(0, SP, WARP):
+                        u = u0 + lane
                         q = c - shalf + u
-                        if q < 0 or q >= n:
-                            continue
-                        d = 0.0
-                        for jj in range(KF):
-                            d += dl[u + 2 * fkh - jj] * kf[jj]
-                        d = abs(d)
-                        if d > best:
-                            best = d
-            slope[j] = best
-            state[j] = st
+                        if u < SP and q >= 0 and q < n:
+                            d = 0.0
+                            for jj in range(KF):  # the order of segment.steepest_at's sums
+                                d += _despiked(x, _clip(q + fkh - jj, n), n) * kf[jj]
+                            d = abs(d)
+                            if d > best:
+                                best = d
+                    off = WARP // 2
+                    while off > 0:
+                        o = _shfl_xor(_FULL_MASK, best, off)
+                        if o > best:
+                            best = o
+                        off //= 2
+            if lane == 0:
+                j = offsets[ti] + cnt
+                cand[j] = c
+                height[j] = h
+                slope[j] = best
+                state[j] = st
 
     @cuda.jit
     def scan(counts, offsets):
@@ -868,10 +1014,25 @@ def _detect_plan(s, sim: bool):
     return _detect_build(K, box, nms, int(s.block), int(s.fine_kernel), int(s.slope_half), tile, tpb), tile, tpb
 
 
-def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
-    """Launch the fused dense kernel over ``x``; returns its outputs (device arrays)."""
+_COEFFS: dict = {}
+
+
+def _coeffs(ctx, kind: str, size: int, a: float):
+    """The derivative-of-Gaussian taps as a device array, made once per device (the detection's
+    slope taps reversed, its fine-slope taps as they are)."""
     from .segment import gaussian_derivative
 
+    dev = 0 if ctx.sim else ctx.xp.cuda.runtime.getDevice()
+    key = (kind, int(size), float(a), ctx.sim, dev)
+    out = _COEFFS.get(key)
+    if out is None:
+        taps = gaussian_derivative(size, a)
+        out = _COEFFS[key] = ctx.xp.asarray(taps[::-1].copy() if kind == "slope" else taps)
+    return out
+
+
+def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
+    """Launch the fused dense kernel over ``x``; returns its outputs (device arrays)."""
     kern, tile, tpb = plan
     xp = ctx.xp
     n = int(x.shape[0])
@@ -887,7 +1048,7 @@ def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
         "info": xp.zeros(2, dtype=xp.int64),  # [number of peaks, candidate slots overflowed]
         "env": xp.empty(n if write_env else 1, dtype=xp.float64),
     }
-    kr = xp.asarray(gaussian_derivative(s.kernel, s.a)[::-1].copy())
+    kr = _coeffs(ctx, "slope", s.kernel, s.a)
     a = ctx.arg
     ctx.launch(kern["dense"], nt, tpb, 0, a(x), a(kr), first, b0, bool(write_env), a(out["env"]), a(out["bmax"]),
                a(out["xmax"]), cap, a(out["tcount"]), a(out["tpos"]), a(out["theight"]), a(out["info"]))
@@ -923,7 +1084,7 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
     Parameters and result as :func:`beatflow.segment.detect_peaks` (``x`` a CuPy array, or NumPy
     under the simulator; the peaks in the same namespace).
     """
-    from .segment import _detect_peaks_xp, gaussian_derivative
+    from .segment import _detect_peaks_xp
 
     ctx, host_in, kernels, xp, x = _vector_call(x, "x")
     n = int(x.shape[0])
@@ -946,12 +1107,16 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
     slope = xp.empty(mcap, dtype=xp.float64)
     st_a = xp.empty(mcap, dtype=xp.int8)
     st_b = xp.empty(mcap, dtype=xp.int8)
-    kf = xp.asarray(gaussian_derivative(s.fine_kernel, s.fine_a))
+    kf = _coeffs(ctx, "fine", s.fine_kernel, s.fine_a)
     ac, ah, asl, sa, sb = a(cand), a(height), a(slope), a(st_a), a(st_b)
-    ctx.launch(kern["cand_eval"], nt, WARP * max(1, min(4, -(-cap // WARP))), 0, a(x), a(d["tcount"]), a(offsets),
-               cap, a(d["tpos"]), a(d["theight"]), a(d["bmax"]), d["b0"], first, int(s.blocks), int(s.edge),
-               float(s.weak_ratio), float(s.ratio), a(d["xmax"]), a(kf), ac, ah, asl, sa)  # 3.
     blocks, threads = ctx.blocks(-(-mcap // _CAND_TPB)), WARP if ctx.sim else _CAND_TPB
+    amp = xp.empty_like(d["bmax"])  # 3. the level of every block, then the candidates
+    ctx.launch(kernels["block_median"], ctx.blocks(-(-amp.shape[0] // _CAND_TPB)), threads, 0, a(d["bmax"]),
+               int(s.blocks), a(amp))
+    warps = 1 if ctx.sim else _CAND_TPB // WARP  # simulator: one-warp blocks (shuffle emulation)
+    ctx.launch(kern["cand_eval"], ctx.blocks(-(-mcap // warps)), warps * WARP, 0, a(x), a(d["tcount"]), a(offsets),
+               cap, a(d["tpos"]), a(d["theight"]), a(amp), d["b0"], first, int(s.edge),
+               float(s.weak_ratio), float(s.ratio), a(d["xmax"]), a(kf), ac, ah, asl, sa)
     ctx.launch(kernels["cand_twave"], blocks, threads, 0, ac, mcount, sa, asl, int(s.twave), float(s.twave_slope),
                sb)  # 4.
     ctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 2, ah, int(s.refractory), sa, 3)

@@ -30,7 +30,7 @@ def main():
     def seg_embed():
         peaks = K.detect_peaks_gpu(xg, s)
         _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
-        kept = B.kept_mask(length, s)
+        kept = cupy.flatnonzero(B.kept_mask(length, s))  # one compaction
         return K.embed_gpu(xg, start[kept], B.row_lengths(length[kept], s), s.width, baseline_samples=base)
 
     for _ in range(3):

@@ -91,7 +91,7 @@ def main():
     def seg_embed():
         peaks = K.detect_peaks_gpu(xg, s)
         _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
-        kept = B.kept_mask(length, s)
+        kept = cupy.flatnonzero(B.kept_mask(length, s))  # one compaction
         return K.embed_gpu(xg, start[kept], B.row_lengths(length[kept], s), s.width, baseline_samples=base)
 
     rows, _ = seg_embed()
@@ -107,8 +107,12 @@ def main():
     time_it("dense kernel, envelope written (qrs_envelope_gpu)", lambda: K.qrs_envelope_gpu(xg, s))
     time_it("NMS kernel alone + flatnonzero (local_maxima_gpu)", lambda: K.local_maxima_gpu(env, s.nms))
     time_it("detect_peaks_gpu (whole detection)", lambda: K.detect_peaks_gpu(xg, s))
-    time_it("beat bounds + kept mask + row lengths", lambda: B.row_lengths(
-        B.beats_from_peaks(peaks, s, xg.shape[0])[2][B.kept_mask(length, s)], s))
+    def bounds():
+        _, st_, ln_ = B.beats_from_peaks(peaks, s, xg.shape[0])
+        k = cupy.flatnonzero(B.kept_mask(ln_, s))
+        return st_[k], B.row_lengths(ln_[k], s)
+
+    time_it("beat bounds + kept beats + row lengths", bounds)
     time_it("embed_gpu", lambda: K.embed_gpu(xg, st, ln, s.width, baseline_samples=base))
     time_it("segmentation + embedding (detect, bounds, embed)", seg_embed)
     time_it("array code on CuPy (segment._detect_peaks_xp, before)", lambda: S._detect_peaks_xp(xg, s), n_repeat=5)

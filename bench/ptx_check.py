@@ -58,7 +58,7 @@ def main():
         ("dense", det["dense"], (A(float32), A(float64), int64, int64, boolean, A(float64), A(float64), A(float64),
                                  int64, A(int64), A(int64), A(float64), A(int64))),
         ("cand_eval", det["cand_eval"], (A(float32), A(int64), A(int64), int64, A(int64), A(float64), A(float64),
-                                         int64, int64, int64, int64, float64, float64, A(float64), A(float64),
+                                         int64, int64, int64, float64, float64, A(float64), A(float64),
                                          A(int64), A(float64), A(float64), A(int8))),
         ("scan", det["scan"], (A(int64), A(int64))),
         ("emit_count", det["emit_count"], (A(int64), A(int64), A(int8), int64, int64, int64, A(int64))),

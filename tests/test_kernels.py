@@ -279,7 +279,7 @@ def test_zero_copy_one_partition_cupy_numba_torch(synthetic_ecg):
     a, b = 2000, 6000
     part = stream[a:b]  # one partition: a view, not a copy
     assert part.data.ptr == stream.data.ptr + a * stream.itemsize
-    view = cuda.as_cuda_array(part)  # what the kernels receive (CUDA array interface)
+    view = cuda.as_cuda_array(part)  # what Numba receives (CUDA array interface); later launches pack part.data.ptr
     assert view.device_ctypes_pointer.value == part.data.ptr
     peaks = S.detect_peaks(stream, s)  # the kernels, on CuPy arrays
     _, start, length = B.beats_from_peaks(peaks, s, stream.shape[0])
@@ -293,3 +293,35 @@ def test_zero_copy_one_partition_cupy_numba_torch(synthetic_ecg):
     assert float(rows[0, 0]) == float(t[0, 0])
     back = from_cuda_tensor(t, "cupy")  # and back (scores come this way)
     assert back.data.ptr == rows.data.ptr
+
+
+@pytest.mark.skipif(MODE != "gpu", reason="needs CuPy on a CUDA GPU")
+def test_fast_launch_same_results_as_numba_launch(synthetic_ecg, monkeypatch):
+    """Launches through CuPy's driver call (kernels._FastLaunch, arguments packed in Numba's ABI)
+    give exactly what Numba's own launches give, and are the ones taken after the first call."""
+    import cupy
+
+    from beatflow import kernels as K
+    from beatflow.params import SegmentParams
+
+    s = SegmentParams().samples(250.0)
+    x = cupy.asarray(synthetic_ecg.signal)
+
+    def run():
+        peaks = K.detect_peaks_gpu(x, s)
+        _, start, length = B.beats_from_peaks(peaks, s, x.shape[0])
+        k = cupy.flatnonzero(B.kept_mask(length, s))
+        rows, p2p = embed_gpu(x, start[k], B.row_lengths(length[k], s), s.width, baseline_samples=12)
+        return host(peaks), host(rows), host(p2p)
+
+    monkeypatch.setattr(K, "_FAST_LAUNCH", False)
+    want = run()
+    monkeypatch.setattr(K, "_FAST_LAUNCH", True)
+    run()  # registers the compiled kernels
+    fast = []
+    orig = K._FastLaunch.__call__
+    monkeypatch.setattr(K._FastLaunch, "__call__", lambda self, *a: (fast.append(self), orig(self, *a))[1])
+    got = run()
+    assert len(fast) >= 10  # the detection's kernels and the embedding's
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
