@@ -57,7 +57,7 @@ _MAX_WINDOW = 63
 
 # set by _build() (module globals, so that the simulator can swap ``cuda`` inside the kernels)
 cuda = None
-_shfl_idx = _shfl_down = _shfl_xor = _syncthreads = None
+_shfl_idx = _shfl_down = _shfl_xor = _syncthreads = _syncwarp = None
 _F64 = np.float64  # dtype of the shared tile (the simulator wants a dtype instance, see _build)
 
 
@@ -121,7 +121,7 @@ def _sim_shfl_xor(mask, value, lane_mask):
 @functools.lru_cache(maxsize=None)
 def _build():
     """Import Numba CUDA and compile-define the kernels (once). Returns ``(kernels dict, simulator?)``."""
-    global cuda, _shfl_idx, _shfl_down, _shfl_xor, _syncthreads, _F64
+    global cuda, _shfl_idx, _shfl_down, _shfl_xor, _syncthreads, _syncwarp, _F64
     try:
         from numba import cuda as numba_cuda
     except Exception as e:  # numba absent or broken (numba-cuda on numpy 2.5: "no attribute 'row_stack'")
@@ -134,6 +134,7 @@ def _build():
     if sim:
         _shfl_idx, _shfl_down, _shfl_xor = _sim_shfl_idx, _sim_shfl_down, _sim_shfl_xor
         _syncthreads = _sim_syncthreads
+        _syncwarp = _sim_syncthreads  # kernels that shuffle run one-warp blocks there
         _F64 = np.dtype(np.float64)  # its dynamic shared array reads dtype.itemsize
     else:
         # thin device functions (inlined by LLVM) so that the kernels name one function either way
@@ -152,6 +153,10 @@ def _build():
         @cuda.jit(device=True)
         def _syncthreads():
             cuda.syncthreads()
+
+        @cuda.jit(device=True)
+        def _syncwarp():
+            cuda.syncwarp(_FULL_MASK)
 
     @cuda.jit(device=True)
     def _nms_keep(win, half):
@@ -352,7 +357,7 @@ def _build():
             out[j] = st
 
     @cuda.jit
-    def cand_search_back(cand, mcount, state, slope, max_gap, rr_window, searchback, margin, tw_ratio, out):
+    def cand_search_back(cand, mcount, state, slope, n, max_gap, rr_window, searchback, margin, tw_ratio, out):
         """segment.search_back: weak candidates (state 1) that fill a gap among the beats (state 3)
         become 4; beats stay 3; the rest 0. (The array code's "fewer than 2 beats: none" is implied
         by the test below, which needs 3 beats around the candidate.)"""
@@ -366,7 +371,9 @@ def _build():
             if st != 1:
                 continue
             c = cand[j]
-            dp = max_gap
+            # the stream's ends bound a gap as a beat does: with no beat before c (within max_gap),
+            # segment.search_back's min(c - 0, max_gap); likewise min(n - 1 - c, max_gap) after it
+            dp = min(c, max_gap)
             prev_slope = 0.0
             i = j - 1
             while i >= 0 and c - cand[i] <= max_gap:
@@ -375,7 +382,7 @@ def _build():
                     prev_slope = slope[i]
                     break
                 i -= 1
-            dn = max_gap
+            dn = min(n - 1 - c, max_gap)
             i = j + 1
             while i < m and cand[i] - c <= max_gap:
                 if state[i] == 3:
@@ -416,7 +423,8 @@ def _build():
 
 # --- host side -----------------------------------------------------------------------------------
 def _is_device(a) -> bool:
-    return hasattr(a, "__cuda_array_interface__")
+    # the class first: CuPy builds the interface's dict on every access of the instance attribute
+    return hasattr(type(a), "__cuda_array_interface__") or hasattr(a, "__cuda_array_interface__")
 
 
 class _Ctx:
@@ -508,6 +516,7 @@ class _FastLaunch:
 
     _cache: dict = {}
     _lock = threading.Lock()
+    errors: dict = {}  #: kernel name -> why it stays with Numba's launch
 
     def __init__(self, fn, module, fmt: str, kinds: tuple, nslots: int):
         import ctypes
@@ -546,10 +555,16 @@ class _FastLaunch:
                     or getattr(ov, "launch_config_sensitive", False) or getattr(lib, "_setup_functions", None)):
                 cls._cache[key] = None
                 return
-            module = cupy.cuda.function.Module()
-            module.load(bytes(lib.get_cubin()))
-            fn = module.get_function(lib._entry_name)
-        except Exception:  # an unexpected Numba layout: keep launching through Numba
+            try:
+                cubin = lib.get_cubin()  # bytes, or (recent numba-cuda) a cuda.core ObjectCode
+                cubin = cubin if isinstance(cubin, (bytes, bytearray)) else getattr(cubin, "code", cubin)
+                module = cupy.cuda.function.Module()
+                module.load(bytes(cubin))
+                fn = module.get_function(lib._entry_name).ptr
+            except Exception:  # the function Numba loaded (a CUkernel, which cuLaunchKernel takes too)
+                module, fn = None, int(lib.get_cufunc().handle)
+        except Exception as e:  # an unexpected Numba layout: keep launching through Numba
+            cls.errors[getattr(kernel, "__name__", str(kernel))] = f"{type(e).__name__}: {e}"
             cls._cache[key] = None
             return
         fmt, kinds, nslots = "<", [], 0
@@ -578,7 +593,7 @@ class _FastLaunch:
                 vals.append(a)
         with self.lock:
             _struct.pack_into(self.fmt, self.buf, 0, *vals)
-            cupy.cuda.driver.launchKernel(self.fn.ptr, int(blocks), 1, 1, int(threads), 1, 1, int(shared),
+            cupy.cuda.driver.launchKernel(self.fn, int(blocks), 1, 1, int(threads), 1, 1, int(shared),
                                           stream_ptr, self.params, 0)
 
 
@@ -733,6 +748,8 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     NW = tpb // WARP
     fkh = KF // 2
     SP = 2 * shalf + 1  # positions of a candidate's steepest-slope window
+    SW = SP + 2 * fkh  # the despiked samples they read
+    CWB = _CAND_TPB // WARP  # cand_eval's warps per block
     W = 2 * nms + 1  # the NMS window, and the largest power of two in it (2**LEVELS)
     LEVELS = W.bit_length() - 1
     L = 1 << LEVELS
@@ -740,14 +757,14 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     u32 = np.uint32  # unsigned shared-memory indices: no negative-index wraparound code
 
     @cuda.jit
-    def dense(x, kr, first, b0, write_env, env_out, bmax, xmax, cap, tcount, tpos, theight, info):
+    def dense(x, kr, first, b0, write_env, env_out, bmax, xmax, cap, tcount, tpos, theight, tvalley, info):
         """One tile of ``tile`` samples per block, everything in shared memory: 3-point median,
         derivative-of-Gaussian slope, RMS over ``box`` (the sums of ``cpu_kernels.envelope_cpu``
         in its order), then for the tile's own samples the NMS over ±nms (the candidates, in
-        arrival order, into this tile's ``cap`` slots of tpos/theight; ``info[1] = 1`` if they
-        overflow), the maximum of the envelope per stream-aligned block (one atomic max per block
-        and tile into ``bmax``) and of |x| (into ``xmax[0]``); the envelope itself into ``env_out``
-        when ``write_env``."""
+        arrival order, into this tile's ``cap`` slots of tpos/theight, with the lowest envelope of
+        their window in tvalley; ``info[1] = 1`` if they overflow), the maximum of the envelope
+        per stream-aligned block (one atomic max per block and tile into ``bmax``) and of |x| (into
+        ``xmax[0]``); the envelope itself into ``env_out`` when ``write_env``."""
         a = cuda.shared.array(XL, f64)  # despiked samples, then the envelope
         y2 = cuda.shared.array(YL, f64)
         part = cuda.shared.array(PL, f64)
@@ -833,6 +850,12 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                     if k < cap:
                         tpos[ti * cap + k] = pos
                         theight[ti * cap + k] = v
+                        m = v  # the lowest envelope of the window in the stream (segment.valley_at)
+                        for q in range(W):
+                            u = a[u32(c + q)]
+                            if u > -_INF and u < m:
+                                m = u
+                        tvalley[ti * cap + k] = m
                 if write_env:
                     env_out[pos] = v
                 xm = max(xm, abs(np.float64(x[pos])))
@@ -873,14 +896,17 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
             tcount[ti] = c
 
     @cuda.jit
-    def cand_eval(x, tcount, offsets, cap, tpos, theight, amp, b0, first, edge, weak_ratio, ratio, xmax, kf,
-                  cand, height, slope, state):
+    def cand_eval(x, tcount, offsets, cap, tpos, theight, tvalley, amp, b0, first, edge, weak_ratio, ratio, xmax, kf,
+                  noise_valley, noise_slope, noise_level, cand, height, slope, state):
         """One warp per candidate slot (grid-stride; a warp whose slot is empty moves on): the
-        candidate goes to ``offsets[tile] + rank`` (rank by position within the tile, a butterfly
-        sum of the lanes' comparisons, so the list is sorted), with its height, class (0 dropped:
-        edge, below the weak threshold or the flat-line floor; 1 weak; 2 strong, against ``amp``, the
+        candidate goes to ``offsets[tile] + rank`` (rank by position within the tile, so the list
+        is sorted), with its height, class (0 dropped:
+        edge, below the weak threshold or the flat-line floor, or a peak of a noise burst
+        (segment.noise_mask); 1 weak; 2 strong, against ``amp``, the
         median of the block maxima around its block) and steepest fine slope (segment.steepest_at:
-        each lane takes positions of the ``±slope_half`` window, a butterfly max joins them)."""
+        the warp despikes the samples around the candidate once into shared memory, each lane takes
+        positions of the ``±slope_half`` window, a butterfly max joins them)."""
+        dls = cuda.shared.array((CWB, SW), f64)
         n = x.shape[0]
         lane = cuda.threadIdx.x % WARP
         warp = cuda.grid(1) // WARP
@@ -894,15 +920,6 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                 continue
             s0 = ti * cap
             c = tpos[s0 + t]
-            cnt = 0
-            for u0 in range(0, num, WARP):
-                u = u0 + lane
-                if u < num and tpos[s0 + u] < c:
-                    cnt += 1
-            off = WARP // 2
-            while off > 0:
-                cnt += _shfl_xor(_FULL_MASK, cnt, off)
-                off //= 2
             h = theight[s0 + t]
             best = 0.0
             st = 0
@@ -910,24 +927,38 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                 level = amp[(c + first) // block - b0]
                 if h > weak_ratio * level and h > floor:
                     st = 2 if h > ratio * level else 1
+                    dl = dls[cuda.threadIdx.x // WARP]  # this warp's despiked samples around c, once
+                    for v0 in range(0, SW, WARP):
+                        v = v0 + lane
+                        if v < SW:
+                            dl[v] = _despiked(x, _clip(c - shalf - fkh + v, n), n)
+                    _syncwarp()
                     for u0 in range(0, SP, WARP):
                         u = u0 + lane
                         q = c - shalf + u
                         if u < SP and q >= 0 and q < n:
                             d = 0.0
                             for jj in range(KF):  # the order of segment.steepest_at's sums
-                                d += _despiked(x, _clip(q + fkh - jj, n), n) * kf[jj]
+                                d += dl[u + 2 * fkh - jj] * kf[jj]
                             d = abs(d)
                             if d > best:
                                 best = d
+                    _syncwarp()  # read before the warp's next candidate writes
                     off = WARP // 2
                     while off > 0:
                         o = _shfl_xor(_FULL_MASK, best, off)
                         if o > best:
                             best = o
                         off //= 2
+                    # segment.noise_mask: a peak of a noise burst is no candidate
+                    if (tvalley[s0 + t] > noise_valley * h and best > noise_slope * h
+                            and h < noise_level * level):
+                        st = 0
             if lane == 0:
-                j = offsets[ti] + cnt
+                j = offsets[ti]
+                for u in range(num):  # rank within the tile (the slots hold arrival order)
+                    if tpos[s0 + u] < c:
+                        j += 1
                 cand[j] = c
                 height[j] = h
                 slope[j] = best
@@ -1045,13 +1076,15 @@ def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
         "tcount": xp.empty(nt, dtype=xp.int64),
         "tpos": xp.empty(nt * cap, dtype=xp.int64),
         "theight": xp.empty(nt * cap, dtype=xp.float64),
+        "tvalley": xp.empty(nt * cap, dtype=xp.float64),
         "info": xp.zeros(2, dtype=xp.int64),  # [number of peaks, candidate slots overflowed]
         "env": xp.empty(n if write_env else 1, dtype=xp.float64),
     }
     kr = _coeffs(ctx, "slope", s.kernel, s.a)
     a = ctx.arg
     ctx.launch(kern["dense"], nt, tpb, 0, a(x), a(kr), first, b0, bool(write_env), a(out["env"]), a(out["bmax"]),
-               a(out["xmax"]), cap, a(out["tcount"]), a(out["tpos"]), a(out["theight"]), a(out["info"]))
+               a(out["xmax"]), cap, a(out["tcount"]), a(out["tpos"]), a(out["theight"]), a(out["tvalley"]),
+               a(out["info"]))
     out.update(nt=nt, b0=b0, tile=tile, tpb=tpb)
     return out
 
@@ -1115,12 +1148,13 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
                int(s.blocks), a(amp))
     warps = 1 if ctx.sim else _CAND_TPB // WARP  # simulator: one-warp blocks (shuffle emulation)
     ctx.launch(kern["cand_eval"], ctx.blocks(-(-mcap // warps)), warps * WARP, 0, a(x), a(d["tcount"]), a(offsets),
-               cap, a(d["tpos"]), a(d["theight"]), a(amp), d["b0"], first, int(s.edge),
-               float(s.weak_ratio), float(s.ratio), a(d["xmax"]), a(kf), ac, ah, asl, sa)
+               cap, a(d["tpos"]), a(d["theight"]), a(d["tvalley"]), a(amp), d["b0"], first, int(s.edge),
+               float(s.weak_ratio), float(s.ratio), a(d["xmax"]), a(kf), float(s.noise_valley),
+               float(s.noise_slope), float(s.noise_level), ac, ah, asl, sa)
     ctx.launch(kernels["cand_twave"], blocks, threads, 0, ac, mcount, sa, asl, int(s.twave), float(s.twave_slope),
                sb)  # 4.
     ctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 2, ah, int(s.refractory), sa, 3)
-    ctx.launch(kernels["cand_search_back"], blocks, threads, 0, ac, mcount, sa, asl, int(s.max_gap),
+    ctx.launch(kernels["cand_search_back"], blocks, threads, 0, ac, mcount, sa, asl, n, int(s.max_gap),
                int(s.rr_window), float(s.searchback), float(s.margin), float(s.twave_slope), sb)  # 5.
     ctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 4, ah, int(s.twave), sa, 4)
     lo, hi = (-_FAR, _FAR) if core is None else (int(core[0]), int(core[1]))  # 6.

@@ -31,6 +31,12 @@ class SegmentParams:
         the MIT-BIH records is 0.25 s, in ventricular tachycardia).
     threshold_ratio : float
         A candidate above this fraction of the local amplitude is a beat (subject to the T-wave test).
+    noise_valley_ratio, noise_slope_ratio, noise_level_ratio : float
+        A candidate is dropped as a peak of a noise burst when the envelope stays above
+        ``noise_valley_ratio`` × its height within ``±nms_half_window_s`` on both sides, its steepest
+        slope exceeds ``noise_slope_ratio`` × its envelope height, and its height is below
+        ``noise_level_ratio`` × the local amplitude (:func:`beatflow.segment.noise_mask`;
+        ``noise_slope_ratio=inf`` switches the test off).
     weak_ratio : float
         Candidates between this fraction and ``threshold_ratio`` are only taken by search-back.
     block_s, threshold_blocks : float, int
@@ -67,6 +73,9 @@ class SegmentParams:
     refractory_s: float = 0.25
     threshold_ratio: float = 0.35
     weak_ratio: float = 0.15
+    noise_valley_ratio: float = 0.25
+    noise_slope_ratio: float = 3.5
+    noise_level_ratio: float = 0.8
     block_s: float = 1.0
     threshold_blocks: int = 5
     twave_window_s: float = 0.36
@@ -104,7 +113,8 @@ class SegmentParams:
         pre = r(self.pre_peak_s)
         # how far a decision about a peak looks (each step adds its radius to the one it builds on)
         point = max(kernel // 2 + box // 2, fine_kernel // 2 + slope_half) + 1  # envelope, slope
-        strong = point + max(nms, (self.threshold_blocks + 1) * block)  # candidate and its threshold
+        # candidate, its threshold and its noise test (the envelope within ±nms)
+        strong = point + max(nms, (self.threshold_blocks + 1) * block)
         accepted = strong + twave + refractory  # T-wave test, then refractory between neighbours
         searched = accepted + max(rr_window, max_gap) + twave  # search-back, then its refractory
         halo = max(accepted, searched) + edge + upper + pre  # + the beats a partition embeds
@@ -114,7 +124,8 @@ class SegmentParams:
                               twave_slope=self.twave_slope_ratio, searchback=self.searchback_factor,
                               margin=self.searchback_margin, rr_window=rr_window, max_gap=max_gap, edge=edge,
                               pre=pre, lower=lower, upper=upper, width=width, halo=int(halo),
-                              cut_long=bool(self.cut_long))
+                              cut_long=bool(self.cut_long), noise_valley=float(self.noise_valley_ratio),
+                              noise_slope=float(self.noise_slope_ratio), noise_level=float(self.noise_level_ratio))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,3 +161,6 @@ class SegmentSamples:
     width: int
     halo: int
     cut_long: bool = True
+    noise_valley: float = 0.25
+    noise_slope: float = 3.5
+    noise_level: float = 0.8

@@ -23,13 +23,16 @@ The steps of :func:`detect_peaks`:
 4. ``local_maxima``: candidates are maxima of the envelope over ``±nms``;
 5. ``block_amplitude``: the local level, a median of 1 s block maxima over ``±blocks`` blocks;
    a candidate above ``ratio`` × level is *strong*, one above ``weak_ratio`` × level is *weak*;
+   ``noise_mask``: a candidate in a burst of noise (the envelope stays above ``noise_valley`` × its
+   height over ``±nms``, its steepest slope is above ``noise_slope`` × its height, and it is below
+   ``noise_level`` × level) is no candidate at all;
 6. ``t_wave_mask``: a strong candidate closer than ``twave`` to the previous strong one whose
    steepest slope (:func:`steepest_at`: fine derivative, σ ≈ 4 ms) is below ``twave_slope`` ×
    that one's is a T wave;
 7. ``drop_refractory``: of two accepted peaks closer than ``refractory``, the smaller goes;
 8. ``search_back``: a weak candidate is accepted where the accepted beats around it leave a gap
    longer than ``searchback`` × the local mean RR (beats within ``±rr_window``), if it is at least
-   ``margin`` × RR from both and not T-wave-like.
+   ``margin`` × RR from both and not T-wave-like; the ends of the stream bound a gap as a beat does.
 
 Why not the seed's Ricker wavelet by FFT: on real ECG (MIT-BIH) a Ricker response of fixed width
 peaks on tall T waves and on the wrong lobe of wide beats; the slope envelope with a T-wave test
@@ -237,6 +240,51 @@ def block_amplitude(env, first: int, s: SegmentSamples):
     return xp.nanmedian(win, axis=1), b0
 
 
+def valley_at(env, at, half: int):
+    """Lowest envelope on each side of the positions ``at``: ``min(env[a - half .. a])`` and
+    ``min(env[a .. a + half])`` (both inclusive, clipped to the stream).
+
+    Returns
+    -------
+    (left, right) : arrays, float64, shape ``at.shape``
+    """
+    xp = namespace_of(env)
+    n = env.shape[0]
+    if at.shape[0] == 0 or n == 0:
+        z = xp.zeros(at.shape[0], dtype=xp.float64)
+        return z, z.copy()
+    left = env[at].astype(xp.float64)
+    right = left.copy()
+    for d in range(1, half + 1):  # half + 1 gathers of len(at) (no (len(at), half) temporaries)
+        left = xp.minimum(left, env[xp.maximum(at - d, 0)])
+        right = xp.minimum(right, env[xp.minimum(at + d, n - 1)])
+    return left, right
+
+
+def noise_mask(env, cand, heights, level, slopes, s: SegmentSamples):
+    """True for candidates that are peaks of a noise burst rather than QRS complexes.
+
+    A QRS is an isolated, compact peak of the energy envelope: within ``±s.nms`` of it the envelope
+    falls far below its height on both sides. In muscle noise or a saturated, dropping-out lead
+    (MIT-BIH 108, 203, 116, 114) the envelope stays high between its peaks, and their high-frequency
+    content makes the steepest fine slope large against the envelope's RMS. Candidate ``i`` is noise when
+
+    * ``min(valley_at(env, cand, s.nms)) > s.noise_valley × heights[i]`` (no quiet on either side),
+    * ``slopes[i] > s.noise_slope × heights[i]`` (spiky: a wide ectopic beat, also in a busy
+      stretch, has a low ratio), and
+    * ``heights[i] < s.noise_level × level[i]`` (a peak as tall as the local beats is kept).
+
+    ``noise_slope = inf`` switches the test off. The window is that of the non-maximum suppression,
+    so a partition's halo covers it.
+    """
+    xp = namespace_of(cand)
+    if cand.shape[0] == 0:
+        return xp.zeros(0, dtype=bool)
+    left, right = valley_at(env, cand, s.nms)
+    return ((xp.minimum(left, right) > s.noise_valley * heights) & (slopes > s.noise_slope * heights)
+            & (heights < s.noise_level * level))
+
+
 def refractory_mask(peaks, heights, refractory: int):
     """Which peaks survive: of two consecutive peaks closer than ``refractory``, the smaller is dropped."""
     xp = namespace_of(peaks)
@@ -284,7 +332,7 @@ def mean_rr(beats, at, window: int):
     return xp.where(n >= 2, span / xp.maximum(n, 1), np.nan)
 
 
-def search_back(beats, beat_slopes, cand, cand_slopes, cand_heights, s: SegmentSamples):
+def search_back(beats, beat_slopes, cand, cand_slopes, cand_heights, s: SegmentSamples, length: int | None = None):
     """Which weak candidates fill a gap in the accepted beats (search-back for missed beats).
 
     Parameters
@@ -293,6 +341,13 @@ def search_back(beats, beat_slopes, cand, cand_slopes, cand_heights, s: SegmentS
         Accepted beats (sorted sample indices) and their steepest slopes.
     cand, cand_slopes, cand_heights : arrays
         Weak candidates (sorted, none of them in ``beats``), their slopes and envelope heights.
+    length : int, optional
+        Number of samples of the stream (indices ``0 .. length - 1``). When given, the ends of the
+        stream bound a gap as a beat does: a candidate with no beat before it measures its distance
+        to the previous beat from sample 0, one with no beat after it to sample ``length - 1``
+        (before the cap at ``max_gap``). Without it, a stream's end is an unbounded gap, and a T wave
+        or a partial beat just after the start of a record fills it. For a partition the ends of its
+        extended array are more than ``max_gap`` from its core, so the result does not change there.
 
     Returns
     -------
@@ -309,8 +364,9 @@ def search_back(beats, beat_slopes, cand, cand_slopes, cand_heights, s: SegmentS
     if n < 2 or cand.shape[0] == 0:
         return xp.zeros(cand.shape[0], dtype=bool)
     i = xp.searchsorted(beats, cand)
-    prev = xp.where(i > 0, beats[xp.maximum(i - 1, 0)], -_FAR)
-    nxt = xp.where(i < n, beats[xp.minimum(i, n - 1)], _FAR)
+    start, end = (-_FAR, _FAR) if length is None else (0, length - 1)
+    prev = xp.where(i > 0, beats[xp.maximum(i - 1, 0)], start)
+    nxt = xp.where(i < n, beats[xp.minimum(i, n - 1)], end)
     dp = xp.minimum(cand - prev, s.max_gap)
     dn = xp.minimum(nxt - cand, s.max_gap)
     prev_slope = xp.where((i > 0) & (cand - prev <= s.max_gap), beat_slopes[xp.maximum(i - 1, 0)], 0.0)
@@ -369,11 +425,13 @@ def _detect_peaks_xp(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, i
     keep = (heights > s.weak_ratio * level) & (heights > floor)
     cand, heights, level = cand[keep], heights[keep], level[keep]
     slopes = steepest_at(x, cand, s)
+    quiet = ~noise_mask(env, cand, heights, level, slopes, s)  # peaks of noise bursts are no candidates
+    cand, heights, level, slopes = cand[quiet], heights[quiet], level[quiet], slopes[quiet]
     strong = xp.flatnonzero(heights > s.ratio * level)
     strong = strong[~t_wave_mask(cand[strong], slopes[strong], s.twave, s.twave_slope)]
     strong = strong[refractory_mask(cand[strong], heights[strong], s.refractory)]
     weak = xp.flatnonzero(heights <= s.ratio * level)
-    added = weak[search_back(cand[strong], slopes[strong], cand[weak], slopes[weak], heights[weak], s)]
+    added = weak[search_back(cand[strong], slopes[strong], cand[weak], slopes[weak], heights[weak], s, length=n)]
     peaks = xp.sort(cand[xp.concatenate([strong, added])]).astype(xp.int64) + first
     if core is not None:
         peaks = peaks[(peaks >= core[0]) & (peaks < core[1])]

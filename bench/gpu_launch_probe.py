@@ -63,6 +63,8 @@ def main():
     walls.sort()
     print(f"host time in launches per call: {tot * 1e3:.3f} ms; wall per seg+embed (synchronised): "
           f"{walls[5] * 1e3:.3f} ms")
+    print(f"fast launches registered: {sum(v is not None for v in K._FastLaunch._cache.values())} of "
+          f"{len(K._FastLaunch._cache)}; errors: {K._FastLaunch.errors}")
     # the same with a Numba device-array cache: how much is argument conversion
     from numba import cuda
     a = cupy.zeros(10, dtype=cupy.float64)

@@ -56,9 +56,10 @@ def main():
     A = lambda t: t[::1]  # noqa: E731
     todo = [
         ("dense", det["dense"], (A(float32), A(float64), int64, int64, boolean, A(float64), A(float64), A(float64),
-                                 int64, A(int64), A(int64), A(float64), A(int64))),
+                                 int64, A(int64), A(int64), A(float64), A(float64), A(int64))),
         ("cand_eval", det["cand_eval"], (A(float32), A(int64), A(int64), int64, A(int64), A(float64), A(float64),
-                                         int64, int64, int64, float64, float64, A(float64), A(float64),
+                                         A(float64), int64, int64, int64, float64, float64, A(float64), A(float64),
+                                         float64, float64, float64,
                                          A(int64), A(float64), A(float64), A(int8))),
         ("scan", det["scan"], (A(int64), A(int64))),
         ("emit_count", det["emit_count"], (A(int64), A(int64), A(int8), int64, int64, int64, A(int64))),
@@ -67,7 +68,7 @@ def main():
         ("cand_twave", base["cand_twave"], (A(int64), A(int64), A(int8), A(float64), int64, float64, A(int8))),
         ("cand_refractory", base["cand_refractory"], (A(int64), A(int64), A(int8), int64, A(float64), int64,
                                                       A(int8), int64)),
-        ("cand_search_back", base["cand_search_back"], (A(int64), A(int64), A(int8), A(float64), int64, int64,
+        ("cand_search_back", base["cand_search_back"], (A(int64), A(int64), A(int8), A(float64), int64, int64, int64,
                                                         float64, float64, float64, A(int8))),
         ("block_median", base["block_median"], (A(float64), int64, A(float64))),
         ("embed_warp", base["embed_warp"], (A(float32), A(int64), A(int64), int64, int64, int64, float32[:, ::1],

@@ -108,14 +108,21 @@ def mean_rr(beats, at: int, window: int) -> float:
     return (inside[-1] - inside[0]) / (len(inside) - 1)
 
 
-def search_back(beats, beat_slopes, cand, cand_slopes, cand_heights, s) -> np.ndarray:
+def search_back(beats, beat_slopes, cand, cand_slopes, cand_heights, s, length=None) -> np.ndarray:
+    """``length``: the stream's ends (samples 0 and length - 1) bound a gap as beats do."""
     ok = []
     for c, sl in zip(cand, cand_slopes):
         before = [k for k, b in enumerate(beats) if b < c]
         after = [b for b in beats if b >= c]
         prev = beats[before[-1]] if before else None
-        dp = min(c - prev, s.max_gap) if prev is not None else s.max_gap
-        dn = min(after[0] - c, s.max_gap) if after else s.max_gap
+        if prev is not None:
+            dp = min(c - prev, s.max_gap)
+        else:
+            dp = s.max_gap if length is None else min(c, s.max_gap)
+        if after:
+            dn = min(after[0] - c, s.max_gap)
+        else:
+            dn = s.max_gap if length is None else min(length - 1 - c, s.max_gap)
         prev_slope = beat_slopes[before[-1]] if before and c - prev <= s.max_gap else 0.0
         rr = mean_rr(beats, c, s.rr_window) if len(beats) >= 2 else float("nan")
         ok.append(bool(dp + dn > s.searchback * rr and dp > s.margin * rr and dn > s.margin * rr
@@ -125,6 +132,16 @@ def search_back(beats, beat_slopes, cand, cand_slopes, cand_heights, s) -> np.nd
         if cand[b] - cand[a] < s.twave:
             ok[a if cand_heights[a] < cand_heights[b] else b] = False
     return np.asarray(ok, dtype=bool)
+
+
+def noise_mask(env, cand, heights, level, slopes, s) -> np.ndarray:
+    """Peaks of noise bursts: no quiet envelope within ±nms on either side, spiky, not tall."""
+    out = []
+    for c, h, lv, sl in zip(cand, heights, level, slopes):
+        left = min(env[max(0, c - s.nms):c + 1])
+        right = min(env[c:c + s.nms + 1])
+        out.append(bool(min(left, right) > s.noise_valley * h and sl > s.noise_slope * h and h < s.noise_level * lv))
+    return np.asarray(out, dtype=bool)
 
 
 def detect_peaks(x, s, first: int = 0) -> np.ndarray:
@@ -137,6 +154,8 @@ def detect_peaks(x, s, first: int = 0) -> np.ndarray:
     cand = [int(c) for c in local_maxima(env, s.nms) if s.edge <= c < n - s.edge]
     level = {c: amp[(c + first) // s.block] for c in cand}
     cand = [c for c in cand if env[c] > s.weak_ratio * level[c] and env[c] > floor]
+    noisy = noise_mask(env, cand, [env[c] for c in cand], [level[c] for c in cand], [slopes[c] for c in cand], s)
+    cand = [c for c, z in zip(cand, noisy) if not z]
     strong = [c for c in cand if env[c] > s.ratio * level[c]]
     weak = [c for c in cand if env[c] <= s.ratio * level[c]]
     t_like = t_wave_mask(strong, [slopes[c] for c in strong], s.twave, s.twave_slope)
@@ -144,7 +163,7 @@ def detect_peaks(x, s, first: int = 0) -> np.ndarray:
     strong = [int(c) for c in drop_refractory(np.asarray(strong, dtype=np.int64), [env[c] for c in strong],
                                               s.refractory)]
     added = search_back(strong, [slopes[c] for c in strong], weak, [slopes[c] for c in weak],
-                        [env[c] for c in weak], s)
+                        [env[c] for c in weak], s, length=n)
     peaks = sorted(strong + [c for c, a in zip(weak, added) if a])
     return np.asarray(peaks, dtype=np.int64) + first
 

@@ -233,12 +233,18 @@ def test_block_levels_of_the_dense_kernel_match_array_code():
 
 
 @pytest.mark.parametrize("first", [0, 55])
-def test_detect_peaks_kernels_match_array_code_and_loops(first):
-    # the random beats of test_segment exercise the T-wave test and the search-back with these params
+def test_detect_peaks_kernels_match_array_code_and_loops(first, monkeypatch):
+    # the random beats of test_segment exercise the T-wave test and the search-back with these params,
+    # and a burst of noise in two of them the noise rule
     s = small_params(nms_half_window_s=0.08, refractory_s=0.08, twave_window_s=0.2, threshold_blocks=3, block_s=0.3)
     assert _detect_plan(s, MODE == "sim") is not None  # the kernels run, not the array code's fallback
+    noise = []
+    orig = S.noise_mask
+    monkeypatch.setattr(S, "noise_mask", lambda *a: (lambda m: (noise.append(int(m.sum())), m)[1])(orig(*a)))
     for seed in range(4):
         x = _random_beats(seed)
+        if seed >= 2:
+            x[400:800] += (0.15 * np.random.default_rng(100 + seed).normal(size=400)).astype(np.float32)
         want = naive.detect_peaks(x, s, first=first)
         np.testing.assert_array_equal(S._detect_peaks_xp(x, s, first=first), want)
         got = detect_peaks_gpu(dev(x), s, first=first)
@@ -249,6 +255,7 @@ def test_detect_peaks_kernels_match_array_code_and_loops(first):
         core = (first + 300, first + 900)
         np.testing.assert_array_equal(host(detect_peaks_gpu(dev(x), s, first=first, core=core)),
                                       want[(want >= core[0]) & (want < core[1])])
+    assert sum(noise) > 0  # the noise rule dropped candidates (in the array code, so in the kernels too)
 
 
 def test_detect_peaks_kernels_on_synthetic_ecg_and_edge_cases():
@@ -322,6 +329,6 @@ def test_fast_launch_same_results_as_numba_launch(synthetic_ecg, monkeypatch):
     orig = K._FastLaunch.__call__
     monkeypatch.setattr(K._FastLaunch, "__call__", lambda self, *a: (fast.append(self), orig(self, *a))[1])
     got = run()
-    assert len(fast) >= 10  # the detection's kernels and the embedding's
+    assert len(fast) >= 10, K._FastLaunch.errors  # the detection's kernels and the embedding's
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g, w)

@@ -158,6 +158,10 @@ def test_mean_rr_and_search_back_match_loops(seed):
     got = S.search_back(beats, bs, cand, cs, ch, s)
     np.testing.assert_array_equal(got, naive.search_back(list(beats), list(bs), list(cand), list(cs), list(ch), s))
     assert got.any() and not got.all()
+    for length in (3000, 3005, 3200):  # the stream's ends bound the first and the last gap
+        np.testing.assert_array_equal(
+            S.search_back(beats, bs, cand, cs, ch, s, length=length),
+            naive.search_back(list(beats), list(bs), list(cand), list(cs), list(ch), s, length=length))
     none = S.search_back(beats[:1], bs[:1], cand, cs, ch, s)
     assert not none.any()
 
@@ -170,6 +174,59 @@ def test_search_back_finds_a_small_beat_in_a_gap():
     slopes = np.array([1.0, 1.0, 0.1])
     got = S.search_back(beats, np.ones(len(beats)), cand, slopes, np.array([0.2, 0.3, 0.2]), s)
     assert got.tolist() == [False, True, False]
+
+
+def test_search_back_does_not_fill_the_stream_start():
+    s = SegmentParams().samples(250.0)
+    beats = np.arange(200, 250 * 20, 250)  # 1 beat/s from 0.8 s
+    cand = np.array([40])  # a T wave (or a cut beat) 0.16 s into the stream, 0.64 s before the first beat
+    args = (beats, np.ones(len(beats)), cand, np.ones(1), np.array([0.2]), s)
+    assert S.search_back(*args).tolist() == [True]  # no beat before it: an unbounded gap
+    assert S.search_back(*args, length=250 * 20).tolist() == [False]  # 0.8 s from the start to the beat
+    # the same for the stream's end
+    cand = np.array([beats[-1] + 150])
+    args = (beats, np.ones(len(beats)), cand, np.ones(1), np.array([0.2]), s)
+    assert S.search_back(*args).tolist() == [True]
+    assert S.search_back(*args, length=int(beats[-1]) + 250).tolist() == [False]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_valley_and_noise_mask_match_loops(seed):
+    rng = np.random.default_rng(seed)
+    env = rng.random(300)
+    at = np.sort(rng.choice(300, 40, replace=False))
+    at[0], at[-1] = 0, 299  # windows clipped at both ends
+    left, right = S.valley_at(env, at, 7)
+    np.testing.assert_array_equal(left, [env[max(0, a - 7):a + 1].min() for a in at])
+    np.testing.assert_array_equal(right, [env[a:a + 8].min() for a in at])
+    s = small_params(nms_half_window_s=0.07)
+    assert s.nms == 7
+    heights, level, slopes = env[at], 2 * rng.random(40), 6 * rng.random(40) * env[at]
+    got = S.noise_mask(env, at, heights, level, slopes, s)
+    np.testing.assert_array_equal(got, naive.noise_mask(env, list(at), heights, level, slopes, s))
+    assert got.any() and not got.all()
+    off = SegmentParams(noise_slope_ratio=float("inf")).samples(100.0)
+    assert not S.noise_mask(env, at, heights, level, slopes, off).any()
+
+
+def test_noise_burst_peaks_are_no_beats():
+    """Beats every 0.8 s at 250 Hz, and 10 s of broadband (muscle-like) noise between them."""
+    rng = np.random.default_rng(1)
+    fs, n = 250, 250 * 30
+    t = np.arange(n)
+    beats = np.arange(100, n - 100, 200)
+    x = np.zeros(n)
+    for b in beats:
+        x += np.exp(-0.5 * ((t - b) / 4.0) ** 2)
+    x[fs * 10:fs * 20] += 0.2 * rng.normal(size=10 * fs)
+    x = x.astype(np.float32)
+    on = S.detect_peaks(x, S250)
+    off = S.detect_peaks(x, SegmentParams(noise_slope_ratio=float("inf")).samples(fs))
+    from beatflow.metrics import match_beats
+
+    d_on, _ = match_beats(on, beats, int(0.15 * fs))
+    d_off, _ = match_beats(off, beats, int(0.15 * fs))
+    assert d_on.fn == d_off.fn == 0 and d_on.fp < d_off.fp - 3, (d_on, d_off)
 
 
 def _random_beats(seed, n=1200):
@@ -187,23 +244,28 @@ def _random_beats(seed, n=1200):
 
 
 def test_detect_peaks_matches_naive_on_random_input(monkeypatch):
-    used = {"t_wave": 0, "search_back": 0}
+    used = {"t_wave": 0, "search_back": 0, "noise": 0}
 
     def counting(name, fn):
-        def wrapped(*a):
-            out = fn(*a)
+        def wrapped(*a, **kw):
+            out = fn(*a, **kw)
             used[name] += int(out.sum())
             return out
         return wrapped
 
     monkeypatch.setattr(S, "t_wave_mask", counting("t_wave", S.t_wave_mask))
     monkeypatch.setattr(S, "search_back", counting("search_back", S.search_back))
+    monkeypatch.setattr(S, "noise_mask", counting("noise", S.noise_mask))
     s = small_params(nms_half_window_s=0.08, refractory_s=0.08, twave_window_s=0.2, threshold_blocks=3, block_s=0.3)
     for seed in range(6):
         x = _random_beats(seed)
+        noisy = x.copy()
+        noisy[400:800] += (0.15 * np.random.default_rng(100 + seed).normal(size=400)).astype(np.float32)
         for first in (0, 55):
             np.testing.assert_array_equal(S.detect_peaks(x, s, first=first), naive.detect_peaks(x, s, first=first))
-    assert used["t_wave"] > 0 and used["search_back"] > 0  # both decisions were exercised
+            np.testing.assert_array_equal(S.detect_peaks(noisy, s, first=first),
+                                          naive.detect_peaks(noisy, s, first=first))
+    assert used["t_wave"] > 0 and used["search_back"] > 0 and used["noise"] > 0  # every decision was exercised
 
 
 def _partitioned_peaks(x, s, n_parts):

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One H200 call (session 6, third): the fast-launch test first, then checks and times of
+# segmentation + embedding (with the noise rule and the bounded search-back), the detection against
+# the CPU on MIT-BIH 108/203/116, host cost per launch, the GPU tests, Nsight Compute durations and
+# SASS counters of cand_eval/embed_warp, and the flow on a standing cluster. Outputs under $OUT.
+#   bash bench/gpu_session6c.sh      (from the repository root; .whl and .devdata carried)
+set -u
+t0=$(date +%s)
+bash .whl/install.sh >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
+el() { echo "$(( $(date +%s) - t0 )) s"; }
+echo "== fast launch test"
+timeout 120 python3 -m pytest -x -q --tb=short tests/test_kernels.py -k fast_launch 2>&1 | grep -v -i warn | tail -25
+echo "== segmentation + embedding: bench/gpu_segment.py ($(el))"
+SHAPES=${SHAPES:-2} timeout 200 python3 bench/gpu_segment.py 2>&1 | grep -v -i warn | tail -22
+cp bench/out/gpu_segment.json "$OUT/" 2>/dev/null
+echo "== MIT-BIH, kernels against the CPU ($(el))"
+timeout 120 python3 bench/gpu_mitdb_check.py 2>&1 | grep -v -i warn | tail -5
+echo "== host cost per launch ($(el))"
+timeout 90 python3 bench/gpu_launch_probe.py 2>&1 | grep -v -i warn | tail -17
+echo "== GPU tests ($(el))"
+timeout 150 python3 -m pytest -x -q --tb=short tests/test_kernels.py 2>&1 | tail -15
+echo "== Nsight Compute ($(el))"
+cat > /tmp/two.py <<'PY'
+import cupy
+from beatflow import beats as B, kernels as K
+from beatflow.params import SegmentParams
+from beatflow.synth import synthesize_ecg
+s = SegmentParams().samples(250.0)
+xg = cupy.asarray(synthesize_ecg(hours=20, fs=250.0, seed=0).signal)
+for _ in range(2):
+    peaks = K.detect_peaks_gpu(xg, s)
+    _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
+    k = cupy.flatnonzero(B.kept_mask(length, s))
+    K.embed_gpu(xg, start[k], B.row_lengths(length[k], s), s.width, baseline_samples=12)
+cupy.cuda.Device().synchronize()
+PY
+timeout 150 ncu --clock-control none -c 40 --section SpeedOfLight --section LaunchStats --section Occupancy \
+  python3 /tmp/two.py > "$OUT/ncu_c.txt" 2>&1
+python3 - "$OUT/ncu_c.txt" <<'PY'
+import re, sys, collections
+name, tot = None, collections.defaultdict(list)
+for ln in open(sys.argv[1], errors="replace"):
+    if ln.startswith("  ") and not ln.startswith("   ") and "(" in ln:
+        name = ln.strip().split("(")[0].split("[abi")[0].split("::")[-1][:40]
+    m = re.search(r"Duration\s+(\S+)\s+([\d.,]+)", ln)
+    if m and name:
+        v = float(m.group(2).replace(",", "")); v = v / 1000 if m.group(1) == "ns" else (v * 1000 if m.group(1) == "ms" else v)
+        tot[name].append(v)
+allk = 0.0
+for k, v in tot.items():
+    h = v[len(v) // 2:]
+    allk += sum(h)
+    print(f"  {k:42s} n={len(v):3d}  µs (second call) {sum(h):9.1f}")
+print(f"  all kernels of the second call: {allk:.1f} µs")
+PY
+left=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
+if [ "$left" -gt 200 ]; then
+  timeout 100 ncu --clock-control none -k regex:"cand_eval|embed_warp" -c 4 --set full --import-source no -o /tmp/ce \
+    python3 /tmp/two.py > /tmp/ncu2.log 2>&1
+  ncu -i /tmp/ce.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/ncu_ce_sass.csv.gz"
+  ncu -i /tmp/ce.ncu-rep --print-details all > "$OUT/ncu_ce.txt" 2>&1
+fi
+echo "== flow on a standing cluster ($(el))"
+left=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
+if [ "$left" -gt 150 ]; then
+  rm -rf /tmp/bf-persistent-* /tmp/flowout; mkdir -p /tmp/flowout
+  OUT=/tmp/flowout RUNS=${RUNS:-2} RUN_LIMIT=150 timeout $(( left - 10 )) python3 bench/gpu_flow_persistent.py 2>&1 \
+    | grep -v -i warn | tail -5
+  tar czf "$OUT/flow.tgz" -C /tmp flowout 2>/dev/null
+fi
+echo "done ($(el))"
