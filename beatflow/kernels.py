@@ -965,35 +965,6 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                 state[j] = st
 
     @cuda.jit
-    def scan(counts, offsets):
-        """offsets[i] = sum of counts[:i] for i <= len(counts) (one block; each thread sums a
-        contiguous chunk, then a shared-memory scan of the chunk sums)."""
-        sh = cuda.shared.array(tpb, np.int64)
-        nt = counts.shape[0]
-        tid = cuda.threadIdx.x
-        ch = (nt + tpb - 1) // tpb
-        lo = min(tid * ch, nt)
-        hi = min(lo + ch, nt)
-        s = 0
-        for i in range(lo, hi):
-            s += counts[i]
-        sh[tid] = s
-        _syncthreads()
-        d = 1
-        while d < tpb:
-            v = sh[tid - d] if tid >= d else 0
-            _syncthreads()
-            sh[tid] += v
-            _syncthreads()
-            d *= 2
-        run = sh[tid] - s
-        for i in range(lo, hi):
-            offsets[i] = run
-            run += counts[i]
-        if tid == tpb - 1:
-            offsets[nt] = sh[tid]
-
-    @cuda.jit
     def emit_count(offsets, cand, state, first, lo, hi, counts):
         """Per tile: how many of its candidates are beats (state >= 3) with lo <= cand + first < hi."""
         nt = counts.shape[0]
@@ -1017,11 +988,11 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                     peaks[o] = p
                     o += 1
 
-    return {"dense": dense, "cand_eval": cand_eval, "scan": scan, "emit_count": emit_count, "emit": emit}
+    return {"dense": dense, "cand_eval": cand_eval, "emit_count": emit_count, "emit": emit}
 
 
 # the detection's launch shape: threads per tile and samples per tile (GPU; the simulator runs one
-# warp per tile), and the threads of the scans
+# warp per tile)
 _DET_TPB, _DET_TILE = 256, 1024
 _SIM_DET_TPB, _SIM_DET_TILE = WARP, 4 * WARP
 
@@ -1092,20 +1063,24 @@ def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
 def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = None, _cap: int | None = None):
     """:func:`beatflow.segment.detect_peaks` on the GPU: same contract, same peaks.
 
-    The whole detection is ten kernel launches and one synchronisation (the number of peaks), with
-    nothing of the size of the stream written to memory but the stream itself read once:
+    The whole detection is nine kernel launches, two CuPy scans and one synchronisation (the number
+    of peaks), with nothing of the size of the stream written to memory but the stream itself read
+    once:
 
     1. ``dense`` (one tile of 1024 samples per block, everything in shared memory): despike,
-       derivative-of-Gaussian slope and moving RMS (the envelope), the NMS over it, the tile's
-       candidates into a fixed number of slots per tile, the maxima per 1 s block and of |x|;
-    2. ``scan``: where each tile's candidates go in the sorted candidate list;
-    3. ``cand_eval``: each candidate at its sorted place, with its height, its local level (the
-       median of the block maxima around it), weak/strong class and steepest slope;
+       derivative-of-Gaussian slope and moving RMS (the envelope), the NMS over it (window maxima by
+       doubling), the tile's candidates into a fixed number of slots per tile with the lowest
+       envelope of their window, the maxima per 1 s block and of |x|;
+    2. a scan of the slot counts: where each tile's candidates go in the sorted candidate list;
+    3. ``block_median``: the local level of every block (the median of the block maxima around it);
+       ``cand_eval`` (one warp per candidate): each candidate at its sorted place, with its height,
+       weak/strong class, steepest slope, and the noise-burst test;
     4. ``cand_twave``, ``cand_refractory``: the strong candidates' T-wave test and refractory period;
-    5. ``cand_search_back``, ``cand_refractory``: the weak candidates that fill a gap, and their
-       refractory period;
-    6. ``emit_count``, ``scan``, ``emit``: the accepted peaks in the core, in order.
+    5. ``cand_search_back``, ``cand_refractory``: the weak candidates that fill a gap (the stream's
+       ends bound one), and their refractory period;
+    6. ``emit_count``, a scan, ``emit``: the accepted peaks in the core, in order.
 
+    Launches after a kernel's first go through CuPy's driver call (:class:`_FastLaunch`).
     Sizes that depend on the data stay on the device (the candidate count is read by the kernels,
     which are launched for the capacity), so the host waits once, for the number of peaks. The
     decisions of 4-5 compare a candidate with its neighbours in a set (the previous strong one, the
@@ -1132,7 +1107,7 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
     nt = d["nt"]
     a = ctx.arg
     offsets = xp.empty(nt + 1, dtype=xp.int64)
-    ctx.launch(kern["scan"], 1, tpb, 0, a(d["tcount"]), a(offsets))  # 2.
+    _exclusive_scan(xp, d["tcount"], offsets)  # 2.
     mcap = nt * cap
     mcount = a(offsets[nt:])
     cand = xp.empty(mcap, dtype=xp.int64)
@@ -1163,7 +1138,7 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
     peaks = xp.empty(mcap, dtype=xp.int64)
     tblocks = ctx.blocks(-(-nt // _CAND_TPB))
     ctx.launch(kern["emit_count"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, a(counts))
-    ctx.launch(kern["scan"], 1, tpb, 0, a(counts), a(out_offsets))
+    _exclusive_scan(xp, counts, out_offsets)
     ctx.launch(kern["emit"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, a(out_offsets), a(peaks))
     info = d["info"]
     info[0:1] = out_offsets[nt:]
@@ -1176,6 +1151,12 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
 
 
 _FAR = 1 << 40  # "no limit" for the core filter
+
+
+def _exclusive_scan(xp, counts, offsets):
+    """``offsets[i] = sum(counts[:i])`` for ``i <= len(counts)`` (CuPy's scan on the device: no sync)."""
+    offsets[:1] = 0
+    xp.cumsum(counts, out=offsets[1:])
 
 
 def qrs_envelope_gpu(x, s, *, first: int = 0, levels: bool = False):

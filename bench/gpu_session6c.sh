@@ -16,6 +16,8 @@ SHAPES=${SHAPES:-2} timeout 200 python3 bench/gpu_segment.py 2>&1 | grep -v -i w
 cp bench/out/gpu_segment.json "$OUT/" 2>/dev/null
 echo "== MIT-BIH, kernels against the CPU ($(el))"
 timeout 120 python3 bench/gpu_mitdb_check.py 2>&1 | grep -v -i warn | tail -5
+echo "== embedding kernel probe ($(el))"
+timeout 90 python3 bench/gpu_embed_probe.py 2>&1 | grep -v -i warn | tail -6
 echo "== host cost per launch ($(el))"
 timeout 90 python3 bench/gpu_launch_probe.py 2>&1 | grep -v -i warn | tail -17
 echo "== GPU tests ($(el))"
@@ -56,7 +58,7 @@ print(f"  all kernels of the second call: {allk:.1f} µs")
 PY
 left=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
 if [ "$left" -gt 200 ]; then
-  timeout 100 ncu --clock-control none -k regex:"cand_eval|embed_warp" -c 4 --set full --import-source no -o /tmp/ce \
+  timeout 100 ncu --clock-control none -k regex:"dense|cand_eval|embed_warp" -c 6 --set full --import-source no -o /tmp/ce \
     python3 /tmp/two.py > /tmp/ncu2.log 2>&1
   ncu -i /tmp/ce.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/ncu_ce_sass.csv.gz"
   ncu -i /tmp/ce.ncu-rep --print-details all > "$OUT/ncu_ce.txt" 2>&1

@@ -61,7 +61,6 @@ def main():
                                          A(float64), int64, int64, int64, float64, float64, A(float64), A(float64),
                                          float64, float64, float64,
                                          A(int64), A(float64), A(float64), A(int8))),
-        ("scan", det["scan"], (A(int64), A(int64))),
         ("emit_count", det["emit_count"], (A(int64), A(int64), A(int8), int64, int64, int64, A(int64))),
         ("emit", det["emit"], (A(int64), A(int64), A(int8), int64, int64, int64, A(int64), A(int64))),
         ("nms_tiled", base["nms_tiled"], (A(float64), int64, A(uint8))),

@@ -1,0 +1,106 @@
+"""GPU: what bounds the warp-per-beat embedding kernel (20 h stream, ~97 k beats of 256 samples)?
+
+Times, with CUDA events (median of 20 launches): ``embed_warp`` as the product launches it (the
+warp's first lane claims its row with an atomic add on one counter), the same body with the row
+taken as the beat's index (no atomic: what the one counter costs), and a plain copy of the same
+bytes (the memory-bandwidth floor). Run on the GPU machine (``PYTHONPATH=$PWD``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np  # noqa: E402
+
+
+def main():
+    import cupy
+    from numba import cuda
+
+    from beatflow import beats as B
+    from beatflow import kernels as K
+    from beatflow.params import SegmentParams
+    from beatflow.synth import synthesize_ecg
+
+    s = SegmentParams().samples(250.0)
+    xg = cupy.asarray(synthesize_ecg(hours=20, fs=250.0, seed=0).signal)
+    peaks = K.detect_peaks_gpu(xg, s)
+    _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
+    k = cupy.flatnonzero(B.kept_mask(length, s))
+    st, ln = start[k], B.row_lengths(length[k], s)
+    n, width = int(st.shape[0]), s.width
+    kern = K._build()[0]["embed_warp"]
+    rows = cupy.empty((n, width), cupy.float32)
+    p2p = cupy.empty(n, cupy.float32)
+    bor = cupy.empty(n, cupy.int64)
+    counter = cupy.zeros(1, cupy.int32)
+
+    @cuda.jit
+    def embed_rows_by_index(x, start, length, width, baseline, rows, p2p):
+        lane = cuda.threadIdx.x % 32
+        warp = cuda.grid(1) // 32
+        if warp >= start.shape[0]:
+            return
+        ln = length[warp]
+        s0 = start[warp]
+        nx = x.shape[0]
+        acc = np.float32(0.0)
+        for j in range(lane, baseline, 32):
+            acc += x[min(max(s0 + j, 0), nx - 1)]
+        off = 16
+        while off > 0:
+            acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, off)
+            off //= 2
+        base = acc / baseline
+        lo, hi = np.float32(np.inf), np.float32(-np.inf)
+        for j in range(lane, width, 32):
+            v = np.float32(0.0)
+            if j < ln:
+                v = x[min(max(s0 + j, 0), nx - 1)] - base
+                lo, hi = min(lo, v), max(hi, v)
+            rows[warp, j] = v
+        off = 16
+        while off > 0:
+            lo = min(lo, cuda.shfl_down_sync(0xFFFFFFFF, lo, off))
+            hi = max(hi, cuda.shfl_down_sync(0xFFFFFFFF, hi, off))
+            off //= 2
+        if lane == 0:
+            p2p[warp] = hi - lo
+
+    def timed(fn, reps=20):
+        fn()
+        cupy.cuda.Device().synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = cupy.cuda.Event(), cupy.cuda.Event()
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
+        return float(np.median(ts))
+
+    ctx = K._Ctx(False)
+    blocks = -(-n // K._EMBED_WARPS)
+
+    def claim():
+        counter[:] = 0
+        ctx.launch(kern, blocks, K._EMBED_WARPS * 32, 0, xg, st, ln, 0, width, 12, rows, p2p, counter, bor)
+
+    stream = cuda.external_stream(cupy.cuda.get_current_stream().ptr)
+    nx, nst, nln, nrows, np2p = (cuda.as_cuda_array(a) for a in (xg, st, ln, rows, p2p))
+
+    def by_index():
+        embed_rows_by_index[blocks, K._EMBED_WARPS * 32, stream](nx, nst, nln, width, 12, nrows, np2p)
+
+    dst = cupy.empty_like(rows)
+    print(f"beats {n}, row bytes {rows.nbytes / 1e6:.1f} MB")
+    print(f"embed_warp (atomic claim, as launched)   {timed(claim):8.1f} µs")
+    print(f"same body, row = beat index (no atomic)  {timed(by_index):8.1f} µs")
+    print(f"copy of the rows' bytes (bandwidth)      {timed(lambda: cupy.copyto(dst, rows)):8.1f} µs")
+    print(f"embed_gpu (kernel + scatter to beat order) {timed(lambda: K.embed_gpu(xg, st, ln, width, baseline_samples=12)):8.1f} µs")
+
+
+if __name__ == "__main__":
+    main()
