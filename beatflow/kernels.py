@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import struct as _struct
 import sys
 import threading
@@ -491,8 +492,8 @@ class _Ctx:
             sys.setswitchinterval(old)
 
 
-#: launch compiled kernels through CuPy's driver call (False: always through Numba, for comparison)
-_FAST_LAUNCH = True
+#: launch compiled kernels through CuPy's driver call (False, or BEATFLOW_FAST_LAUNCH=0: always through Numba)
+_FAST_LAUNCH = os.environ.get("BEATFLOW_FAST_LAUNCH", "1") not in ("0", "false", "no")
 
 
 def _arg_key(a):

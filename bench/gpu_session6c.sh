@@ -10,7 +10,9 @@ bash .whl/install.sh >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 el() { echo "$(( $(date +%s) - t0 )) s"; }
 echo "== fast launch test"
-timeout 120 python3 -m pytest -x -q --tb=short tests/test_kernels.py -k fast_launch 2>&1 | grep -v -i warn | tail -25
+timeout 120 python3 -m pytest -x -q --tb=short tests/test_kernels.py -k fast_launch > /tmp/fast.log 2>&1
+rc=$?; grep -v -i warn /tmp/fast.log | tail -25
+if [ $rc -ne 0 ]; then export BEATFLOW_FAST_LAUNCH=0; echo "fast launches OFF for the rest of this run"; fi
 echo "== segmentation + embedding: bench/gpu_segment.py ($(el))"
 SHAPES=${SHAPES:-2} timeout 200 python3 bench/gpu_segment.py 2>&1 | grep -v -i warn | tail -22
 cp bench/out/gpu_segment.json "$OUT/" 2>/dev/null
