@@ -18,12 +18,12 @@ SHAPES=${SHAPES:-2} timeout 200 python3 bench/gpu_segment.py 2>&1 | grep -v -i w
 cp bench/out/gpu_segment.json "$OUT/" 2>/dev/null
 echo "== MIT-BIH, kernels against the CPU ($(el))"
 timeout 120 python3 bench/gpu_mitdb_check.py 2>&1 | grep -v -i warn | tail -5
+echo "== GPU tests ($(el))"
+timeout 150 python3 -m pytest -x -q --tb=short tests/test_kernels.py 2>&1 | tail -15
 echo "== embedding kernel probe ($(el))"
 timeout 90 python3 bench/gpu_embed_probe.py 2>&1 | grep -v -i warn | tail -6
 echo "== host cost per launch ($(el))"
 timeout 90 python3 bench/gpu_launch_probe.py 2>&1 | grep -v -i warn | tail -17
-echo "== GPU tests ($(el))"
-timeout 150 python3 -m pytest -x -q --tb=short tests/test_kernels.py 2>&1 | tail -15
 echo "== Nsight Compute ($(el))"
 cat > /tmp/two.py <<'PY'
 import cupy
@@ -39,8 +39,9 @@ for _ in range(2):
     K.embed_gpu(xg, start[k], B.row_lengths(length[k], s), s.width, baseline_samples=12)
 cupy.cuda.Device().synchronize()
 PY
-timeout 150 ncu --clock-control none -c 40 --section SpeedOfLight --section LaunchStats --section Occupancy \
-  python3 /tmp/two.py > "$OUT/ncu_c.txt" 2>&1
+left=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
+[ "$left" -gt 80 ] && timeout $(( left - 15 < 150 ? left - 15 : 150 )) ncu --clock-control none -c 40 --section SpeedOfLight \
+  --section LaunchStats --section Occupancy python3 /tmp/two.py > "$OUT/ncu_c.txt" 2>&1
 python3 - "$OUT/ncu_c.txt" <<'PY'
 import re, sys, collections
 name, tot = None, collections.defaultdict(list)
