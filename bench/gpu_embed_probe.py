@@ -18,13 +18,12 @@ def main():
     import cupy
     from numba import cuda
 
+    from gpu_seg_embed import setup
+
     from beatflow import beats as B
     from beatflow import kernels as K
-    from beatflow.params import SegmentParams
-    from beatflow.synth import synthesize_ecg
 
-    s = SegmentParams().samples(250.0)
-    xg = cupy.asarray(synthesize_ecg(hours=20, fs=250.0, seed=0).signal)
+    s, _, xg, _ = setup()
     peaks = K.detect_peaks_gpu(xg, s)
     _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
     k = cupy.flatnonzero(B.kept_mask(length, s))

@@ -18,20 +18,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main():
     import cupy
 
-    from beatflow import beats as B
+    from gpu_seg_embed import setup
+
     from beatflow import kernels as K
-    from beatflow.params import SegmentParams
-    from beatflow.synth import synthesize_ecg
 
-    s = SegmentParams().samples(250.0)
-    xg = cupy.asarray(synthesize_ecg(hours=20, fs=250.0, seed=0).signal)
-    base = max(1, s.pre // 2)
-
-    def seg_embed():
-        peaks = K.detect_peaks_gpu(xg, s)
-        _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
-        kept = cupy.flatnonzero(B.kept_mask(length, s))  # one compaction
-        return K.embed_gpu(xg, start[kept], B.row_lengths(length[kept], s), s.width, baseline_samples=base)
+    _, _, _, seg_embed = setup()
 
     for _ in range(3):
         seg_embed()

@@ -33,8 +33,6 @@ def main():
     from beatflow import beats as B
     from beatflow import kernels as K
     from beatflow import segment as S
-    from beatflow.params import SegmentParams
-    from beatflow.synth import synthesize_ecg
 
     os.makedirs(OUT, exist_ok=True)
     res = {"checks": {}, "ms": {}, "errors": {}}
@@ -65,9 +63,9 @@ def main():
             print(res["errors"][name], flush=True)
         save()
 
-    s = SegmentParams().samples(250.0)
-    x = synthesize_ecg(hours=20, fs=250.0, seed=0).signal
-    xg = cupy.asarray(x)
+    from gpu_seg_embed import setup
+
+    s, x, xg, seg_embed = setup()
     res["samples"] = int(x.shape[0])
     t = time.perf_counter()
     peaks_h = S.detect_peaks(x, s)
@@ -87,12 +85,6 @@ def main():
     save()
 
     base = max(1, s.pre // 2)
-
-    def seg_embed():
-        peaks = K.detect_peaks_gpu(xg, s)
-        _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
-        kept = cupy.flatnonzero(B.kept_mask(length, s))  # one compaction
-        return K.embed_gpu(xg, start[kept], B.row_lengths(length[kept], s), s.width, baseline_samples=base)
 
     rows, _ = seg_embed()
     c["rows"] = int(rows.shape[0])

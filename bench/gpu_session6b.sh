@@ -17,23 +17,9 @@ timeout 90 python3 bench/gpu_launch_probe.py 2>&1 | grep -v -i warn | tail -16
 echo "== GPU tests ($(el))"
 timeout 150 python3 -m pytest -x -q tests/test_kernels.py 2>&1 | tail -3
 echo "== Nsight Compute durations ($(el))"
-cat > /tmp/two.py <<'PY'
-import cupy
-from beatflow import beats as B, kernels as K
-from beatflow.params import SegmentParams
-from beatflow.synth import synthesize_ecg
-s = SegmentParams().samples(250.0)
-xg = cupy.asarray(synthesize_ecg(hours=20, fs=250.0, seed=0).signal)
-for _ in range(2):
-    peaks = K.detect_peaks_gpu(xg, s)
-    _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
-    k = cupy.flatnonzero(B.kept_mask(length, s))
-    K.embed_gpu(xg, start[k], B.row_lengths(length[k], s), s.width, baseline_samples=12)
-cupy.cuda.Device().synchronize()
-PY
 timeout 120 nsys --version >/dev/null 2>&1 && echo "(nsys present)"
 timeout 150 ncu --clock-control none -c 40 --section SpeedOfLight --section LaunchStats --section Occupancy \
-  python3 /tmp/two.py > "$OUT/ncu_b.txt" 2>&1
+  python3 bench/gpu_seg_embed.py > "$OUT/ncu_b.txt" 2>&1
 python3 - "$OUT/ncu_b.txt" <<'PY'
 import re, sys, collections
 name, tot = None, collections.defaultdict(list)

@@ -25,23 +25,9 @@ timeout 90 python3 bench/gpu_embed_probe.py 2>&1 | grep -v -i warn | tail -6
 echo "== host cost per launch ($(el))"
 timeout 90 python3 bench/gpu_launch_probe.py 2>&1 | grep -v -i warn | tail -17
 echo "== Nsight Compute ($(el))"
-cat > /tmp/two.py <<'PY'
-import cupy
-from beatflow import beats as B, kernels as K
-from beatflow.params import SegmentParams
-from beatflow.synth import synthesize_ecg
-s = SegmentParams().samples(250.0)
-xg = cupy.asarray(synthesize_ecg(hours=20, fs=250.0, seed=0).signal)
-for _ in range(2):
-    peaks = K.detect_peaks_gpu(xg, s)
-    _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
-    k = cupy.flatnonzero(B.kept_mask(length, s))
-    K.embed_gpu(xg, start[k], B.row_lengths(length[k], s), s.width, baseline_samples=12)
-cupy.cuda.Device().synchronize()
-PY
 left=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
 [ "$left" -gt 80 ] && timeout $(( left - 15 < 150 ? left - 15 : 150 )) ncu --clock-control none -c 40 --section SpeedOfLight \
-  --section LaunchStats --section Occupancy python3 /tmp/two.py > "$OUT/ncu_c.txt" 2>&1
+  --section LaunchStats --section Occupancy python3 bench/gpu_seg_embed.py > "$OUT/ncu_c.txt" 2>&1
 python3 - "$OUT/ncu_c.txt" <<'PY'
 import re, sys, collections
 name, tot = None, collections.defaultdict(list)
@@ -62,7 +48,7 @@ PY
 left=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
 if [ "$left" -gt 200 ]; then
   timeout 100 ncu --clock-control none -k regex:"dense|cand_eval|embed_warp" -c 6 --set full --import-source no -o /tmp/ce \
-    python3 /tmp/two.py > /tmp/ncu2.log 2>&1
+    python3 bench/gpu_seg_embed.py > /tmp/ncu2.log 2>&1
   ncu -i /tmp/ce.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/ncu_ce_sass.csv.gz"
   ncu -i /tmp/ce.ncu-rep --print-details all > "$OUT/ncu_ce.txt" 2>&1
 fi

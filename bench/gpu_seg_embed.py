@@ -1,0 +1,46 @@
+"""The 20 h stream on the device, and segmentation + embedding as the GPU benchmarks run it.
+
+Shared by ``bench/gpu_segment.py``, ``bench/gpu_launch_probe.py``, ``bench/gpu_embed_probe.py`` and the
+Nsight Compute steps of ``bench/gpu_*.sh``; as a script it runs segmentation + embedding twice (for
+a profiler). Run on the GPU machine from the repository root (``PYTHONPATH=$PWD``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def setup(hours: float = 20.0):
+    """``(s, x, xg, seg_embed)``: the segmentation parameters at 250 Hz, the synthetic stream (seed 0)
+    on the host and on the device, and a function doing detection, beat bounds (one compaction of
+    the kept beats) and the embedding, returning ``(rows, p2p)``."""
+    import cupy
+
+    from beatflow import beats as B
+    from beatflow import kernels as K
+    from beatflow.params import SegmentParams
+    from beatflow.synth import synthesize_ecg
+
+    s = SegmentParams().samples(250.0)
+    x = synthesize_ecg(hours=hours, fs=250.0, seed=0).signal
+    xg = cupy.asarray(x)
+    base = max(1, s.pre // 2)
+
+    def seg_embed():
+        peaks = K.detect_peaks_gpu(xg, s)
+        _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
+        kept = cupy.flatnonzero(B.kept_mask(length, s))  # one compaction
+        return K.embed_gpu(xg, start[kept], B.row_lengths(length[kept], s), s.width, baseline_samples=base)
+
+    return s, x, xg, seg_embed
+
+
+if __name__ == "__main__":
+    import cupy
+
+    _, _, _, run = setup()
+    for _ in range(2):
+        run()
+    cupy.cuda.Device().synchronize()
