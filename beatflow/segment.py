@@ -280,9 +280,11 @@ def noise_mask(env, cand, heights, level, slopes, s: SegmentSamples):
     xp = namespace_of(cand)
     if cand.shape[0] == 0:
         return xp.zeros(0, dtype=bool)
-    left, right = valley_at(env, cand, s.nms)
-    return ((xp.minimum(left, right) > s.noise_valley * heights) & (slopes > s.noise_slope * heights)
-            & (heights < s.noise_level * level))
+    out = (slopes > s.noise_slope * heights) & (heights < s.noise_level * level)
+    idx = xp.flatnonzero(out)  # the window minimum only where the cheap tests pass (few candidates)
+    left, right = valley_at(env, cand[idx], s.nms)
+    out[idx] = xp.minimum(left, right) > s.noise_valley * heights[idx]
+    return out
 
 
 def refractory_mask(peaks, heights, refractory: int):
