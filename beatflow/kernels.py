@@ -119,6 +119,46 @@ def _sim_shfl_xor(mask, value, lane_mask):
     return _sim_exchange(value, (cuda.threadIdx.x % WARP) ^ lane_mask)
 
 
+def _sim_lock_shared_arrays():
+    """Make the simulator's ``cuda.shared.array`` thread-safe.
+
+    It finds a block's array by the calling line in a dict, and creates it on the first call
+    without a lock: threads of a launch's first block that call it at the same time can each get an
+    array of their own, so "shared" writes are lost (seen as a tile whose candidate count stayed 0,
+    a rare failure of the kernel tests under the simulator). Same lookup, under a lock."""
+    import traceback
+
+    try:
+        from numba.core import types
+        from numba.cuda.simulator import kernelapi
+        from numba.np import numpy_support
+
+        shared = kernelapi.FakeCUDAShared
+        if not hasattr(shared(0), "_allocations"):
+            return
+    except Exception:  # another simulator layout: leave it as it is
+        return
+    if getattr(shared.array, "_beatflow_locked", False):
+        return
+    orig = shared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype):
+        if shape == 0:  # dynamic shared memory: one preallocated buffer, no race
+            return orig(self, shape, dtype)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = traceback.extract_stack(sys._getframe(1), limit=1)[-1][0:2]  # (file, line) as the original
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+
+    array._beatflow_locked = True
+    shared.array = array
+
+
 @functools.lru_cache(maxsize=None)
 def _build():
     """Import Numba CUDA and compile-define the kernels (once). Returns ``(kernels dict, simulator?)``."""
@@ -133,6 +173,7 @@ def _build():
                           "before Numba is imported to run them on the CPU simulator")
     cuda = numba_cuda
     if sim:
+        _sim_lock_shared_arrays()
         _shfl_idx, _shfl_down, _shfl_xor = _sim_shfl_idx, _sim_shfl_down, _sim_shfl_xor
         _syncthreads = _sim_syncthreads
         _syncwarp = _sim_syncthreads  # kernels that shuffle run one-warp blocks there
