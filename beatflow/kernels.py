@@ -1160,9 +1160,7 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
     kf = _coeffs(ctx, "fine", s.fine_kernel, s.fine_a)
     ac, ah, asl, sa, sb = a(cand), a(height), a(slope), a(st_a), a(st_b)
     blocks, threads = ctx.blocks(-(-mcap // _CAND_TPB)), WARP if ctx.sim else _CAND_TPB
-    amp = xp.empty_like(d["bmax"])  # 3. the level of every block, then the candidates
-    ctx.launch(kernels["block_median"], ctx.blocks(-(-amp.shape[0] // _CAND_TPB)), threads, 0, a(d["bmax"]),
-               int(s.blocks), a(amp))
+    amp = _block_levels(ctx, d["bmax"], s)  # 3. the level of every block, then the candidates
     warps = 1 if ctx.sim else _CAND_TPB // WARP  # simulator: one-warp blocks (shuffle emulation)
     ctx.launch(kern["cand_eval"], ctx.blocks(-(-mcap // warps)), warps * WARP, 0, a(x), a(d["tcount"]), a(offsets),
                cap, a(d["tpos"]), a(d["theight"]), a(d["tvalley"]), a(amp), d["b0"], first, int(s.edge),
@@ -1195,6 +1193,15 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
 _FAR = 1 << 40  # "no limit" for the core filter
 
 
+def _block_levels(ctx, bmax, s):
+    """The local level of every block: the median of the block maxima ``bmax`` over ``±s.blocks``
+    blocks (the ``block_median`` kernel, one thread per block)."""
+    amp = ctx.xp.empty_like(bmax)
+    ctx.launch(_build()[0]["block_median"], ctx.blocks(-(-int(bmax.shape[0]) // _CAND_TPB)),
+               WARP if ctx.sim else _CAND_TPB, 0, ctx.arg(bmax), int(s.blocks), ctx.arg(amp))
+    return amp
+
+
 def _exclusive_scan(xp, counts, offsets):
     """``offsets[i] = sum(counts[:i])`` for ``i <= len(counts)`` (CuPy's scan on the device: no sync)."""
     offsets[:1] = 0
@@ -1222,11 +1229,7 @@ def qrs_envelope_gpu(x, s, *, first: int = 0, levels: bool = False):
     env = d["env"]
     if not levels:
         return xp.asnumpy(env) if host_in else env
-    bmax = d["bmax"]
-    amp = xp.empty_like(bmax)
-    nb = int(bmax.shape[0])
-    ctx.launch(kernels["block_median"], ctx.blocks(-(-nb // _CAND_TPB)), WARP if ctx.sim else _CAND_TPB, 0,
-               ctx.arg(bmax), int(s.blocks), ctx.arg(amp))
+    amp = _block_levels(ctx, d["bmax"], s)
     if host_in:
         return xp.asnumpy(env), xp.asnumpy(amp), d["b0"]
     return env, amp, d["b0"]
