@@ -48,6 +48,7 @@ _NMS_TPB = 256
 _SHARED_BYTES = 48 * 1024
 # embed: warps per block (one warp per beat)
 _EMBED_WARPS = 8
+_EMBED_CLAIM = 4  # rows a warp claims at once (embed_warp)
 # the simulator runs one Python thread per CUDA thread: few blocks, grid-stride loops do the rest
 _SIM_NMS_TPB = 32
 _SIM_MAX_BLOCKS = 4
@@ -254,59 +255,63 @@ def _build():
             gate[i] = 1 if keep else 0
 
     @cuda.jit
-    def embed_warp(x, start, length, first, width, baseline, rows, p2p, counter, beat_of_row):
-        """One warp per beat (grid-stride over beats). Writes compact rows in claim order.
+    def embed_warp(x, start, length, first, width, baseline, rows, p2p, counter, claim):
+        """Warps claim beats and write each beat's row in beat order (row = beat index).
 
-        Lane 0 claims the next output row with an atomic add on ``counter``; the row is broadcast
-        with shfl_sync. A beat with a bad length (not ``0 < length <= width``) gets a zero row and
-        p2p 0, so every beat has a row and ``beat_of_row`` is a permutation. The baseline (mean of the first
+        The warp's first lane claims the next ``claim`` output rows with one atomic add on
+        ``counter`` and broadcasts the first with shfl_sync; the warp then embeds those beats one
+        after the other, until the claims pass the last beat. (The seed's kernel claimed one row
+        per beat and wrote rows in claim order, which then needed a scatter of every row back to
+        beat order: one atomic per beat on one address cost about half the kernel's time on the
+        H200, and the scatter as much again. Claiming rows in order keeps the claim and makes the
+        scatter unnecessary; ``claim`` > 1 divides the atomics.) A beat with a bad length (not
+        ``0 < length <= width``) gets a zero row and p2p 0. The baseline (mean of the first
         ``baseline`` samples of the beat's window) is a shfl_xor_sync butterfly sum, the row is
         written (samples minus baseline, then zeros) in a warp-stride loop that also tracks the
-        lane's min/max of the valid samples, reduced with shfl_down_sync. ``beat_of_row[row]`` is
-        the beat that claimed ``row`` (the order is nondeterministic).
+        lane's min/max of the valid samples, reduced with shfl_down_sync.
         """
         n_beats = start.shape[0]
         nx = x.shape[0]
         lane = cuda.threadIdx.x % WARP
-        warp = cuda.grid(1) // WARP
-        n_warps = cuda.gridsize(1) // WARP
-        for beat in range(warp, n_beats, n_warps):  # uniform over the warp
-            ln = length[beat]
-            if ln <= 0 or ln > width:
-                ln = 0  # skipped: a zero row
-            row = np.int32(0)
+        while True:  # uniform over the warp: the claim is broadcast
+            first_row = np.int32(0)
             if lane == 0:
-                row = cuda.atomic.add(counter, 0, 1)
-            row = _shfl_idx(_FULL_MASK, row, 0)
-            s = start[beat] - first
-            base = np.float32(0.0)
-            if baseline > 0 and ln > 0:
-                nb = min(baseline, width)
-                acc = 0.0
-                for j in range(lane, nb, WARP):
-                    acc += np.float32(x[min(max(s + j, 0), nx - 1)])
+                first_row = cuda.atomic.add(counter, 0, claim)
+            first_row = _shfl_idx(_FULL_MASK, first_row, 0)
+            if first_row >= n_beats:
+                break
+            for row in range(first_row, min(first_row + claim, n_beats)):
+                ln = length[row]
+                if ln <= 0 or ln > width:
+                    ln = 0  # skipped: a zero row
+                s = start[row] - first
+                base = np.float32(0.0)
+                if baseline > 0 and ln > 0:
+                    nb = min(baseline, width)
+                    acc = 0.0
+                    for j in range(lane, nb, WARP):
+                        acc += np.float32(x[min(max(s + j, 0), nx - 1)])
+                    off = WARP // 2
+                    while off > 0:
+                        acc += _shfl_xor(_FULL_MASK, acc, off)
+                        off //= 2
+                    base = np.float32(acc / nb)
+                lo = np.float32(_INF)  # float32 keeps each shuffle one 32-bit shfl
+                hi = np.float32(-_INF)
+                for j in range(lane, width, WARP):
+                    v = np.float32(0.0)
+                    if j < ln:
+                        v = np.float32(x[min(max(s + j, 0), nx - 1)]) - base
+                        lo = min(lo, v)
+                        hi = max(hi, v)
+                    rows[row, j] = v
                 off = WARP // 2
                 while off > 0:
-                    acc += _shfl_xor(_FULL_MASK, acc, off)
+                    lo = min(lo, _shfl_down(_FULL_MASK, lo, off))
+                    hi = max(hi, _shfl_down(_FULL_MASK, hi, off))
                     off //= 2
-                base = np.float32(acc / nb)
-            lo = np.float32(_INF)  # float32 keeps each shuffle one 32-bit shfl
-            hi = np.float32(-_INF)
-            for j in range(lane, width, WARP):
-                v = np.float32(0.0)
-                if j < ln:
-                    v = np.float32(x[min(max(s + j, 0), nx - 1)]) - base
-                    lo = min(lo, v)
-                    hi = max(hi, v)
-                rows[row, j] = v
-            off = WARP // 2
-            while off > 0:
-                lo = min(lo, _shfl_down(_FULL_MASK, lo, off))
-                hi = max(hi, _shfl_down(_FULL_MASK, hi, off))
-                off //= 2
-            if lane == 0:
-                p2p[row] = hi - lo if ln > 0 else np.float32(0.0)
-                beat_of_row[row] = beat
+                if lane == 0:
+                    p2p[row] = hi - lo if ln > 0 else np.float32(0.0)
 
     # --- detection (segment.detect_peaks on the GPU): the dense stages are built per parameter set
     # by _detect_build (their loop bounds are compile-time constants); the decisions over the sparse
@@ -697,7 +702,8 @@ def local_maxima_gpu(env, half_window: int, *, tiled: bool | None = None):
     return xp.asnumpy(out) if host_in else out
 
 
-def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples: int = 0):
+def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples: int = 0,
+              claim: int = _EMBED_CLAIM):
     """Each beat in a row of a zero-padded ``(n, width)`` float32 matrix, and its peak-to-peak.
 
     Exactly :func:`beatflow.beats.embed` for beats with ``0 < length <= width`` lying in ``x``: row
@@ -709,12 +715,10 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
     (``beats.embed`` leaves those undefined). Reads are clipped to ``x``, writes to the output, so a
     bad ``start`` cannot touch memory outside the arrays.
 
-    Row order: the kernel runs one warp per beat and each warp claims its output row with an atomic
-    counter, so rows come out of the kernel in a nondeterministic order; it records
-    ``beat_of_row[row] = beat`` and the wrapper scatters ``out[beat_of_row] = rows``, so the result
-    is in beat order, the same as ``beats.embed`` (and deterministic). Every beat claims a row (a
-    skipped one writes zeros), so the scatter covers the whole output and nothing is zero-filled
-    first, and no device-to-host synchronisation is needed.
+    Row order: the kernel's warps claim rows with an atomic counter (``claim`` rows at a time) and
+    embed the beats of the rows they claimed, so rows come out in beat order, the same as
+    ``beats.embed`` (and deterministic), with no scatter and no device-to-host synchronisation.
+    Every beat has a row (a skipped one writes zeros), so nothing is zero-filled first.
 
     Parameters
     ----------
@@ -728,14 +732,18 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
         Global index of ``x[0]``.
     baseline_samples : int
         If > 0, subtract each beat's mean over its first ``baseline_samples`` samples.
+    claim : int
+        Rows a warp claims with one atomic add (1 is the seed's one claim per beat).
 
     Returns
     -------
     rows : float32 (n, width), p2p : float32 (n,), in the namespace of ``x``.
     """
-    width = int(width)
+    width, claim = int(width), int(claim)
     if width <= 0:
         raise ValueError(f"width must be positive, got {width}")
+    if claim <= 0:
+        raise ValueError(f"claim must be positive, got {claim}")
     ctx, host_in = _ctx_for(x, start, length)
     kernels, _ = _build()
     xp = ctx.xp
@@ -748,18 +756,13 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
     if n == 0:
         rows, p2p = xp.zeros((0, width), dtype=xp.float32), xp.zeros(0, dtype=xp.float32)
     else:
-        rows_c = xp.empty((n, width), dtype=xp.float32)  # rows in claim order
-        p2p_c = xp.empty(n, dtype=xp.float32)
-        beat_of_row = xp.empty(n, dtype=xp.int64)
-        counter = xp.zeros(1, dtype=xp.int32)
-        warps = 1 if ctx.sim else _EMBED_WARPS  # simulator: a block is one warp (shuffle emulation)
-        ctx.launch(kernels["embed_warp"], ctx.blocks(-(-n // warps)), warps * WARP, 0,
-                   ctx.arg(x), ctx.arg(start), ctx.arg(length), int(first), width, max(0, int(baseline_samples)),
-                   ctx.arg(rows_c), ctx.arg(p2p_c), ctx.arg(counter), ctx.arg(beat_of_row))
         rows = xp.empty((n, width), dtype=xp.float32)
         p2p = xp.empty(n, dtype=xp.float32)
-        rows[beat_of_row] = rows_c  # back to beat order (beat_of_row is a permutation)
-        p2p[beat_of_row] = p2p_c
+        counter = xp.zeros(1, dtype=xp.int32)
+        warps = 1 if ctx.sim else _EMBED_WARPS  # simulator: a block is one warp (shuffle emulation)
+        ctx.launch(kernels["embed_warp"], ctx.blocks(-(-n // (warps * claim))), warps * WARP, 0,
+                   ctx.arg(x), ctx.arg(start), ctx.arg(length), int(first), width, max(0, int(baseline_samples)),
+                   ctx.arg(rows), ctx.arg(p2p), ctx.arg(counter), int(claim))
     if host_in:
         return xp.asnumpy(rows), xp.asnumpy(p2p)
     return rows, p2p
@@ -892,15 +895,29 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                     if k < cap:
                         tpos[ti * cap + k] = pos
                         theight[ti * cap + k] = v
-                        m = v  # the lowest envelope of the window in the stream (segment.valley_at)
-                        for q in range(W):
-                            u = a[u32(c + q)]
-                            if u > -_INF and u < m:
-                                m = u
-                        tvalley[ti * cap + k] = m
                 if write_env:
                     env_out[pos] = v
                 xm = max(xm, abs(np.float64(x[pos])))
+        _syncthreads()  # the tile's candidates are in (global writes are visible to the block now)
+        # the lowest envelope of each candidate's window in the stream (segment.valley_at): one
+        # warp per candidate, each lane a stride of the window, a butterfly min (one lane walking
+        # the 2*nms + 1 values per candidate cost a third of the kernel)
+        nc = min(cnt[0], cap)
+        for k in range(w, nc, NW):  # uniform over the warp
+            c = tpos[ti * cap + k] - base
+            m = theight[ti * cap + k]
+            for q in range(lane, W, WARP):
+                u = a[u32(c + q)]
+                if u > -_INF and u < m:
+                    m = u
+            off = WARP // 2
+            while off > 0:
+                o = _shfl_xor(_FULL_MASK, m, off)
+                if o < m:
+                    m = o
+                off //= 2
+            if lane == 0:
+                tvalley[ti * cap + k] = m
         # block maxima: warp w takes the stream blocks jb = w, w + NW, ... that meet this tile
         end = min(base + tile, n)
         gb0 = (base + first) // block

@@ -196,20 +196,9 @@ def main() -> int:
         rows_d, _ = B.embed(xg, start_g, length_g, s.width, baseline_samples=base)
         c["beats_embed_dispatch_equal"] = bool(cupy.array_equal(rows_d, rows_g))
 
-        # how far from beat order the atomic claims left the rows (before the wrapper's scatter)
-        kern, _ = K._build()
-        n = int(start.shape[0])
-        rows_c = cupy.empty((n, s.width), cupy.float32)
-        p2p_c = cupy.empty(n, cupy.float32)
-        bor = cupy.full(n, n, cupy.int64)
-        counter = cupy.zeros(1, cupy.int32)
-        ctx = K._Ctx(False)
-        ctx.launch(kern["embed_warp"], -(-n // K._EMBED_WARPS), K._EMBED_WARPS * 32, 0, ctx.arg(xg), ctx.arg(start_g),
-                   ctx.arg(length_g), 0, s.width, base, ctx.arg(rows_c), ctx.arg(p2p_c), ctx.arg(counter), ctx.arg(bor))
-        bor_h = cupy.asnumpy(bor)
-        c["claimed_rows"] = int(counter.get()[0])
-        c["rows_in_beat_order_before_scatter"] = float(np.mean(bor_h == np.arange(n)))
-        c["claim_is_permutation"] = bool(np.array_equal(np.sort(bor_h), np.arange(n)))
+        # rows in beat order for every claim size (the seed's one row per claim included)
+        c["embed_claims_equal"] = {str(k): bool(cupy.array_equal(
+            K.embed_gpu(xg, start_g, length_g, s.width, baseline_samples=base, claim=k)[0], rows_g)) for k in (1, 8)}
         assert c["nms_tiled_equal"] and c["nms_global_equal"], "NMS differs from NumPy"
         assert c["embed_rows_max_abs_diff"] < 1e-4 * (1 + c["embed_signal_max_abs"]), "embedding differs"
 
@@ -263,6 +252,7 @@ def main() -> int:
         bench(rep, "NMS by cupyx maximum_filter1d (+flatnonzero)", nms_cupyx, env_g)
         gate = cupy.empty(env_g.shape[0], cupy.uint8)
         ctx = K._Ctx(False)
+        kern, _ = K._build()
 
         def nms_kernel_only():
             ctx.launch(kern["nms_tiled"], -(-env_g.shape[0] // K._NMS_TPB), K._NMS_TPB, (K._NMS_TPB + 2 * s.nms) * 8,
@@ -271,18 +261,10 @@ def main() -> int:
         bench(rep, "NMS kernel alone, shared tiles (gate only)", nms_kernel_only)
         bench(rep, "block amplitude", S.block_amplitude, env_g, 0, s)
         bench(rep, "segment.detect_peaks (whole)", S.detect_peaks, xg, s, n_repeat=10)
-        bench(rep, "embed_gpu (warp per beat, incl. scatter)",
-              lambda: K.embed_gpu(xg, start_g, length_g, s.width, baseline_samples=base),
-              note=f"{int(start.shape[0])} beats x {s.width}")
-        n = int(start.shape[0])
-
-        def embed_kernel_only():
-            counter.fill(0)
-            ctx.launch(kern["embed_warp"], -(-n // K._EMBED_WARPS), K._EMBED_WARPS * 32, 0, ctx.arg(xg),
-                       ctx.arg(start_g), ctx.arg(length_g), 0, s.width, base, ctx.arg(rows_c), ctx.arg(p2p_c),
-                       ctx.arg(counter), ctx.arg(bor))
-
-        bench(rep, "embed kernel alone (no scatter)", embed_kernel_only)
+        for k in (1, K._EMBED_CLAIM):
+            bench(rep, f"embed_gpu (warp per beat, {k} row(s) per claim)",
+                  lambda k=k: K.embed_gpu(xg, start_g, length_g, s.width, baseline_samples=base, claim=k),
+                  note=f"{int(start.shape[0])} beats x {s.width}")
         c = d["correctness"]
         rep.timing("CPU: segment.detect_peaks (NumPy/SciPy)", float("nan"), c["cpu_detect_peaks_s"] * 1e3, "1 run")
         rep.timing("CPU: local_maxima (SciPy)", float("nan"), c["cpu_local_maxima_s"] * 1e3, "1 run")

@@ -1,9 +1,9 @@
 """GPU: what bounds the warp-per-beat embedding kernel (20 h stream, ~97 k beats of 256 samples)?
 
-Times, with CUDA events (median of 20 launches): ``embed_warp`` as the product launches it (the
-warp's first lane claims its row with an atomic add on one counter), the same body with the row
-taken as the beat's index (no atomic: what the one counter costs), and a plain copy of the same
-bytes (the memory-bandwidth floor). Run on the GPU machine (``PYTHONPATH=$PWD``).
+Times, with CUDA events (median of 20 launches): ``embed_gpu`` with 1, 2, 4 and 8 rows per claim
+(the warp's first lane claims rows in order with an atomic add on one counter; 1 is the seed's one
+claim per beat), the same body with the row taken as the beat's index (one warp per beat, no
+atomic: what the counter costs), and a plain copy of the same bytes (the memory-bandwidth floor). Run on the GPU machine (``PYTHONPATH=$PWD``).
 """
 from __future__ import annotations
 
@@ -29,11 +29,8 @@ def main():
     k = cupy.flatnonzero(B.kept_mask(length, s))
     st, ln = start[k], B.row_lengths(length[k], s)
     n, width = int(st.shape[0]), s.width
-    kern = K._build()[0]["embed_warp"]
     rows = cupy.empty((n, width), cupy.float32)
     p2p = cupy.empty(n, cupy.float32)
-    bor = cupy.empty(n, cupy.int64)
-    counter = cupy.zeros(1, cupy.int32)
 
     @cuda.jit
     def embed_rows_by_index(x, start, length, width, baseline, rows, p2p):
@@ -80,12 +77,7 @@ def main():
             ts.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
         return float(np.median(ts))
 
-    ctx = K._Ctx(False)
     blocks = -(-n // K._EMBED_WARPS)
-
-    def claim():
-        counter[:] = 0
-        ctx.launch(kern, blocks, K._EMBED_WARPS * 32, 0, xg, st, ln, 0, width, 12, rows, p2p, counter, bor)
 
     stream = cuda.external_stream(cupy.cuda.get_current_stream().ptr)
     nx, nst, nln, nrows, np2p = (cuda.as_cuda_array(a) for a in (xg, st, ln, rows, p2p))
@@ -95,10 +87,13 @@ def main():
 
     dst = cupy.empty_like(rows)
     print(f"beats {n}, row bytes {rows.nbytes / 1e6:.1f} MB")
-    print(f"embed_warp (atomic claim, as launched)   {timed(claim):8.1f} µs")
+    want = K.embed_gpu(xg, st, ln, width, baseline_samples=12, claim=1)[0]
+    for k in (1, 2, 4, 8):
+        same = bool(cupy.array_equal(K.embed_gpu(xg, st, ln, width, baseline_samples=12, claim=k)[0], want))
+        t = timed(lambda k=k: K.embed_gpu(xg, st, ln, width, baseline_samples=12, claim=k))
+        print(f"embed_gpu, {k} row(s) per claim            {t:8.1f} µs  same rows as claim=1: {same}")
     print(f"same body, row = beat index (no atomic)  {timed(by_index):8.1f} µs")
     print(f"copy of the rows' bytes (bandwidth)      {timed(lambda: cupy.copyto(dst, rows)):8.1f} µs")
-    print(f"embed_gpu (kernel + scatter to beat order) {timed(lambda: K.embed_gpu(xg, st, ln, width, baseline_samples=12)):8.1f} µs")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ def _mode():
 MODE = _mode()
 pytestmark = pytest.mark.skipif(MODE is None, reason="no CUDA GPU and the Numba CUDA simulator is not active")
 
+from beatflow import kernels as K  # noqa: E402
 from beatflow.kernels import embed_gpu, local_maxima_gpu  # noqa: E402
 
 
@@ -110,9 +111,10 @@ def _beats(rng, nx, n, width, lo=1):
     return start, length
 
 
-def _check_embed(x, start, length, width, first, base):
+def _check_embed(x, start, length, width, first, base, claim=K._EMBED_CLAIM):
     """Kernel vs loop reference and beats.embed for valid beats (0 < length <= width), zeros for the others."""
-    got, p2p = embed_gpu(dev(x), dev(start + first), dev(length), width, first=first, baseline_samples=base)
+    got, p2p = embed_gpu(dev(x), dev(start + first), dev(length), width, first=first, baseline_samples=base,
+                         claim=claim)
     got, p2p = host(got), host(p2p)
     assert got.shape == (len(start), width) and got.dtype == np.float32 and p2p.dtype == np.float32
     ok = (length > 0) & (length <= width)
@@ -145,8 +147,12 @@ def test_embed_skips_bad_lengths_and_keeps_beat_order():
     width = 64
     x = rng.normal(size=900)  # float64 input: rows are float32 like beats.embed's
     start, length = _beats(rng, len(x), 24, width)
-    length[[2, 9, 17]] = [0, width + 1, 5 * width]  # skipped; the rest fill rows out of claim order
-    _check_embed(x, start, length, width, 0, 3)
+    length[[2, 9, 17]] = [0, width + 1, 5 * width]  # skipped zero rows among the others
+    # warps claim one row at a time (the seed's), a few, more than a warp's share, more than all
+    for claim in (1, 3, 4, 7, 100):
+        _check_embed(x, start, length, width, 0, 3, claim=claim)
+    with pytest.raises(ValueError, match="claim must be positive"):
+        embed_gpu(dev(x), dev(start), dev(length), width, claim=0)
 
 
 def test_embed_beat_at_the_end_of_x():
@@ -308,7 +314,6 @@ def test_fast_launch_same_results_as_numba_launch(synthetic_ecg, monkeypatch):
     give exactly what Numba's own launches give, and are the ones taken after the first call."""
     import cupy
 
-    from beatflow import kernels as K
     from beatflow.params import SegmentParams
 
     s = SegmentParams().samples(250.0)
