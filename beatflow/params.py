@@ -63,6 +63,20 @@ class SegmentParams:
         Beats longer than ``max_length_s`` are kept with their row cut to that length (default), or
         pruned as in the seed (``False``). A premature beat is followed by a long compensatory
         pause, so pruning long beats drops ~40 % of the ventricular ectopic beats of MIT-BIH.
+    vf_window_s, vf_context, vf_min_windows : float, int, int
+        Ventricular flutter/fibrillation episodes (:mod:`beatflow.rhythm`): windows of this length,
+        aligned to the stream; each is judged on itself and ``±vf_context`` neighbours, and an
+        episode is at least ``vf_min_windows`` consecutive such windows. Peaks inside an episode are
+        dropped (flutter waves are no beats).
+    vf_baseline_ratio, vf_baseline_tol : float
+        A window has no isoelectric baseline when fewer than ``vf_baseline_ratio`` of its samples
+        (high-passed) lie within ``vf_baseline_tol`` × its 3–97 % range of its median
+        (``vf_baseline_ratio=0`` switches the rule off).
+    vf_max_freq_hz : float
+        ... and its mean frequency (the Hjorth mobility of the high-passed signal, from the QRS-band
+        slope) is below this: smooth, sinusoid-like waves rather than sharp QRS complexes or noise.
+    vf_highpass_s : float
+        The high-pass of these measures: the signal minus its moving mean over this time.
     """
 
     wavelet_width_s: float = 0.008
@@ -89,6 +103,13 @@ class SegmentParams:
     min_length_s: float = 0.4
     max_length_s: float = 1.024
     cut_long: bool = True
+    vf_window_s: float = 1.0
+    vf_context: int = 2
+    vf_min_windows: int = 5
+    vf_baseline_ratio: float = 0.35
+    vf_baseline_tol: float = 0.1
+    vf_max_freq_hz: float = 5.5
+    vf_highpass_s: float = 0.6
 
     def samples(self, fs: float) -> "SegmentSamples":
         """These parameters in samples at rate ``fs``."""
@@ -118,6 +139,14 @@ class SegmentParams:
         accepted = strong + twave + refractory  # T-wave test, then refractory between neighbours
         searched = accepted + max(rr_window, max_gap) + twave  # search-back, then its refractory
         halo = max(accepted, searched) + edge + upper + pre  # + the beats a partition embeds
+        # the VF episode rule (beatflow.rhythm): a peak's window, its episode's run of windows on
+        # either side, their ±context windows, and the filters' radius around those samples
+        vf_window = r(self.vf_window_s)
+        vf_highpass = 2 * (r(self.vf_highpass_s) // 2) + 1
+        vf_runs = max(1, int(self.vf_min_windows))
+        vf_halo = (vf_runs + int(self.vf_context)) * vf_window + max(vf_highpass // 2, kernel // 2) + 2
+        if self.vf_baseline_ratio > 0:
+            halo = max(halo, vf_halo)
         return SegmentSamples(a=a, kernel=kernel, fine_a=fine_a, fine_kernel=fine_kernel, box=box,
                               slope_half=slope_half, nms=nms, refractory=refractory, ratio=self.threshold_ratio,
                               weak_ratio=self.weak_ratio, block=block, blocks=self.threshold_blocks, twave=twave,
@@ -125,7 +154,10 @@ class SegmentParams:
                               margin=self.searchback_margin, rr_window=rr_window, max_gap=max_gap, edge=edge,
                               pre=pre, lower=lower, upper=upper, width=width, halo=int(halo),
                               cut_long=bool(self.cut_long), noise_valley=float(self.noise_valley_ratio),
-                              noise_slope=float(self.noise_slope_ratio), noise_level=float(self.noise_level_ratio))
+                              noise_slope=float(self.noise_slope_ratio), noise_level=float(self.noise_level_ratio),
+                              vf_window=vf_window, vf_context=int(self.vf_context), vf_runs=vf_runs,
+                              vf_baseline=float(self.vf_baseline_ratio), vf_tol=float(self.vf_baseline_tol),
+                              vf_omega=2.0 * math.pi * float(self.vf_max_freq_hz) / fs, vf_highpass=vf_highpass)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -164,3 +196,10 @@ class SegmentSamples:
     noise_valley: float = 0.25
     noise_slope: float = 3.5
     noise_level: float = 0.8
+    vf_window: int = 250  # beatflow.rhythm: window length, context and minimum episode (windows)
+    vf_context: int = 2
+    vf_runs: int = 5
+    vf_baseline: float = 0.0  # below this fraction of near-median samples (0: the rule is off)
+    vf_tol: float = 0.1
+    vf_omega: float = 2.0 * math.pi * 5.5 / 250.0  # largest mean frequency, radians per sample
+    vf_highpass: int = 151  # moving-mean length of the high-pass (odd)

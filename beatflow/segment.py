@@ -32,7 +32,10 @@ The steps of :func:`detect_peaks`:
 7. ``drop_refractory``: of two accepted peaks closer than ``refractory``, the smaller goes;
 8. ``search_back``: a weak candidate is accepted where the accepted beats around it leave a gap
    longer than ``searchback`` × the local mean RR (beats within ``±rr_window``), if it is at least
-   ``margin`` × RR from both and not T-wave-like; the ends of the stream bound a gap as a beat does.
+   ``margin`` × RR from both and not T-wave-like; the ends of the stream bound a gap as a beat does;
+9. :func:`beatflow.rhythm.flutter_keep_mask`: peaks inside ventricular flutter/fibrillation
+   episodes (runs of windows with no isoelectric baseline and a low mean frequency) are dropped
+   (array code after either backend's detection, in :func:`detect_peaks`).
 
 Why not the seed's Ricker wavelet by FFT: on real ECG (MIT-BIH) a Ricker response of fixed width
 peaks on tall T waves and on the wrong lobe of wide beats; the slope envelope with a T-wave test
@@ -90,7 +93,10 @@ def despike(x):
         return x.copy()
     p = xp.pad(x, 1, mode="reflect")
     a, b, c = p[:-2], p[1:-1], p[2:]
-    return xp.maximum(xp.minimum(a, b), xp.minimum(xp.maximum(a, b), c))
+    lo = xp.minimum(a, b)  # max(min(a, b), min(max(a, b), c)), with two temporaries
+    hi = xp.maximum(a, b)
+    xp.minimum(hi, c, out=hi)
+    return xp.maximum(lo, hi, out=lo)
 
 
 def _convolve_edge(x, kernel):
@@ -399,13 +405,25 @@ def detect_peaks(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] 
     -------
     array of int64
         Sorted global sample indices of the detected peaks (maxima of the QRS energy envelope),
-        in the namespace of ``x``.
+        in the namespace of ``x``. Peaks inside ventricular flutter/fibrillation episodes are
+        dropped (:func:`beatflow.rhythm.flutter_keep_mask`, for both backends; ``s.vf_baseline = 0``
+        switches that off).
     """
+    vf = s.vf_baseline > 0
     if namespace_of(x) is not np:  # the GPU runs the same steps as a few kernels (beatflow.kernels)
         from .kernels import detect_peaks_gpu
 
-        return detect_peaks_gpu(x, s, first=first, core=core)
-    return _detect_peaks_xp(x, s, first=first, core=core)
+        peaks = detect_peaks_gpu(x, s, first=first, core=None if vf else core)
+    else:
+        peaks = _detect_peaks_xp(x, s, first=first, core=None if vf else core)
+    if not vf:
+        return peaks
+    from .rhythm import flutter_keep_mask  # the rhythm rule is array code on the detected peaks
+
+    peaks = peaks[flutter_keep_mask(x, peaks, first, s)]
+    if core is not None:
+        peaks = peaks[(peaks >= core[0]) & (peaks < core[1])]
+    return peaks
 
 
 def _detect_peaks_xp(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None):

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from beatflow import engines  # noqa: E402
-from beatflow.engine import PRECISIONS, TOLERANCES, OnnxRuntimeEngine, export_onnx, torch_threads  # noqa: E402
+from beatflow.engine import PRECISIONS, OnnxRuntimeEngine, export_onnx, torch_threads  # noqa: E402
 from beatflow.metrics import roc_auc  # noqa: E402
 
 BATCHES = [1 << k for k in range(14)]  # 1 .. 8192

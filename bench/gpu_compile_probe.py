@@ -6,9 +6,9 @@
 
 Random LightVAE weights (seed 0); figures in bench/RESULTS.md.
 """
-import os, sys, time, subprocess, tempfile, json
+import os, sys, time
 sys.path.insert(0, os.getcwd())
-import torch, numpy as np
+import torch
 from beatflow.model import LightVAE, Scorer
 from beatflow.fused import FusedScorer
 mode = sys.argv[1]

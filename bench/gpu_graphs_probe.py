@@ -221,7 +221,6 @@ def engine_infer(precision="fp32"):
 def train_graph(pool, precision="fp32", epochs=10, batch=1024):
     """10 epochs: the compiled step as in train_vae, then the whole step (forward, backward, fused
     Adam) captured in one CUDA graph; loss trajectories compared."""
-    import numpy as np
     import torch
 
     from beatflow.fused import fused_forward

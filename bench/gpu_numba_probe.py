@@ -2,7 +2,7 @@
 
     python bench/gpu_numba_probe.py     # times (CUDA events, median of 20) and PTX sizes; JSON under $OUT
 """
-import json, os, sys
+import json, os
 import numpy as np
 
 OUT = os.environ.get("OUT", "bench/out")

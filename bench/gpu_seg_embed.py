@@ -14,12 +14,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def setup(hours: float = 20.0):
     """``(s, x, xg, seg_embed)``: the segmentation parameters at 250 Hz, the synthetic stream (seed 0)
-    on the host and on the device, and a function doing detection, beat bounds (one compaction of
-    the kept beats) and the embedding, returning ``(rows, p2p)``."""
+    on the host and on the device, and a function doing detection as the product does it (the
+    kernels and the flutter-episode rule), beat bounds (one compaction of the kept beats) and the
+    embedding, returning ``(rows, p2p)``."""
     import cupy
 
     from beatflow import beats as B
     from beatflow import kernels as K
+    from beatflow import segment as S
     from beatflow.params import SegmentParams
     from beatflow.synth import synthesize_ecg
 
@@ -29,7 +31,7 @@ def setup(hours: float = 20.0):
     base = max(1, s.pre // 2)
 
     def seg_embed():
-        peaks = K.detect_peaks_gpu(xg, s)
+        peaks = S.detect_peaks(xg, s)  # the kernels, then the flutter rule (array code on CuPy)
         _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
         kept = cupy.flatnonzero(B.kept_mask(length, s))  # one compaction
         return K.embed_gpu(xg, start[kept], B.row_lengths(length[kept], s), s.width, baseline_samples=base)

@@ -99,6 +99,10 @@ def main():
     time_it("dense kernel, envelope written (qrs_envelope_gpu)", lambda: K.qrs_envelope_gpu(xg, s))
     time_it("NMS kernel alone + flatnonzero (local_maxima_gpu)", lambda: K.local_maxima_gpu(env, s.nms))
     time_it("detect_peaks_gpu (whole detection)", lambda: K.detect_peaks_gpu(xg, s))
+    from beatflow.rhythm import flutter_keep_mask
+
+    time_it("flutter-episode rule on CuPy (rhythm.flutter_keep_mask)", lambda: flutter_keep_mask(xg, peaks, 0, s))
+    time_it("segment.detect_peaks (the kernels + the flutter rule)", lambda: S.detect_peaks(xg, s))
     def bounds():
         _, st_, ln_ = B.beats_from_peaks(peaks, s, xg.shape[0])
         k = cupy.flatnonzero(B.kept_mask(ln_, s))
@@ -106,7 +110,7 @@ def main():
 
     time_it("beat bounds + kept beats + row lengths", bounds)
     time_it("embed_gpu", lambda: K.embed_gpu(xg, st, ln, s.width, baseline_samples=base))
-    time_it("segmentation + embedding (detect, bounds, embed)", seg_embed)
+    time_it("segmentation + embedding (detect with the rule, bounds, embed)", seg_embed)
     time_it("array code on CuPy (segment._detect_peaks_xp, before)", lambda: S._detect_peaks_xp(xg, s), n_repeat=5)
     print("== launch shapes of the detection kernels (threads per tile, samples per tile)", flush=True)
     default = (K._DET_TPB, K._DET_TILE)

@@ -144,8 +144,9 @@ def noise_mask(env, cand, heights, level, slopes, s) -> np.ndarray:
     return np.asarray(out, dtype=bool)
 
 
-def detect_peaks(x, s, first: int = 0) -> np.ndarray:
-    """The whole segmentation, by loops."""
+def detect_peaks(x, s, first: int = 0, vf: bool = False) -> np.ndarray:
+    """The whole segmentation, by loops (with ``vf``: and the flutter rule of :func:`flutter_keep_mask`,
+    as ``segment.detect_peaks`` applies it after either backend's detection)."""
     n = len(x)
     env = energy_envelope(wavelet_response(x, s), s.box)
     slopes = slope_envelope(x, s)
@@ -165,7 +166,10 @@ def detect_peaks(x, s, first: int = 0) -> np.ndarray:
     added = search_back(strong, [slopes[c] for c in strong], weak, [slopes[c] for c in weak],
                         [env[c] for c in weak], s, length=n)
     peaks = sorted(strong + [c for c, a in zip(weak, added) if a])
-    return np.asarray(peaks, dtype=np.int64) + first
+    peaks = np.asarray(peaks, dtype=np.int64) + first
+    if vf:
+        peaks = peaks[flutter_keep_mask(x, peaks, first, s)]
+    return peaks
 
 
 def embed(x, start, length, width: int, baseline_samples: int = 0):
@@ -196,3 +200,42 @@ def match_count(detected, reference, tol: int) -> int:
         return False
 
     return sum(augment(i, set()) for i in range(len(reference)))
+
+
+def flutter_keep_mask(x, peaks, first: int, s) -> np.ndarray:
+    """Ventricular flutter rule (``beatflow.rhythm``) by loops over windows and peaks."""
+    peaks = [int(p) for p in peaks]
+    n, W, c, L = len(x), s.vf_window, s.vf_context, max(1, s.vf_runs)
+    if not peaks or n == 0 or not s.vf_baseline > 0:
+        return np.ones(len(peaks), dtype=bool)
+    xd = despike(x)
+    half = s.vf_highpass // 2
+    high = np.asarray([xd[i] - sum(xd[min(max(j, 0), n - 1)] for j in range(i - half, i + half + 1)) / s.vf_highpass
+                       for i in range(n)])
+    slope = wavelet_response(x, s)
+    w0 = first // W
+    nw = -(-(first + n) // W) - w0
+    near, e0, e1 = [], [], []
+    for k in range(nw):  # window w0 + k, its samples outside x repeat x's first or last one
+        idx = [min(max((w0 + k) * W + i - first, 0), n - 1) for i in range(W)]
+        h, d = high[idx], slope[idx]
+        med, rng = np.median(h), np.percentile(h, 97.0) - np.percentile(h, 3.0)
+        near.append(sum(1 for v in h if abs(v - med) < s.vf_tol * rng) / float(W))
+        e0.append(float(np.sum(h * h)))
+        e1.append(float(np.sum(d * d)))
+    like = []
+    for k in range(nw):
+        base, es, ed, cnt = 0.0, 0.0, 0.0, 0.0
+        for j in range(k - c, k + c + 1):
+            if 0 <= j < nw:
+                base += near[j]
+                es += e0[j]
+                ed += e1[j]
+                cnt += 1.0
+        like.append(base / cnt < s.vf_baseline and ed < s.vf_omega ** 2 * es)
+    episode = [False] * nw
+    for j in range(nw - L + 1):
+        if all(like[j:j + L]):
+            for k in range(j, j + L):
+                episode[k] = True
+    return np.asarray([not episode[p // W - w0] for p in peaks], dtype=bool)

@@ -1,0 +1,153 @@
+"""Ventricular flutter/fibrillation episodes: detected peaks inside them are waves, not beats.
+
+In ventricular flutter the ECG is a smooth, almost sinusoidal wave at 3–5 Hz with no isoelectric
+baseline; the QRS detector takes its crests for beats (MIT-BIH 207: ~300 false positives inside the
+annotated episodes, which carry no beat annotations). Fast ventricular tachycardia has beats of
+similar rate, so the rule looks at the wave's shape rather than at the rate.
+
+One implementation for NumPy and CuPy (the namespace comes from the input), array code over
+fixed windows of ``s.vf_window`` samples aligned to the stream (window ``k`` covers global samples
+``[k·W, (k+1)·W)``, as the blocks of :func:`beatflow.segment.block_amplitude`):
+
+1. the despiked signal is high-passed (minus its moving mean over ``s.vf_highpass`` samples) and
+   its QRS-band slope taken (:func:`beatflow.segment.wavelet_response`);
+2. per window: the fraction of samples within ``s.vf_tol`` × (97th − 3rd percentile) of the
+   window's median (the isoelectric baseline of a normal ECG holds most samples; flutter crosses
+   it), and the energies of the high-passed signal and of its slope;
+3. over each window and its ``±s.vf_context`` neighbours: the window is *flutter-like* when the
+   mean baseline fraction is below ``s.vf_baseline`` and the mean frequency (Hjorth mobility,
+   ``sqrt(E_slope / E_signal)`` in radians per sample) is below ``s.vf_omega`` (smooth waves:
+   QRS complexes, noise and spikes raise it);
+4. an episode is a run of at least ``s.vf_runs`` consecutive flutter-like windows; the peaks in
+   its windows are dropped.
+
+A partition's decision for a window looks at most ``(s.vf_runs + s.vf_context)`` windows away plus
+the filters' radius; :meth:`beatflow.params.SegmentParams.samples` makes the halo cover that, so the
+result does not depend on the partitioning. ``s.vf_baseline = 0`` switches the rule off.
+"""
+from __future__ import annotations
+
+from .backend import namespace_of, scipy_for
+from .params import SegmentSamples
+from .segment import _slope, despike
+
+
+def _shift_stack(v, radius: int, fill):
+    """``[v[k - radius], …, v[k + radius]]`` for every ``k`` as a ``(len(v), 2·radius + 1)`` matrix;
+    positions outside ``v`` hold ``fill``."""
+    xp = namespace_of(v)
+    n = v.shape[0]
+    padded = xp.pad(v, radius, constant_values=fill)
+    return xp.stack([padded[i : i + n] for i in range(2 * radius + 1)], axis=1)
+
+
+def _context_sum(v, radius: int):
+    """``v[k - radius] + … + v[k + radius]`` for every ``k`` (positions outside ``v`` add 0), added
+    in that order (as the loop reference adds them)."""
+    stack = _shift_stack(v, radius, 0.0)
+    total = stack[:, 0]
+    for i in range(1, 2 * radius + 1):
+        total = total + stack[:, i]
+    return total
+
+
+def window_features(x, first: int, s: SegmentSamples):
+    """Per stream-aligned window, over it and its ``±s.vf_context`` neighbours: whether its waves
+    are smooth, and the mean fraction of near-median samples.
+
+    Parameters
+    ----------
+    x : array, 1-D
+        Samples ``[first, first + len(x))`` of a recording.
+    first : int
+        Global index of ``x[0]``.
+
+    Returns
+    -------
+    (smooth, base, w0) : bool array, float64 array, int
+        For global window ``w0 + k``: ``smooth[k]``, the mean frequency over the windows
+        ``k ± vf_context`` (those that overlap ``x``: summed squared slope below ``vf_omega²`` ×
+        summed squared high-passed signal) is below ``vf_omega``; ``base[k]``, the mean over the
+        same windows of the fraction of near-median samples, computed only where it decides
+        (``smooth[k]``; elsewhere it is not meaningful). The windows at the ends of ``x`` are
+        completed with its first and last sample.
+    """
+    xp = namespace_of(x)
+    _, ndimage = scipy_for(xp)
+    W, n = s.vf_window, x.shape[0]
+    w0 = first // W
+    lead = first - w0 * W
+    nw = -(-(lead + n) // W)
+    xd = despike(x)
+    high = xd - ndimage.uniform_filter1d(xd, size=s.vf_highpass, mode="nearest")
+    slope = _slope(xd, s.kernel, s.a)  # segment.wavelet_response, despiked once
+    tail = nw * W - lead - n
+    h = xp.pad(high, (lead, tail), mode="edge").reshape(nw, W)
+    d = xp.pad(slope, (lead, tail), mode="edge").reshape(nw, W)
+    c = s.vf_context
+    e_signal = _context_sum((h * h).sum(axis=1), c)
+    e_slope = _context_sum((d * d).sum(axis=1), c)
+    smooth = e_slope < s.vf_omega**2 * e_signal
+    # the baseline fraction (a median and two percentiles per window: most of the rule's cost) only
+    # for the windows within ±c of a smooth one, the ones a smooth window's mean reads
+    need = _context_sum(smooth.astype(xp.float64), c) > 0
+    rows = xp.flatnonzero(need)
+    near = xp.zeros(nw, dtype=xp.float64)
+    if rows.shape[0]:
+        hr = h[rows]
+        med = xp.median(hr, axis=1)
+        lo, hi = xp.percentile(hr, [3.0, 97.0], axis=1)
+        near[rows] = (xp.abs(hr - med[:, None]) < s.vf_tol * (hi - lo)[:, None]).sum(axis=1) / float(W)
+    base = _context_sum(near, c) / _context_sum(xp.ones(nw, dtype=xp.float64), c)
+    return smooth, base, w0
+
+
+def flutter_windows(x, first: int, s: SegmentSamples):
+    """Which stream-aligned windows lie in a ventricular flutter/fibrillation episode.
+
+    Returns
+    -------
+    (episode, w0) : bool array, int
+        ``episode[k]`` for global window ``w0 + k``: the window is in a run of at least
+        ``s.vf_runs`` consecutive flutter-like windows (low mean frequency and low baseline
+        fraction: :func:`window_features`).
+    """
+    xp = namespace_of(x)
+    smooth, base, w0 = window_features(x, first, s)
+    like = smooth & (base < s.vf_baseline)
+    L = max(1, s.vf_runs)
+    nw = like.shape[0]
+    # full[j]: windows j .. j + L - 1 are all flutter-like; episode[k]: some full[j] with k - L < j <= k
+    padded = xp.pad(like, (0, L - 1), constant_values=False)
+    full = xp.ones(nw, dtype=bool)
+    for i in range(L):
+        full &= padded[i : i + nw]
+    padded = xp.pad(full, (L - 1, 0), constant_values=False)
+    episode = xp.zeros(nw, dtype=bool)
+    for i in range(L):
+        episode |= padded[i : i + nw]
+    return episode, w0
+
+
+def flutter_keep_mask(x, peaks, first: int, s: SegmentSamples):
+    """True for the peaks outside ventricular flutter/fibrillation episodes.
+
+    Parameters
+    ----------
+    x : array, 1-D
+        Samples ``[first, first + len(x))`` of a recording (a partition with its halos).
+    peaks : int array
+        Global sample indices of detected peaks, inside ``x``.
+    first : int
+        Global index of ``x[0]``.
+
+    Returns
+    -------
+    bool array over ``peaks`` (all True when ``s.vf_baseline <= 0``, the rule switched off).
+    """
+    xp = namespace_of(x)
+    if peaks.shape[0] == 0 or x.shape[0] == 0 or not s.vf_baseline > 0:
+        return xp.ones(peaks.shape[0], dtype=bool)
+    episode, w0 = flutter_windows(x, first, s)
+    k = xp.clip(peaks // s.vf_window - w0, 0, episode.shape[0] - 1)
+    return ~episode[k]

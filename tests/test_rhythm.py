@@ -1,0 +1,143 @@
+"""The ventricular flutter episode rule (beatflow.rhythm): array code against the loop reference,
+partition invariance, and MIT-BIH 207 (flutter) and VT runs (203, 205, 207)."""
+import numpy as np
+import pytest
+
+import naive
+from beatflow import rhythm as R
+from beatflow import segment as S
+from beatflow.backend import cupy_available
+from beatflow.params import SegmentParams
+from beatflow.partitions import assemble_halos, edges, segment_partition
+from beatflow.reading import PartitionSpec, _split_even
+
+
+def _flutter(rng, n, fs, amp=1.0):
+    """A flutter-like wave: a 4–5 Hz sinusoid with a slowly drifting phase and a little noise."""
+    t = np.arange(n) / fs
+    f = rng.uniform(4.0, 5.0)
+    return (amp * np.sin(2 * np.pi * f * t + 0.3 * np.sin(0.5 * t)) + 0.05 * rng.normal(size=n)).astype(np.float32)
+
+
+def _stream(seed, fs=250.0, seconds=60.0):
+    """Synthetic ECG with one flutter episode of 15–25 s replacing part of it."""
+    from beatflow.synth import synthesize_ecg
+
+    rng = np.random.default_rng(seed)
+    x = synthesize_ecg(hours=seconds / 3600.0, fs=fs, seed=seed).signal.astype(np.float32).copy()
+    a = int(rng.uniform(0.2, 0.4) * x.shape[0])
+    b = a + int(rng.uniform(0.3, 0.5) * seconds * fs)
+    x[a:b] = _flutter(rng, b - a, fs, amp=float(np.percentile(np.abs(x), 99)))
+    return x, a, b
+
+
+def test_rhythm_matches_loop_reference():
+    fs = 250.0
+    s = SegmentParams().samples(fs)
+    fired = 0
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        x, a, b = _stream(seed, fs, seconds=24.0)
+        if seed == 3:  # plain noise and a bare sinusoid too
+            x = np.concatenate([rng.normal(size=3000).astype(np.float32), _flutter(rng, 4000, fs)])
+        peaks = np.sort(rng.choice(x.shape[0], 200, replace=False)).astype(np.int64)
+        for first in (0, 1137):
+            got = R.flutter_keep_mask(x, peaks + first, first, s)
+            np.testing.assert_array_equal(got, naive.flutter_keep_mask(x, peaks + first, first, s))
+            fired += int((~got).sum())
+        sh = SegmentParams(vf_context=1, vf_min_windows=3, vf_window_s=0.7).samples(fs)
+        np.testing.assert_array_equal(R.flutter_keep_mask(x, peaks, 0, sh), naive.flutter_keep_mask(x, peaks, 0, sh))
+    assert fired > 0
+
+
+def test_rhythm_fires_on_flutter_only_and_can_be_switched_off():
+    fs = 250.0
+    s = SegmentParams().samples(fs)
+    off = SegmentParams(vf_baseline_ratio=0.0).samples(fs)
+    for seed in range(3):
+        x, a, b = _stream(seed, fs)
+        on_peaks, off_peaks = S.detect_peaks(x, s), S.detect_peaks(x, off)
+        gone = np.setdiff1d(off_peaks, on_peaks)
+        assert gone.size > 0.5 * ((off_peaks >= a) & (off_peaks < b)).sum()
+        assert ((gone >= a - 2 * fs) & (gone < b + 2 * fs)).all()  # nothing outside the episode
+    clean = np.concatenate([_stream(5, fs)[0][: int(0.2 * 60 * fs)]] * 3)  # no flutter: nothing dropped
+    np.testing.assert_array_equal(S.detect_peaks(clean, s), S.detect_peaks(clean, off))
+
+
+def test_rhythm_partition_invariance():
+    fs = 250.0
+    s = SegmentParams().samples(fs)
+    x, a, b = _stream(7, fs, seconds=90.0)
+    whole = S.detect_peaks(x, s)
+    assert whole.size < S.detect_peaks(x, SegmentParams(vf_baseline_ratio=0.0).samples(fs)).size
+    for n_parts in (2, 5, 13):
+        spans = _split_even(len(x), n_parts)
+        specs = [PartitionSpec(0, k, lo, hi) for k, (lo, hi) in enumerate(spans)]
+        parts = [x[lo:hi] for lo, hi in spans]
+        e = [edges(p, s.halo) for p in parts]
+        lefts, rights, firsts = assemble_halos(specs, [len(p) for p in parts], [h for h, _ in e],
+                                               [t for _, t in e], s.halo)
+        got = [segment_partition(p, lo, hi, f, s) for p, lo, hi, f in zip(parts, lefts, rights, firsts)]
+        np.testing.assert_array_equal(np.concatenate(got), whole)
+
+
+def _beats_kept(rec, lo, hi, s):
+    """Annotated beats in [lo, hi) and how many of them the detection matches with the rule on/off."""
+    from beatflow.metrics import match_beats
+
+    ref, _ = rec.beats
+    ref = ref[(ref >= lo) & (ref < hi)]
+    tol = int(round(0.15 * rec.fs))
+    on = match_beats(S.detect_peaks(rec.signal, s), ref, tol)[0].tp
+    off = match_beats(S.detect_peaks(rec.signal, SegmentParams(vf_baseline_ratio=0.0).samples(rec.fs)), ref, tol)[0].tp
+    return ref.size, on, off
+
+
+def test_mitdb_207_flutter_dropped_and_vt_runs_kept(mitdb):
+    from beatflow.evaluate import load_record
+
+    rec = load_record(str(mitdb / "207"), max_seconds=70.0)
+    s = SegmentParams().samples(rec.fs)
+    on, off = S.detect_peaks(rec.signal, s), S.detect_peaks(rec.signal, SegmentParams(vf_baseline_ratio=0.0)
+                                                            .samples(rec.fs))
+    a, b = 14665, 18350  # the first (VFL episode
+    inside = lambda p: ((p >= a) & (p <= b)).sum()  # noqa: E731
+    assert inside(off) > 20 and inside(on) <= 0.3 * inside(off)
+    n, kept_on, kept_off = _beats_kept(rec, 13868, 14414, s)  # the VT run just before it
+    assert n > 0 and kept_on == kept_off
+    n, kept_on, kept_off = _beats_kept(rec, 22262, 22774, s)  # and the one after the second episode
+    assert n > 0 and kept_on == kept_off
+
+
+@pytest.mark.parametrize("name, seconds, runs", [("203", 120.0, [(16689, 17156), (33033, 33602), (37837, 38291)]),
+                                                  ("205", 310.0, [(107561, 108650), (109089, 110272)])])
+def test_mitdb_vt_runs_keep_their_beats(mitdb, name, seconds, runs):
+    from beatflow.evaluate import load_record
+
+    rec = load_record(str(mitdb / name), max_seconds=seconds)
+    s = SegmentParams().samples(rec.fs)
+    for lo, hi in runs:
+        n, kept_on, kept_off = _beats_kept(rec, lo, hi, s)
+        assert n > 0 and kept_on == kept_off
+    off = S.detect_peaks(rec.signal, SegmentParams(vf_baseline_ratio=0.0).samples(rec.fs))
+    np.testing.assert_array_equal(S.detect_peaks(rec.signal, s), off)  # nothing dropped in these records
+
+
+@pytest.mark.skipif(not cupy_available(), reason="needs CuPy on a CUDA GPU")
+def test_rhythm_on_cupy_same_as_numpy():
+    """The GPU path runs the same array code on CuPy: the same mask, and detect_peaks drops the same peaks."""
+    import cupy
+
+    fs = 250.0
+    s = SegmentParams().samples(fs)
+    for seed in range(3):
+        x, a, b = _stream(seed, fs)
+        rng = np.random.default_rng(seed)
+        peaks = np.sort(rng.choice(x.shape[0], 300, replace=False)).astype(np.int64)
+        for first in (0, 1137):
+            want = R.flutter_keep_mask(x, peaks + first, first, s)
+            got = R.flutter_keep_mask(cupy.asarray(x), cupy.asarray(peaks + first), first, s)
+            np.testing.assert_array_equal(cupy.asnumpy(got), want)
+        want = S.detect_peaks(x, s)
+        assert want.size < S.detect_peaks(x, SegmentParams(vf_baseline_ratio=0.0).samples(fs)).size  # it fired
+        np.testing.assert_array_equal(cupy.asnumpy(S.detect_peaks(cupy.asarray(x), s)), want)
