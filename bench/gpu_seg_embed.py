@@ -32,8 +32,9 @@ def setup(hours: float = 20.0):
 
     def seg_embed():
         peaks = S.detect_peaks(xg, s)  # the kernels, then the flutter rule (array code on CuPy)
-        _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])
-        kept = cupy.flatnonzero(B.kept_mask(length, s))  # one compaction
+        # beats.beats_from_peaks and beats.kept_mask in one compaction (one synchronisation)
+        start, length = peaks[:-1] - s.pre, cupy.diff(peaks)
+        kept = cupy.flatnonzero((start >= 0) & (start + length <= xg.shape[0]) & B.kept_mask(length, s))
         return K.embed_gpu(xg, start[kept], B.row_lengths(length[kept], s), s.width, baseline_samples=base)
 
     return s, x, xg, seg_embed

@@ -88,6 +88,13 @@ def main():
 
     rows, _ = seg_embed()
     c["rows"] = int(rows.shape[0])
+    _, st0, ln0 = B.beats_from_peaks(S.detect_peaks(x, s), s, x.shape[0])
+    k0 = B.kept_mask(ln0, s)
+    rows_h, _ = B.embed(x, st0[k0], B.row_lengths(ln0[k0], s), s.width, baseline_samples=base)
+    c["seg_embed_rows_equal_cpu"] = bool(rows_h.shape == rows.shape) and float(
+        np.abs(cupy.asnumpy(rows) - rows_h).max()) < 1e-4 * (1 + float(np.abs(x).max()))
+    print(f"rows of segmentation + embedding on the GPU = the CPU path's: {c['seg_embed_rows_equal_cpu']} "
+          f"({rows.shape[0]} rows)", flush=True)
     env = K.qrs_envelope_gpu(xg, s)
     cand = K.local_maxima_gpu(env, s.nms)
     c["candidates"] = int(cand.shape[0])
@@ -103,9 +110,9 @@ def main():
 
     time_it("flutter-episode rule on CuPy (rhythm.flutter_keep_mask)", lambda: flutter_keep_mask(xg, peaks, 0, s))
     time_it("segment.detect_peaks (the kernels + the flutter rule)", lambda: S.detect_peaks(xg, s))
-    def bounds():
-        _, st_, ln_ = B.beats_from_peaks(peaks, s, xg.shape[0])
-        k = cupy.flatnonzero(B.kept_mask(ln_, s))
+    def bounds():  # as seg_embed: beats_from_peaks and kept_mask in one compaction
+        st_, ln_ = peaks[:-1] - s.pre, cupy.diff(peaks)
+        k = cupy.flatnonzero((st_ >= 0) & (st_ + ln_ <= xg.shape[0]) & B.kept_mask(ln_, s))
         return st_[k], B.row_lengths(ln_[k], s)
 
     time_it("beat bounds + kept beats + row lengths", bounds)
