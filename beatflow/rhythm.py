@@ -32,22 +32,16 @@ from .params import SegmentSamples
 from .segment import _slope, despike
 
 
-def _shift_stack(v, radius: int, fill):
-    """``[v[k - radius], …, v[k + radius]]`` for every ``k`` as a ``(len(v), 2·radius + 1)`` matrix;
-    positions outside ``v`` hold ``fill``."""
-    xp = namespace_of(v)
-    n = v.shape[0]
-    padded = xp.pad(v, radius, constant_values=fill)
-    return xp.stack([padded[i : i + n] for i in range(2 * radius + 1)], axis=1)
-
-
 def _context_sum(v, radius: int):
     """``v[k - radius] + … + v[k + radius]`` for every ``k`` (positions outside ``v`` add 0), added
-    in that order (as the loop reference adds them)."""
-    stack = _shift_stack(v, radius, 0.0)
-    total = stack[:, 0]
+    in that order (as the loop reference adds them): one padded copy and ``2·radius`` additions of
+    its shifted views (few launches on a GPU)."""
+    xp = namespace_of(v)
+    n = v.shape[0]
+    padded = xp.pad(v, radius, constant_values=0)
+    total = padded[0:n]
     for i in range(1, 2 * radius + 1):
-        total = total + stack[:, i]
+        total = total + padded[i : i + n]
     return total
 
 
