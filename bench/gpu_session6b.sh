@@ -20,21 +20,7 @@ echo "== Nsight Compute durations ($(el))"
 timeout 120 nsys --version >/dev/null 2>&1 && echo "(nsys present)"
 timeout 150 ncu --clock-control none -c 40 --section SpeedOfLight --section LaunchStats --section Occupancy \
   python3 bench/gpu_seg_embed.py > "$OUT/ncu_b.txt" 2>&1
-python3 - "$OUT/ncu_b.txt" <<'PY'
-import re, sys, collections
-name, tot = None, collections.defaultdict(list)
-for ln in open(sys.argv[1], errors="replace"):
-    m = re.match(r"^  (\S+?)(\[abi|\(|<| )", ln)
-    if m and "::" in ln or (m and ln.startswith("  ") and not ln.startswith("   ")):
-        name = ln.strip().split("(")[0].split("[abi")[0].split("::")[-1][:40]
-    m = re.search(r"Duration\s+(\S+)\s+([\d.,]+)", ln)
-    if m and name:
-        v = float(m.group(2).replace(",", "")); v = v / 1000 if m.group(1) == "ns" else (v * 1000 if m.group(1) == "ms" else v)
-        tot[name].append(v)
-for k, v in tot.items():
-    h = v[len(v) // 2:]  # the second (warm) half
-    print(f"  {k:42s} n={len(v):3d}  µs (second call) {sum(h):9.1f}  each {[round(x, 1) for x in h][:6]}")
-PY
+python3 bench/ncu_durations.py "$OUT/ncu_b.txt"
 echo "== flow on a standing cluster ($(el))"
 rm -rf /tmp/bf-persistent-* /tmp/flowout; mkdir -p /tmp/flowout
 OUT=/tmp/flowout RUNS=${RUNS:-2} RUN_LIMIT=150 timeout 300 python3 bench/gpu_flow_persistent.py 2>&1 | grep -v -i warn | tail -8

@@ -28,23 +28,7 @@ echo "== Nsight Compute ($(el))"
 left=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
 [ "$left" -gt 80 ] && timeout $(( left - 15 < 150 ? left - 15 : 150 )) ncu --clock-control none -c 40 --section SpeedOfLight \
   --section LaunchStats --section Occupancy python3 bench/gpu_seg_embed.py > "$OUT/ncu_c.txt" 2>&1
-python3 - "$OUT/ncu_c.txt" <<'PY'
-import re, sys, collections
-name, tot = None, collections.defaultdict(list)
-for ln in open(sys.argv[1], errors="replace"):
-    if ln.startswith("  ") and not ln.startswith("   ") and "(" in ln:
-        name = ln.strip().split("(")[0].split("[abi")[0].split("::")[-1][:40]
-    m = re.search(r"Duration\s+(\S+)\s+([\d.,]+)", ln)
-    if m and name:
-        v = float(m.group(2).replace(",", "")); v = v / 1000 if m.group(1) == "ns" else (v * 1000 if m.group(1) == "ms" else v)
-        tot[name].append(v)
-allk = 0.0
-for k, v in tot.items():
-    h = v[len(v) // 2:]
-    allk += sum(h)
-    print(f"  {k:42s} n={len(v):3d}  µs (second call) {sum(h):9.1f}")
-print(f"  all kernels of the second call: {allk:.1f} µs")
-PY
+python3 bench/ncu_durations.py "$OUT/ncu_c.txt"
 left=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
 if [ "$left" -gt 200 ]; then
   timeout 100 ncu --clock-control none -k regex:"dense|cand_eval|embed_warp" -c 6 --set full --import-source no -o /tmp/ce \

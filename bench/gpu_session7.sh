@@ -31,23 +31,7 @@ left=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
 if ! skip ncu && [ "$left" -gt 260 ]; then
   timeout 110 ncu --clock-control none -c 40 --section SpeedOfLight python3 bench/gpu_seg_embed.py > "$OUT/ncu.txt" 2>&1
 fi
-[ -f "$OUT/ncu.txt" ] && python3 - "$OUT/ncu.txt" <<'PY'
-import re, sys, collections
-name, tot = None, collections.defaultdict(list)
-for ln in open(sys.argv[1], errors="replace"):
-    if ln.startswith("  ") and not ln.startswith("   ") and "(" in ln:
-        name = ln.strip().split("(")[0].split("[abi")[0].split("::")[-1][:40]
-    m = re.search(r"Duration\s+(\S+)\s+([\d.,]+)", ln)
-    if m and name:
-        v = float(m.group(2).replace(",", "")); v = v / 1000 if m.group(1) == "ns" else (v * 1000 if m.group(1) == "ms" else v)
-        tot[name].append(v)
-allk = 0.0
-for k, v in tot.items():
-    h = v[len(v) // 2:]
-    allk += sum(h)
-    print(f"  {k:42s} n={len(v):3d}  µs (second call) {sum(h):9.1f}")
-print(f"  all kernels of the second call: {allk:.1f} µs")
-PY
+[ -f "$OUT/ncu.txt" ] && python3 bench/ncu_durations.py "$OUT/ncu.txt"
 echo "== flow on a standing cluster ($(el))"
 left=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
 if [ "$left" -gt 140 ]; then
