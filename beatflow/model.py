@@ -196,6 +196,7 @@ class TrainResult:
     test_index: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     seconds: float = 0.0
     cudagraphs: bool = False  # whether the steps ran as replayed CUDA graphs
+    compiled: bool = False  # whether the steps ran torch.compile-d (see train_vae's ``compile``)
 
 
 def _as_float_tensor(beats: ArrayLike, device: Optional[Union[str, torch.device]] = None) -> torch.Tensor:
@@ -254,6 +255,9 @@ def train_vae(
         Run each step's forward and backward as one ``torch.compile``-d function of the fusible
         form of the model (:mod:`beatflow.fused`, same parameters and arithmetic): a few fused
         kernels per step instead of dozens of cuDNN/elementwise launches. The first steps compile.
+        Where the steps are captured in CUDA graphs while PyTorch allocates from RMM (a pluggable
+        allocator: the flow's GPU workers), the fusible form runs uncompiled: Inductor's kernels
+        cannot be launched inside such a capture. ``TrainResult.compiled`` tells what ran.
     cudagraphs : bool or None
         On a GPU, capture each step shape's whole step (forward, backward, fused Adam) once in a
         CUDA graph and replay it: one launch per step instead of dozens (the steps are tiny, so
@@ -299,7 +303,8 @@ def train_vae(
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
     scaler = torch.amp.GradScaler(data.device.type) if amp == torch.float16 else None
-    step_loss = _step_loss(model, data.device.type, amp, compile)
+    compiled = training_compiled(compile, graphs)
+    step_loss = raw_step = _step_loss(model, data.device.type, amp, compiled, fused=bool(compile))
     if graphs:
         shapes = {min(batch_size, n_train), n_train % batch_size or min(batch_size, n_train)}
         try:
@@ -360,6 +365,7 @@ def train_vae(
         test_index=test_index,
         seconds=time.perf_counter() - t0,
         cudagraphs=graphs,
+        compiled=compiled and not getattr(raw_step, "failed", False),
     )
 
 
@@ -470,6 +476,16 @@ class _GraphedSteps:
         return loss
 
 
+def training_compiled(compile: bool, graphs: bool) -> bool:
+    """Whether :func:`train_vae` compiles its steps: as asked, except when they are captured in CUDA
+    graphs while PyTorch allocates through a pluggable allocator (RMM's async pool in the flow's GPU
+    workers). Inductor's kernels cannot be launched inside such a capture ("CUDA driver error:
+    invalid argument", H200); there the graphs hold the fusible form uncompiled (10 epochs of 97 k
+    rows in 1.3 s, against 1.8 s compiled and launched without graphs), and the compilation (10-35 s
+    in a fresh worker) is not spent."""
+    return bool(compile) and not (graphs and not native_allocator())
+
+
 def training_precision(precision: str, device) -> str:
     """The precision ``train_vae`` uses: ``auto`` is bf16 on a GPU that supports it, fp16 on
     another GPU, fp32 on the CPU; fp16/bf16 on the CPU are refused (no tensor cores to gain from)."""
@@ -489,14 +505,19 @@ def _autocast_dtype(precision: str):
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def _step_loss(model: "LightVAE", device_type: str, amp, compile: bool):
-    """``loss(xb)`` of one training step: eager ``model(xb)``, or the compiled fusible form."""
+def _step_loss(model: "LightVAE", device_type: str, amp, compile: bool, fused: bool | None = None):
+    """``loss(xb)`` of one training step: eager ``model(xb)``, or the fusible form
+    (:mod:`beatflow.fused`, ``fused``; default: when ``compile``), ``torch.compile``-d when
+    ``compile``. A compiled step that fails (no Triton, no compiler) runs uncompiled from then on;
+    the returned function's ``failed`` attribute tells."""
     import contextlib
+
+    fused = compile if fused is None else fused
 
     def cast():
         return torch.autocast(device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
 
-    if not compile:
+    if not fused:
         def eager(xb):
             with cast():
                 recon, mu, logvar = model(xb)
@@ -505,17 +526,16 @@ def _step_loss(model: "LightVAE", device_type: str, amp, compile: bool):
 
     from .fused import fused_forward
 
-    def fused(xb, eps):
+    def fusible(xb, eps):
         with cast():
             recon, mu, logvar = fused_forward(model, xb, eps)
         return vae_loss(xb, recon.float(), mu.float(), logvar.float())
 
-    compiled = torch.compile(fused, dynamic=False)
-    state = {"failed": False}
+    compiled = torch.compile(fusible, dynamic=False) if compile else None
 
     def step(xb):
         eps = torch.randn(xb.shape[0], LATENT_DIM, device=xb.device, dtype=xb.dtype)
-        if not state["failed"]:
+        if compiled is not None and not step.failed:
             try:
                 return compiled(xb, eps)
             except Exception as e:  # no Triton / compiler here: the same step, uncompiled
@@ -523,8 +543,10 @@ def _step_loss(model: "LightVAE", device_type: str, amp, compile: bool):
 
                 warnings.warn(f"torch.compile of the training step failed ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}); training uncompiled", RuntimeWarning)
-                state["failed"] = True
-        return fused(xb, eps)
+                step.failed = True
+        return fusible(xb, eps)
+
+    step.failed = False
     return step
 
 

@@ -182,13 +182,13 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
     with open(os.path.join(folder, "model.json"), "w") as f:
         json.dump({"scale": scale, "width": int(beats.shape[1]), "epochs": epochs, "batch_size": batch_size,
                    "seed": seed, "train_loss": res.train_loss, "test_loss": res.test_loss,
-                   "input": MODEL_INPUT, "precision": precision, "compiled": bool(compile),
+                   "input": MODEL_INPUT, "precision": precision, "compiled": res.compiled,
                    "cuda_graphs": res.cudagraphs}, f, indent=1)
     return {
         "model": model_path, "validation": val_path, "scale": scale, "train_loss": res.train_loss,
         "test_loss": res.test_loss, "test_index": res.test_index, "seconds": res.seconds,
         "sample_rows": raw_rows, "rows": int(beats.shape[0]), "dominant": dominant, "precision": precision,
-        "compiled": bool(compile), "cuda_graphs": res.cudagraphs,
+        "compiled": res.compiled, "cuda_graphs": res.cudagraphs,
     }
 
 

@@ -83,6 +83,32 @@ def test_compiled_training_matches_eager_training():
         warnings.simplefilter("always")
         b = train_vae(x, epochs=2, batch_size=128, seed=1, compile=True)
     assert not [w for w in seen if "training uncompiled" in str(w.message)]  # it did compile
+    assert b.compiled and not a.compiled
     np.testing.assert_allclose(b.train_loss, a.train_loss, rtol=1e-4)
     np.testing.assert_allclose(b.test_loss, a.test_loss, rtol=1e-4)
+
+
+def test_steps_uncompiled_in_graphs_under_a_pluggable_allocator(monkeypatch):
+    """Captured steps are compiled only with PyTorch's own allocator (Inductor's kernels cannot be
+    launched inside a capture under RMM's async pool); there the fusible form runs uncompiled and
+    gives the compiled step's loss."""
+    import torch
+
+    from beatflow import model as M
+
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
+    assert M.training_compiled(True, graphs=True) and M.training_compiled(True, graphs=False)
+    assert not M.training_compiled(False, graphs=True)
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "pluggable")
+    assert not M.training_compiled(True, graphs=True) and M.training_compiled(True, graphs=False)
+    torch.manual_seed(0)
+    model = M.LightVAE(64)
+    xb = torch.from_numpy((0.3 * np.random.default_rng(1).normal(size=(32, 64))).astype(np.float32))
+    losses = []
+    for compile in (True, False):
+        step = M._step_loss(model, "cpu", None, compile, fused=True)
+        torch.manual_seed(5)  # the same reparameterisation noise
+        losses.append(float(step(xb)))
+        assert not step.failed
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
