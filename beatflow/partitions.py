@@ -12,7 +12,7 @@ from .backend import namespace_of, to_host
 from .beats import beats_from_peaks, embed, kept_mask
 from .params import SegmentSamples
 from .reading import PartitionSpec
-from .segment import detect_peaks
+from .segment import detect_beats
 
 
 def edges(x, halo: int):
@@ -63,10 +63,13 @@ def extend(core, left, right):
     return xp.concatenate([xp.asarray(left, dtype=core.dtype), core, xp.asarray(right, dtype=core.dtype)])
 
 
-def segment_partition(core, left, right, first: int, s: SegmentSamples):
-    """Peaks (global sample indices in the recording) whose position lies in this partition's core."""
+def segment_partition(core, left, right, first: int, s: SegmentSamples, *, episodes: bool = False):
+    """Peaks (global sample indices in the recording) whose position lies in this partition's core;
+    with ``episodes``, also the ventricular flutter/fibrillation episodes within the core
+    (``[start, end)`` ranges, :func:`beatflow.segment.detect_beats`)."""
     x = extend(core, left, right)
-    return detect_peaks(x, s, first=first - left.shape[0], core=(first, first + core.shape[0]))
+    out = detect_beats(x, s, first=first - left.shape[0], core=(first, first + core.shape[0]))
+    return out if episodes else out[0]
 
 
 def embed_partition(core, left, right, first: int, start, length, s: SegmentSamples):

@@ -555,6 +555,11 @@ def _summary_cards(d: ReportData) -> str:
     pf = s.get("pruned_fraction")
     cards.append(_card("pruned", f"{100.0 * float(pf):.2f} %" if pf is not None else "–"))
     cards.append(_card("anomalies flagged", _fmt_num(s.get("anomalies_flagged")), alert=True))
+    vf = s.get("flutter_episodes")
+    if isinstance(vf, dict):  # ventricular flutter/fibrillation: the waves are no beats (rhythm_episodes.csv)
+        n = int(vf.get("count") or 0)
+        cards.append(_card("VF / flutter episodes", f"{n} ({_fmt_hms(float(vf.get('seconds') or 0))})" if n else "none",
+                           alert=n > 0))
     cards.append(_card("test loss", _fmt_num(s.get("test_loss", d.test_loss))))
     cards.append(_card("device", _fmt_num(s.get("device"))))
     cards.append(_card("workers", _fmt_num(s.get("workers"))))
@@ -574,7 +579,7 @@ def _summary_cards(d: ReportData) -> str:
 
 _CONSUMED = {
     "samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss", "anomalies_flagged",
-    "device", "workers", "engine", "timings_s", "truth",
+    "device", "workers", "engine", "timings_s", "truth", "flutter_episodes",
 }
 
 
@@ -754,7 +759,7 @@ def render_report_html(data: ReportData, figures: dict | None = None) -> str:
                  + '<p class="note">Flagged beats (score ≥ threshold) are circled in red.</p></div>')
     parts.append("</section>")
 
-    parts.append(f'<section id="anomalies"><h2>Top anomalies</h2>')
+    parts.append('<section id="anomalies"><h2>Top anomalies</h2>')
     top_png = fig("top")
     if top_png is not None:
         parts.append(f'<div class="panel"><h3>Top {n_top} in context</h3>' + _img(top_png, "top anomalies")

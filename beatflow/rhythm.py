@@ -27,6 +27,8 @@ result does not depend on the partitioning. ``s.vf_baseline = 0`` switches the r
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .backend import namespace_of, scipy_for
 from .params import SegmentSamples
 from .segment import _slope, despike
@@ -123,6 +125,57 @@ def flutter_windows(x, first: int, s: SegmentSamples):
     return episode, w0
 
 
+def episode_spans(episode, w0: int, window: int, lo: int, hi: int):
+    """The runs of episode windows as ``[start, end)`` global sample ranges, clipped to ``[lo, hi)``.
+
+    Parameters
+    ----------
+    episode : bool array
+        ``episode[k]`` for global window ``w0 + k`` (:func:`flutter_windows`).
+    window : int
+        Window length in samples.
+
+    Returns
+    -------
+    int64 array (m, 2), in the namespace of ``episode``; runs that miss ``[lo, hi)`` are left out.
+    """
+    xp = namespace_of(episode)
+    d = xp.diff(xp.pad(episode.astype(xp.int8), 1))  # +1 at a run's first window, -1 after its last
+    starts = xp.maximum((xp.flatnonzero(d == 1) + w0) * window, lo)
+    ends = xp.minimum((xp.flatnonzero(d == -1) + w0) * window, hi)
+    keep = ends > starts
+    return xp.stack([starts[keep], ends[keep]], axis=1).astype(xp.int64)
+
+
+def merge_spans(spans) -> np.ndarray:
+    """Sample ranges of one recording gathered from its partitions (host arrays ``(m, 2)``), sorted,
+    with ranges that touch or overlap joined (an episode across a partition boundary is one)."""
+    rows = sorted(tuple(int(v) for v in r) for a in spans for r in np.asarray(a).reshape(-1, 2))
+    out: list[list[int]] = []
+    for a, b in rows:
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+
+
+def flutter_rule(x, peaks, first: int, s: SegmentSamples, span: tuple[int, int] | None = None):
+    """The peaks to keep and the episodes: ``(keep, episodes)``.
+
+    ``keep`` as :func:`flutter_keep_mask`; ``episodes`` the flutter/fibrillation episodes as
+    ``[start, end)`` global sample ranges (whole windows) clipped to ``span`` (default: ``x``), an
+    int64 ``(m, 2)`` array in the namespace of ``x`` (empty when the rule is off).
+    """
+    xp = namespace_of(x)
+    lo, hi = (first, first + x.shape[0]) if span is None else (int(span[0]), int(span[1]))
+    if x.shape[0] == 0 or not s.vf_baseline > 0:
+        return xp.ones(peaks.shape[0], dtype=bool), xp.zeros((0, 2), dtype=xp.int64)
+    episode, w0 = flutter_windows(x, first, s)
+    k = xp.clip(peaks // s.vf_window - w0, 0, episode.shape[0] - 1)
+    return ~episode[k], episode_spans(episode, w0, s.vf_window, lo, hi)
+
+
 def flutter_keep_mask(x, peaks, first: int, s: SegmentSamples):
     """True for the peaks outside ventricular flutter/fibrillation episodes.
 
@@ -142,6 +195,4 @@ def flutter_keep_mask(x, peaks, first: int, s: SegmentSamples):
     xp = namespace_of(x)
     if peaks.shape[0] == 0 or x.shape[0] == 0 or not s.vf_baseline > 0:
         return xp.ones(peaks.shape[0], dtype=bool)
-    episode, w0 = flutter_windows(x, first, s)
-    k = xp.clip(peaks // s.vf_window - w0, 0, episode.shape[0] - 1)
-    return ~episode[k]
+    return flutter_rule(x, peaks, first, s)[0]

@@ -409,21 +409,35 @@ def detect_peaks(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] 
         dropped (:func:`beatflow.rhythm.flutter_keep_mask`, for both backends; ``s.vf_baseline = 0``
         switches that off).
     """
+    return detect_beats(x, s, first=first, core=core)[0]
+
+
+def detect_beats(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None):
+    """:func:`detect_peaks`, and the ventricular flutter/fibrillation episodes it dropped peaks in.
+
+    Returns
+    -------
+    (peaks, episodes) : int64 arrays in the namespace of ``x``
+        The peaks as :func:`detect_peaks`; the episodes as ``[start, end)`` global sample ranges
+        within ``core`` (default: ``x``), shape ``(m, 2)`` (:func:`beatflow.rhythm.flutter_rule`).
+    """
+    xp = namespace_of(x)
     vf = s.vf_baseline > 0
-    if namespace_of(x) is not np:  # the GPU runs the same steps as a few kernels (beatflow.kernels)
+    if xp is not np:  # the GPU runs the same steps as a few kernels (beatflow.kernels)
         from .kernels import detect_peaks_gpu
 
         peaks = detect_peaks_gpu(x, s, first=first, core=None if vf else core)
     else:
         peaks = _detect_peaks_xp(x, s, first=first, core=None if vf else core)
     if not vf:
-        return peaks
-    from .rhythm import flutter_keep_mask  # the rhythm rule is array code on the detected peaks
+        return peaks, xp.zeros((0, 2), dtype=xp.int64)
+    from .rhythm import flutter_rule  # the rhythm rule is array code on the detected peaks
 
-    peaks = peaks[flutter_keep_mask(x, peaks, first, s)]
+    keep, episodes = flutter_rule(x, peaks, first, s, span=core)
+    peaks = peaks[keep]
     if core is not None:
         peaks = peaks[(peaks >= core[0]) & (peaks < core[1])]
-    return peaks
+    return peaks, episodes
 
 
 def _detect_peaks_xp(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None):

@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 from prefect import flow, get_run_logger, unmapped
 from prefect.futures import wait
 
@@ -213,9 +214,15 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     # segmentation
     seg_tokens = [token(base_token, "segment", sp.recording, firsts[k], lengths[k]) if cache else None
                   for k, sp in enumerate(specs)]
-    peaks = [f.result() for f in cached(T.segment_partition, cache).map(parts, lefts, rights, firsts, unmapped(s),
-                                                                          seg_tokens)]
+    segmented = [f.result() for f in cached(T.segment_partition, cache).map(parts, lefts, rights, firsts,
+                                                                              unmapped(s), seg_tokens)]
+    peaks = [p for p, _ in segmented]
     plan = plan_beats(specs, firsts, n_samples, peaks, s)
+    episodes = _flutter_episodes(specs, [e for _, e in segmented], source, fs)
+    episodes.to_csv(work / "rhythm_episodes.csv", index=False)
+    if len(episodes):
+        log.warning("ventricular flutter/fibrillation: %d episode(s), %.1f s in all (rhythm_episodes.csv); "
+                    "their waves are not counted as beats", len(episodes), float(episodes["duration_s"].sum()))
     if plan.n_detected == 0:
         raise InputError(f"{source.path}: no heartbeats found (flat line or no QRS-like peaks)")
     if plan.n_kept < 64:
@@ -296,6 +303,7 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
         log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
     summary = _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers,
                        specs, truth)
+    summary["flutter_episodes"] = {"count": int(len(episodes)), "seconds": float(episodes["duration_s"].sum())}
     if truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end
         summary["input"] = f"synthetic ECG ({hours:g} h, seed {seed}): input.npy, truth.npz"
     data = _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, table, top, ctx, overview,
@@ -320,6 +328,19 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
         (work / name).unlink(missing_ok=True)
     _publish_artifacts(summary, top)
     return summary
+
+
+def _flutter_episodes(specs, per_partition, source, fs: float) -> pd.DataFrame:
+    """The ventricular flutter/fibrillation episodes of every recording (partitions' ranges joined),
+    as a table: recording, start_s, end_s, duration_s (rhythm_episodes.csv)."""
+    from beatflow.rhythm import merge_spans
+
+    rows = []
+    for rec in sorted({sp.recording for sp in specs}):
+        spans = merge_spans([per_partition[k] for k, sp in enumerate(specs) if sp.recording == rec])
+        for a, b in spans:
+            rows.append((source.recordings[rec].name, a / fs, b / fs, (b - a) / fs))
+    return pd.DataFrame(rows, columns=["recording", "start_s", "end_s", "duration_s"])
 
 
 def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers, specs,
@@ -417,6 +438,10 @@ def _publish_artifacts(summary: dict, top) -> None:
         lines.append(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
     e = summary["engine"]
     lines.append(f"| engine | {e['backend']} ({e['precision']}), max abs err {e['max_abs_err']:.2e} |")
+    vf = summary.get("flutter_episodes") or {}
+    if vf.get("count"):
+        lines.append(f"| ventricular flutter/fibrillation | {vf['count']} episode(s), {vf['seconds']:.1f} s "
+                     "(rhythm_episodes.csv) |")
     if "truth" in summary:
         t = summary["truth"]
         lines.append(f"| truth | Se {t['se']:.4f}, PPV {t['ppv']:.4f}, ROC-AUC {t['auc']:.4f} |")

@@ -9,8 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import time
-from pathlib import Path
 
 import numpy as np
 from prefect import get_run_logger, task
@@ -83,10 +81,12 @@ def partition_edges(core, halo: int):
 
 @partition_task(name="segment-partition")
 def segment_partition(core, left, right, first: int, s: SegmentSamples, cache_token: str | None = None):
-    """Peaks of one partition (QRS envelope, non-maximum suppression, local thresholds; see beatflow.segment)."""
+    """Peaks of one partition (QRS envelope, non-maximum suppression, local thresholds; see beatflow.segment)
+    and the ventricular flutter/fibrillation episodes in its core: ``(peaks, episodes)``, host arrays."""
     xp = namespace(_device_of(core))
-    peaks = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, s)
-    return to_host(peaks)
+    peaks, episodes = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, s,
+                                          episodes=True)
+    return to_host(peaks), to_host(episodes)
 
 
 @partition_task(name="embed-partition")

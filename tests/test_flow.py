@@ -31,7 +31,7 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     out = tmp_path / "run"
     summary = run_flow(out, hours=0.25, seed=5, epochs=3, partitions=3)
     files = {p.name for p in out.iterdir()}
-    assert {"summary.json", "anomalies.parquet", "report.html", "model.pt", "engine.onnx"} <= files
+    assert {"summary.json", "anomalies.parquet", "report.html", "model.pt", "engine.onnx", "rhythm_episodes.csv"} <= files
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
     saved = json.loads((out / "summary.json").read_text())
     assert SUMMARY_KEYS <= set(saved)
@@ -40,6 +40,8 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     assert len(saved["train_loss"]) == 3 and saved["train_loss"][-1] < saved["train_loss"][0]
     assert saved["truth"]["se"] > 0.99 and saved["truth"]["ppv"] > 0.99
     assert saved["truth"]["auc"] > 0.8
+    assert saved["flutter_episodes"] == {"count": 0, "seconds": 0.0}  # the synthetic ECG has none
+    assert len(pd.read_csv(out / "rhythm_episodes.csv")) == 0
     assert saved["engine"]["max_abs_err"] < 1e-4 and saved["engine"]["backend"] == "onnxruntime"
     assert saved["engine"]["clock"] == "monotonic" and 0 < saved["engine"]["latency_batch1_us"]["p50"] < 1e5
     assert set(saved["engine"]["throughput_by_batch"]) == {"1", "32", "256", "1024", "8192"}
@@ -58,6 +60,27 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     np.testing.assert_array_equal(t7["peak"], table["peak"])
     np.testing.assert_allclose(t7["score"], table["score"], rtol=1e-4, atol=1e-6)
     assert other["beats_detected"] == saved["beats_detected"]
+
+
+def test_flow_lists_a_flutter_episode(harness, tmp_path):
+    """An ECG with a ventricular flutter episode: the episode is listed (rhythm_episodes.csv, the
+    summary, the report) and its waves are not counted as beats."""
+    from test_rhythm import _stream
+
+    x, a, b = _stream(11, 250.0, seconds=240.0)
+    p = tmp_path / "ecg.npy"
+    np.save(p, x)
+    out = tmp_path / "run"
+    summary = run_flow(out, input=str(p), fs=250.0, epochs=2, partitions=3)
+    ep = pd.read_csv(out / "rhythm_episodes.csv")
+    assert list(ep.columns) == ["recording", "start_s", "end_s", "duration_s"]
+    assert len(ep) == 1 and summary["flutter_episodes"]["count"] == 1
+    start, end = float(ep["start_s"].iloc[0]), float(ep["end_s"].iloc[0])
+    assert a / 250.0 - 3 < start < a / 250.0 + 6 and b / 250.0 - 6 < end < b / 250.0 + 3  # the flutter, in seconds
+    assert summary["flutter_episodes"]["seconds"] == end - start
+    peaks = pd.read_parquet(out / "anomalies.parquet")["peak"].to_numpy()
+    assert not ((peaks >= start * 250 + 250) & (peaks < end * 250 - 250)).any()  # no beats inside
+    assert "VF / flutter episodes" in (out / "report.html").read_text()
 
 
 def test_cli_on_one_mitbih_record(prefect_server, mitdb, tmp_path):

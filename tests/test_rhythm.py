@@ -64,12 +64,35 @@ def test_rhythm_fires_on_flutter_only_and_can_be_switched_off():
     np.testing.assert_array_equal(S.detect_peaks(clean, s), S.detect_peaks(clean, off))
 
 
+def test_episodes_are_the_ranges_of_the_dropped_peaks():
+    """flutter_rule's episodes hold exactly the peaks its mask drops; merge_spans joins touching ranges."""
+    fs = 250.0
+    s = SegmentParams().samples(fs)
+    for seed in range(3):
+        x, a, b = _stream(seed, fs, seconds=90.0)
+        peaks = S.detect_peaks(x, SegmentParams(vf_baseline_ratio=0.0).samples(fs))
+        for first in (0, 777):
+            keep, ep = R.flutter_rule(x, peaks + first, first, s)
+            assert ep.shape[1] == 2 and len(ep) >= 1 and (ep[:, 0] < ep[:, 1]).all()
+            assert (ep[:, 0] >= first).all() and (ep[:, 1] <= first + len(x)).all()
+            inside = ((peaks[:, None] + first >= ep[:, 0]) & (peaks[:, None] + first < ep[:, 1])).any(axis=1)
+            np.testing.assert_array_equal(keep, ~inside)
+            assert ((ep[:, 0] - first < b + 2 * fs) & (ep[:, 1] - first > a - 2 * fs)).all()  # at the flutter
+    off = SegmentParams(vf_baseline_ratio=0.0).samples(fs)
+    assert R.flutter_rule(x, peaks, 0, off)[1].shape == (0, 2)
+    np.testing.assert_array_equal(R.merge_spans([np.array([[10, 20], [40, 50]]), np.array([[20, 30]]),
+                                                 np.zeros((0, 2), np.int64), np.array([[45, 60]])]),
+                                  [[10, 30], [40, 60]])
+    assert R.merge_spans([]).shape == (0, 2)
+
+
 def test_rhythm_partition_invariance():
     fs = 250.0
     s = SegmentParams().samples(fs)
     x, a, b = _stream(7, fs, seconds=90.0)
-    whole = S.detect_peaks(x, s)
+    whole, whole_episodes = S.detect_beats(x, s)
     assert whole.size < S.detect_peaks(x, SegmentParams(vf_baseline_ratio=0.0).samples(fs)).size
+    assert len(whole_episodes) >= 1
     for n_parts in (2, 5, 13):
         spans = _split_even(len(x), n_parts)
         specs = [PartitionSpec(0, k, lo, hi) for k, (lo, hi) in enumerate(spans)]
@@ -77,8 +100,9 @@ def test_rhythm_partition_invariance():
         e = [edges(p, s.halo) for p in parts]
         lefts, rights, firsts = assemble_halos(specs, [len(p) for p in parts], [h for h, _ in e],
                                                [t for _, t in e], s.halo)
-        got = [segment_partition(p, lo, hi, f, s) for p, lo, hi, f in zip(parts, lefts, rights, firsts)]
-        np.testing.assert_array_equal(np.concatenate(got), whole)
+        got = [segment_partition(p, lo, hi, f, s, episodes=True) for p, lo, hi, f in zip(parts, lefts, rights, firsts)]
+        np.testing.assert_array_equal(np.concatenate([pk for pk, _ in got]), whole)
+        np.testing.assert_array_equal(R.merge_spans([ep for _, ep in got]), whole_episodes)
 
 
 def _beats_kept(rec, lo, hi, s):
@@ -138,6 +162,8 @@ def test_rhythm_on_cupy_same_as_numpy():
             want = R.flutter_keep_mask(x, peaks + first, first, s)
             got = R.flutter_keep_mask(cupy.asarray(x), cupy.asarray(peaks + first), first, s)
             np.testing.assert_array_equal(cupy.asnumpy(got), want)
-        want = S.detect_peaks(x, s)
+        want, want_ep = S.detect_beats(x, s)
         assert want.size < S.detect_peaks(x, SegmentParams(vf_baseline_ratio=0.0).samples(fs)).size  # it fired
-        np.testing.assert_array_equal(cupy.asnumpy(S.detect_peaks(cupy.asarray(x), s)), want)
+        got, got_ep = S.detect_beats(cupy.asarray(x), s)
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)
+        np.testing.assert_array_equal(cupy.asnumpy(got_ep), want_ep)
