@@ -192,7 +192,6 @@ def flutter_keep_mask(x, peaks, first: int, s: SegmentSamples):
     -------
     bool array over ``peaks`` (all True when ``s.vf_baseline <= 0``, the rule switched off).
     """
-    xp = namespace_of(x)
-    if peaks.shape[0] == 0 or x.shape[0] == 0 or not s.vf_baseline > 0:
-        return xp.ones(peaks.shape[0], dtype=bool)
+    if peaks.shape[0] == 0:  # nothing to drop: the windows are not needed
+        return namespace_of(x).ones(0, dtype=bool)
     return flutter_rule(x, peaks, first, s)[0]

@@ -12,6 +12,18 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def kept_bounds(peaks, s, n: int):
+    """Start and row length of the kept beats of ``peaks`` (CuPy): ``beats.beats_from_peaks`` and
+    ``beats.kept_mask`` in one compaction (one synchronisation)."""
+    import cupy
+
+    from beatflow import beats as B
+
+    start, length = peaks[:-1] - s.pre, cupy.diff(peaks)
+    kept = cupy.flatnonzero((start >= 0) & (start + length <= n) & B.kept_mask(length, s))
+    return start[kept], B.row_lengths(length[kept], s)
+
+
 def setup(hours: float = 20.0):
     """``(s, x, xg, seg_embed)``: the segmentation parameters at 250 Hz, the synthetic stream (seed 0)
     on the host and on the device, and a function doing detection as the product does it (the
@@ -19,7 +31,6 @@ def setup(hours: float = 20.0):
     embedding, returning ``(rows, p2p)``."""
     import cupy
 
-    from beatflow import beats as B
     from beatflow import kernels as K
     from beatflow import segment as S
     from beatflow.params import SegmentParams
@@ -32,10 +43,8 @@ def setup(hours: float = 20.0):
 
     def seg_embed():
         peaks = S.detect_peaks(xg, s)  # the kernels, then the flutter rule (array code on CuPy)
-        # beats.beats_from_peaks and beats.kept_mask in one compaction (one synchronisation)
-        start, length = peaks[:-1] - s.pre, cupy.diff(peaks)
-        kept = cupy.flatnonzero((start >= 0) & (start + length <= xg.shape[0]) & B.kept_mask(length, s))
-        return K.embed_gpu(xg, start[kept], B.row_lengths(length[kept], s), s.width, baseline_samples=base)
+        start, length = kept_bounds(peaks, s, xg.shape[0])
+        return K.embed_gpu(xg, start, length, s.width, baseline_samples=base)
 
     return s, x, xg, seg_embed
 

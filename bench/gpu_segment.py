@@ -63,7 +63,7 @@ def main():
             print(res["errors"][name], flush=True)
         save()
 
-    from gpu_seg_embed import setup
+    from gpu_seg_embed import kept_bounds, setup
 
     s, x, xg, seg_embed = setup()
     res["samples"] = int(x.shape[0])
@@ -110,12 +110,7 @@ def main():
 
     time_it("flutter-episode rule on CuPy (rhythm.flutter_keep_mask)", lambda: flutter_keep_mask(xg, peaks, 0, s))
     time_it("segment.detect_peaks (the kernels + the flutter rule)", lambda: S.detect_peaks(xg, s))
-    def bounds():  # as seg_embed: beats_from_peaks and kept_mask in one compaction
-        st_, ln_ = peaks[:-1] - s.pre, cupy.diff(peaks)
-        k = cupy.flatnonzero((st_ >= 0) & (st_ + ln_ <= xg.shape[0]) & B.kept_mask(ln_, s))
-        return st_[k], B.row_lengths(ln_[k], s)
-
-    time_it("beat bounds + kept beats + row lengths", bounds)
+    time_it("beat bounds + kept beats + row lengths", lambda: kept_bounds(peaks, s, xg.shape[0]))
     time_it("embed_gpu", lambda: K.embed_gpu(xg, st, ln, s.width, baseline_samples=base))
     time_it("segmentation + embedding (detect with the rule, bounds, embed)", seg_embed)
     time_it("array code on CuPy (segment._detect_peaks_xp, before)", lambda: S._detect_peaks_xp(xg, s), n_repeat=5)

@@ -302,8 +302,7 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
         truth = truth_future.result()
         log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
     summary = _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers,
-                       specs, truth)
-    summary["flutter_episodes"] = {"count": int(len(episodes)), "seconds": float(episodes["duration_s"].sum())}
+                       specs, truth, episodes)
     if truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end
         summary["input"] = f"synthetic ECG ({hours:g} h, seed {seed}): input.npy, truth.npz"
     data = _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, table, top, ctx, overview,
@@ -344,13 +343,14 @@ def _flutter_episodes(specs, per_partition, source, fs: float) -> pd.DataFrame:
 
 
 def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers, specs,
-             truth) -> dict:
+             truth, episodes) -> dict:
     prof = engine.get("profile") or {}
     out = {
         "input": source.path, "recordings": [r.name for r in source.recordings], "samples": int(total),
         "fs": fs, "hours": total / fs / 3600, "partitions": len(specs), "beats_detected": plan.n_detected,
         "beats_kept": plan.n_kept, "pruned_fraction": pruned, "train_loss": trained["train_loss"],
         "test_loss": trained["test_loss"], "train_seconds": trained["seconds"], "anomalies_flagged": flagged,
+        "flutter_episodes": {"count": int(len(episodes)), "seconds": float(episodes["duration_s"].sum())},
         "training": {"precision": trained.get("precision", "fp32"), "compiled": trained.get("compiled", False),
                      "cuda_graphs": trained.get("cuda_graphs", False)},
         "threshold": threshold, "device": device, "workers": workers,
