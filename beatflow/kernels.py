@@ -38,7 +38,7 @@ import numpy as np
 
 from .errors import DeviceError
 
-__all__ = ["local_maxima_gpu", "embed_gpu", "detect_peaks_gpu", "simulator_active"]
+__all__ = ["local_maxima_gpu", "embed_gpu", "detect_peaks_gpu", "detect_beats_gpu", "simulator_active"]
 
 WARP = 32
 _FULL_MASK = 0xFFFFFFFF
@@ -1023,31 +1023,295 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                 slope[j] = best
                 state[j] = st
 
+    @cuda.jit(device=True)
+    def _beat(p, st, lo, hi, episode, w0, vw):
+        """A candidate at global index ``p`` with state ``st`` is emitted: a beat (state >= 3) in
+        ``[lo, hi)`` outside the flutter episodes (``episode[k]`` for window ``w0 + k`` of ``vw``
+        samples, ``vw = 0``: no episodes; the window clipped to the array, as ``rhythm.flutter_rule``)."""
+        if st < 3 or p < lo or p >= hi:
+            return False
+        if vw > 0:
+            return not episode[_clip(p // vw - w0, episode.shape[0])]
+        return True
+
     @cuda.jit
-    def emit_count(offsets, cand, state, first, lo, hi, counts):
-        """Per tile: how many of its candidates are beats (state >= 3) with lo <= cand + first < hi."""
+    def emit_count(offsets, cand, state, first, lo, hi, episode, w0, vw, counts):
+        """Per tile: how many of its candidates are emitted (:func:`_beat`)."""
         nt = counts.shape[0]
         for ti in range(cuda.grid(1), nt, cuda.gridsize(1)):
             c = 0
             for j in range(offsets[ti], offsets[ti + 1]):
-                p = cand[j] + first
-                if state[j] >= 3 and p >= lo and p < hi:
+                if _beat(cand[j] + first, state[j], lo, hi, episode, w0, vw):
                     c += 1
             counts[ti] = c
 
     @cuda.jit
-    def emit(offsets, cand, state, first, lo, hi, out_offsets, peaks):
-        """The beats of each tile, in order, at ``out_offsets[tile]`` of ``peaks`` (global indices)."""
+    def emit(offsets, cand, state, first, lo, hi, episode, w0, vw, out_offsets, peaks):
+        """The emitted beats of each tile, in order, at ``out_offsets[tile]`` of ``peaks`` (global indices)."""
         nt = out_offsets.shape[0] - 1
         for ti in range(cuda.grid(1), nt, cuda.gridsize(1)):
             o = out_offsets[ti]
             for j in range(offsets[ti], offsets[ti + 1]):
                 p = cand[j] + first
-                if state[j] >= 3 and p >= lo and p < hi:
+                if _beat(p, state[j], lo, hi, episode, w0, vw):
                     peaks[o] = p
                     o += 1
 
     return {"dense": dense, "cand_eval": cand_eval, "emit_count": emit_count, "emit": emit}
+
+
+#: the flutter rule's energy kernel: chunks per window (a window's lanes, a power of two that divides
+#: a warp) and the windows of a block (GPU; the simulator runs one warp per block)
+_VF_CHUNKS = 16
+_VF_TILE, _SIM_VF_TILE = 8, WARP // _VF_CHUNKS
+
+
+@functools.lru_cache(maxsize=None)
+def _vf_build(W: int, HP: int, K: int, tpb: int):
+    """The flutter rule's kernels (:mod:`beatflow.rhythm` on the GPU) for one window length ``W``,
+    high-pass length ``HP`` and slope kernel ``K`` (constant loop bounds, as in :func:`_detect_build`).
+
+    ``vf_energy`` takes a tile of ``tpb // _VF_CHUNKS`` windows per block, a chunk of consecutive
+    samples per thread; ``vf_need`` and ``vf_episodes`` one thread per window; ``vf_near`` one block
+    per listed window. A window's samples beyond the array take the values at its ends (``rhythm``'s
+    edge padding), its neighbourhoods the despiked samples at clipped positions (``mode="nearest"``).
+    """
+    kernels, sim = _build()
+    _clip, _despiked = kernels["_clip"], kernels["_despiked"]
+    hh, kh = HP // 2, K // 2
+    R = max(hh, kh)
+    XS = W + 2 * R  # the despiked samples a window reads
+    NW = tpb // WARP
+    G = _VF_CHUNKS
+    TW = tpb // G  # windows per block of vf_energy
+    C = -(-W // G)  # samples per chunk
+    XT = TW * W + 2 * R  # the despiked samples a tile of windows reads
+    f64 = _F64
+    half = (W - 1) // 2
+
+    @cuda.jit(device=True)
+    def _load(x, P0, xs, m):
+        """``xs[u]`` = the despiked sample at ``clip(P0 - R + u)`` for ``u < m`` (``P0``: the first
+        sample of the window or tile, local; may lie outside the array)."""
+        n = x.shape[0]
+        for u in range(cuda.threadIdx.x, m, cuda.blockDim.x):
+            xs[u] = _despiked(x, _clip(P0 - R + u, n), n)
+
+    @cuda.jit(device=True)
+    def _high(xs, c):
+        """The high-passed sample at ``xs[c]``: minus its moving mean over ``HP`` samples."""
+        acc = 0.0
+        for i in range(HP):
+            acc += xs[c - hh + i]
+        return xs[c] - acc / HP
+
+    @cuda.jit(device=True)
+    def _slope_at(xs, c, kr):
+        win = xs[c - kh:c - kh + K]
+        d = 0.0
+        for i in range(K):
+            d += win[i] * kr[i]
+        return d
+
+    @cuda.jit(device=True)
+    def _block_sum(v, red):
+        """The sum of ``v`` over the block (a butterfly per warp, then the warps' sums in order), in
+        every thread; ``red`` holds ``NW`` values."""
+        off = WARP // 2
+        while off > 0:
+            v += _shfl_xor(_FULL_MASK, v, off)
+            off //= 2
+        if cuda.threadIdx.x % WARP == 0:
+            red[cuda.threadIdx.x // WARP] = v
+        _syncthreads()
+        t = red[0]
+        for i in range(1, NW):
+            t += red[i]
+        _syncthreads()
+        return t
+
+    @cuda.jit(device=True)
+    def _group_sum(v):
+        """The sum of ``v`` over the ``G`` lanes of a window (aligned lane groups), in each of them."""
+        off = G // 2
+        while off > 0:
+            v += _shfl_xor(_FULL_MASK, v, off)
+            off //= 2
+        return v
+
+    @cuda.jit
+    def vf_energy(x, kr, first, w0, e_sig, e_slope):
+        """Per window: the energies of the high-passed signal and of its slope (the slope taps
+        ``kr`` reversed, summed as the dense kernel sums them). A tile of ``TW`` windows per block
+        in shared memory; each thread a chunk of ``C`` consecutive samples of one window, its moving
+        mean carried along the chunk (one sample in, one out) where the chunk lies inside the array,
+        summed afresh per sample at its ends (whose values repeat the end samples')."""
+        xs = cuda.shared.array(XT, f64)
+        n = x.shape[0]
+        nw = e_sig.shape[0]
+        tid = cuda.threadIdx.x
+        wi = tid // G
+        t0 = (tid % G) * C
+        t1 = min(t0 + C, W)
+        for k0 in range(cuda.blockIdx.x * TW, nw, cuda.gridDim.x * TW):  # uniform over the block
+            P0 = (w0 + k0) * W - first
+            _load(x, P0, xs, XT)
+            _syncthreads()
+            ss = 0.0
+            sd = 0.0
+            Pk = P0 + wi * W  # this thread's window
+            if k0 + wi < nw and t0 < t1:
+                if Pk + t0 >= 0 and Pk + t1 <= n:  # inside the array: slide the moving sum
+                    c = wi * W + t0 + R
+                    acc = 0.0
+                    for i in range(HP):
+                        acc += xs[c - hh + i]
+                    for t in range(t0, t1):
+                        if t > t0:
+                            acc += xs[c + hh] - xs[c - hh - 1]
+                        h = xs[c] - acc / HP
+                        d = _slope_at(xs, c, kr)
+                        ss += h * h
+                        sd += d * d
+                        c += 1
+                else:
+                    for t in range(t0, t1):
+                        c = _clip(Pk + t, n) - P0 + R
+                        h = _high(xs, c)
+                        d = _slope_at(xs, c, kr)
+                        ss += h * h
+                        sd += d * d
+            ss = _group_sum(ss)
+            sd = _group_sum(sd)
+            if tid % G == 0 and k0 + wi < nw:
+                e_sig[k0 + wi] = ss
+                e_slope[k0 + wi] = sd
+            _syncthreads()  # the tile is read before the next one is loaded
+
+    @cuda.jit(device=True)
+    def _smooth(e_sig, e_slope, j, c, omega2):
+        """Window ``j`` (in range) is smooth: over ``j ± c`` (added in order, as ``rhythm._context_sum``)
+        the slope's energy below ``omega2`` × the signal's."""
+        nw = e_sig.shape[0]
+        ss = 0.0
+        sd = 0.0
+        for i in range(max(j - c, 0), min(j + c + 1, nw)):
+            ss += e_sig[i]
+            sd += e_slope[i]
+        return sd < omega2 * ss
+
+    @cuda.jit(device=True)
+    def _pct(srt, q):
+        """NumPy's default (linear) ``quantile(q)`` of the ``W`` sorted values ``srt``."""
+        vi = (W - 1) * q
+        i0 = int(math.floor(vi))
+        g = vi - i0
+        a = srt[i0]
+        b = srt[min(i0 + 1, W - 1)]
+        d = b - a
+        if g >= 0.5:
+            return b - d * (1.0 - g)
+        return a + d * g
+
+    @cuda.jit
+    def vf_need(e_sig, e_slope, c, omega2, todo, info):
+        """Lists (in any order) the windows whose near-median fraction a smooth window's mean reads:
+        those within ``±c`` of a smooth one (their number in ``info[3]``)."""
+        nw = e_sig.shape[0]
+        for k in range(cuda.grid(1), nw, cuda.gridsize(1)):
+            for j in range(max(k - c, 0), min(k + c + 1, nw)):
+                if _smooth(e_sig, e_slope, j, c, omega2):
+                    todo[cuda.atomic.add(info, 3, 1)] = k
+                    break
+
+    @cuda.jit
+    def vf_near(x, first, w0, todo, info, tol, near):
+        """Per listed window (one block each, grid-stride over the list): the fraction of its
+        high-passed samples within ``tol`` × their 3–97 % range of their median. The ``W`` values
+        are sorted by rank in shared memory (their number of smaller values, ties by position)."""
+        xs = cuda.shared.array(XS, f64)
+        hv = cuda.shared.array(W, f64)
+        srt = cuda.shared.array(W, f64)
+        red = cuda.shared.array(NW, f64)
+        n = x.shape[0]
+        tid = cuda.threadIdx.x
+        for q in range(cuda.blockIdx.x, info[3], cuda.gridDim.x):  # uniform over the block
+            k = todo[q]
+            P0 = (w0 + k) * W - first
+            _load(x, P0, xs, XS)
+            _syncthreads()
+            for t in range(tid, W, tpb):
+                hv[t] = _high(xs, _clip(P0 + t, n) - P0 + R)
+            _syncthreads()
+            for t in range(tid, W, tpb):
+                v = hv[t]
+                r = 0
+                for u in range(W):
+                    o = hv[u]
+                    if o < v or (o == v and u < t):
+                        r += 1
+                srt[r] = v
+            _syncthreads()
+            if W % 2 == 1:
+                med = srt[half]
+            else:
+                med = (srt[half] + srt[half + 1]) / 2.0
+            lo = _pct(srt, 0.03)
+            thr = tol * (_pct(srt, 0.97) - lo)
+            cnt = 0.0
+            for t in range(tid, W, tpb):
+                if abs(hv[t] - med) < thr:
+                    cnt += 1.0
+            cnt = _block_sum(cnt, red)
+            if tid == 0:
+                near[k] = cnt / W
+
+    @cuda.jit(device=True)
+    def _like(e_sig, e_slope, near, j, c, omega2, baseline):
+        """Window ``j`` is flutter-like: smooth, and the mean near-median fraction over ``j ± c``
+        below ``baseline`` (False outside the windows)."""
+        nw = e_sig.shape[0]
+        if j < 0 or j >= nw or not _smooth(e_sig, e_slope, j, c, omega2):
+            return False
+        sn = 0.0
+        m = 0
+        for i in range(max(j - c, 0), min(j + c + 1, nw)):
+            sn += near[i]
+            m += 1
+        return sn / m < baseline
+
+    @cuda.jit
+    def vf_episodes(e_sig, e_slope, near, c, omega2, baseline, runs, w0, lo, hi, episode, spans, info):
+        """Per window: ``episode[k]``, it lies in a run of at least ``runs`` flutter-like windows;
+        the thread of a run's first window also writes the run as a ``[start, end)`` sample range
+        clipped to ``[lo, hi)`` into the next slot of ``spans`` (counted in ``info[2]``; runs that
+        miss the range are left out)."""
+        nw = e_sig.shape[0]
+        for k in range(cuda.grid(1), nw, cuda.gridsize(1)):
+            ep = 0
+            if _like(e_sig, e_slope, near, k, c, omega2, baseline):
+                left = 0
+                while left < runs - 1 and _like(e_sig, e_slope, near, k - left - 1, c, omega2, baseline):
+                    left += 1
+                right = 0
+                while left + right < runs - 1 and _like(e_sig, e_slope, near, k + right + 1, c, omega2, baseline):
+                    right += 1
+                if left + right + 1 >= runs:
+                    ep = 1
+                if not _like(e_sig, e_slope, near, k - 1, c, omega2, baseline):  # a run starts here
+                    r = 1
+                    while _like(e_sig, e_slope, near, k + r, c, omega2, baseline):
+                        r += 1
+                    if r >= runs:
+                        st = max((w0 + k) * W, lo)
+                        en = min((w0 + k + r) * W, hi)
+                        if en > st:
+                            slot = cuda.atomic.add(info, 2, 1)
+                            spans[slot, 0] = st
+                            spans[slot, 1] = en
+            episode[k] = ep
+
+    return {"vf_energy": vf_energy, "vf_need": vf_need, "vf_near": vf_near, "vf_episodes": vf_episodes}
 
 
 # the detection's launch shape: threads per tile and samples per tile (GPU; the simulator runs one
@@ -1107,7 +1371,8 @@ def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
         "tpos": xp.empty(nt * cap, dtype=xp.int64),
         "theight": xp.empty(nt * cap, dtype=xp.float64),
         "tvalley": xp.empty(nt * cap, dtype=xp.float64),
-        "info": xp.zeros(2, dtype=xp.int64),  # [number of peaks, candidate slots overflowed]
+        "info": xp.zeros(4, dtype=xp.int64),  # [peaks, candidate slots overflowed, flutter episodes, windows
+        # whose near-median fraction the flutter rule computed]
         "env": xp.empty(n if write_env else 1, dtype=xp.float64),
     }
     kr = _coeffs(ctx, "slope", s.kernel, s.a)
@@ -1120,7 +1385,8 @@ def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
 
 
 def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = None, _cap: int | None = None):
-    """:func:`beatflow.segment.detect_peaks` on the GPU: same contract, same peaks.
+    """The beat detection of :func:`beatflow.segment.detect_peaks` on the GPU, without the flutter
+    rule: the same peaks as ``segment._detect_peaks_xp`` (:func:`detect_beats_gpu` adds the rule).
 
     The whole detection is nine kernel launches, two CuPy scans and one synchronisation (the number
     of peaks), with nothing of the size of the stream written to memory but the stream itself read
@@ -1151,14 +1417,77 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
     Parameters and result as :func:`beatflow.segment.detect_peaks` (``x`` a CuPy array, or NumPy
     under the simulator; the peaks in the same namespace).
     """
-    from .segment import _detect_peaks_xp
+    return _detect_gpu(x, s, first, core, _cap, rule=False)[0]
+
+
+def detect_beats_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = None, _cap: int | None = None):
+    """:func:`beatflow.segment.detect_beats` on the GPU: :func:`detect_peaks_gpu` with the flutter
+    rule of :mod:`beatflow.rhythm` in three more kernels, before the peaks are emitted (still one
+    synchronisation):
+
+    - ``vf_energy`` (one block per 1 s window): the energies of the high-passed signal and of its
+      slope;
+    - ``vf_near`` (one block per window within reach of a smooth one, the others return at once):
+      the fraction of near-median samples (a rank sort of the window in shared memory, NumPy's
+      median and linear percentiles);
+    - ``vf_episodes`` (one thread per window): the runs of flutter-like windows, and the episodes'
+      sample ranges; ``emit`` then leaves out the peaks in them.
+
+    Returns ``(peaks, episodes)`` as :func:`beatflow.segment.detect_beats`.
+    """
+    return _detect_gpu(x, s, first, core, _cap, rule=s.vf_baseline > 0)
+
+
+def _flutter_pass(ctx, x, s, first: int, lo: int, hi: int, info):
+    """Launch the flutter rule's kernels over ``x``: ``(episode, w0, spans)`` (device arrays; the
+    number of spans goes to ``info[2]``, that of the windows whose near-median fraction was computed
+    to ``info[3]``)."""
+    xp = ctx.xp
+    W, n = int(s.vf_window), int(x.shape[0])
+    w0 = first // W
+    nw = -(-(first - w0 * W + n) // W)
+    L = max(1, int(s.vf_runs))
+    tpb = WARP if ctx.sim else _VF_CHUNKS * _VF_TILE
+    kern = _vf_build(W, int(s.vf_highpass), int(s.kernel), tpb)
+    e_sig = xp.empty(nw, dtype=xp.float64)
+    e_slope = xp.empty(nw, dtype=xp.float64)
+    near = xp.empty(nw, dtype=xp.float64)  # read only where computed (vf_need's list)
+    todo = xp.empty(nw, dtype=xp.int64)
+    episode = xp.empty(nw, dtype=xp.int8)
+    spans = xp.empty((nw // (L + 1) + 1, 2), dtype=xp.int64)
+    a = ctx.arg
+    c, omega2 = int(s.vf_context), float(s.vf_omega) ** 2
+    tw = tpb // _VF_CHUNKS
+    per_window = WARP if ctx.sim else _CAND_TPB
+    wblocks = ctx.blocks(-(-nw // per_window))
+    ctx.launch(kern["vf_energy"], ctx.blocks(-(-nw // tw)), tpb, 0, a(x), a(_coeffs(ctx, "slope", s.kernel, s.a)),
+               first, w0, a(e_sig), a(e_slope))
+    ctx.launch(kern["vf_need"], wblocks, per_window, 0, a(e_sig), a(e_slope), c, omega2, a(todo), a(info))
+    ctx.launch(kern["vf_near"], ctx.blocks(min(nw, _VF_NEAR_BLOCKS)), tpb, 0, a(x), first, w0, a(todo), a(info),
+               float(s.vf_tol), a(near))
+    ctx.launch(kern["vf_episodes"], wblocks, per_window, 0, a(e_sig), a(e_slope), a(near), c, omega2,
+               float(s.vf_baseline), L, w0, lo, hi, a(episode), a(spans), a(info))
+    return episode, w0, spans
+
+
+#: blocks of vf_near (launched before the number of listed windows is known; grid-stride over them)
+_VF_NEAR_BLOCKS = 2048
+
+
+def _detect_gpu(x, s, first, core, _cap, rule: bool):
+    """The detection kernels, with the flutter rule when ``rule``: ``(peaks, episodes)``
+    (``episodes`` empty without the rule)."""
+    from .segment import _detect_beats_xp, _detect_peaks_xp
 
     ctx, host_in, kernels, xp, x = _vector_call(x, "x")
     n = int(x.shape[0])
     plan = None if n < 3 else _detect_plan(s, ctx.sim)
     if plan is None:  # too short for the 3-point median, or windows the kernels do not take
-        out = _detect_peaks_xp(x, s, first=first, core=core)
-        return xp.asnumpy(out) if host_in else out
+        if rule:
+            out, ep = _detect_beats_xp(x, s, first=first, core=core)
+        else:
+            out, ep = _detect_peaks_xp(x, s, first=first, core=core), xp.zeros((0, 2), dtype=xp.int64)
+        return (xp.asnumpy(out), xp.asnumpy(ep)) if host_in else (out, ep)
     first = int(first)
     kern, tile, tpb = plan
     cap = int(_cap) if _cap is not None else tile // (int(s.nms) + 1) + 2
@@ -1190,21 +1519,34 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
                int(s.rr_window), float(s.searchback), float(s.margin), float(s.twave_slope), sb)  # 5.
     ctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 4, ah, int(s.twave), sa, 4)
     lo, hi = (-_FAR, _FAR) if core is None else (int(core[0]), int(core[1]))  # 6.
+    info = d["info"]
+    if rule:  # the flutter episodes; the peaks in them are not emitted
+        episode, w0, spans = _flutter_pass(ctx, x, s, first, first if core is None else lo,
+                                           first + n if core is None else hi, info)
+        vw = int(s.vf_window)
+    else:
+        episode, w0, vw = xp.zeros(1, dtype=xp.int8), 0, 0
     counts = xp.empty(nt, dtype=xp.int64)
     out_offsets = xp.empty(nt + 1, dtype=xp.int64)
     peaks = xp.empty(mcap, dtype=xp.int64)
     tblocks = ctx.blocks(-(-nt // _CAND_TPB))
-    ctx.launch(kern["emit_count"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, a(counts))
+    ae = a(episode)
+    ctx.launch(kern["emit_count"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, ae, w0, vw, a(counts))
     _exclusive_scan(xp, counts, out_offsets)
-    ctx.launch(kern["emit"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, a(out_offsets), a(peaks))
-    info = d["info"]
+    ctx.launch(kern["emit"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, ae, w0, vw, a(out_offsets),
+               a(peaks))
     info[0:1] = out_offsets[nt:]
-    total, overflow = (int(v) for v in (info if ctx.sim else info.get()))  # the one synchronisation
+    total, overflow, nsp, _ = (int(v) for v in (info if ctx.sim else info.get()))  # the one synchronisation
     if overflow:  # a plateau of equal maxima filled a tile's slots: a slot for every sample
-        out = detect_peaks_gpu(x, s, first=first, core=core, _cap=tile)
+        return _detect_gpu(x, s, first, core, tile, rule)
+    out = peaks[:total]
+    if rule:
+        ep = spans[:nsp]
+        if nsp > 1:  # the runs' threads claimed their slots in any order
+            ep = ep[xp.argsort(ep[:, 0])]
     else:
-        out = peaks[:total]
-    return xp.asnumpy(out) if host_in else out
+        ep = xp.zeros((0, 2), dtype=xp.int64)
+    return (xp.asnumpy(out), xp.asnumpy(ep)) if host_in else (out, ep)
 
 
 _FAR = 1 << 40  # "no limit" for the core filter

@@ -421,14 +421,18 @@ def detect_beats(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] 
         The peaks as :func:`detect_peaks`; the episodes as ``[start, end)`` global sample ranges
         within ``core`` (default: ``x``), shape ``(m, 2)`` (:func:`beatflow.rhythm.flutter_rule`).
     """
+    if namespace_of(x) is not np:  # the GPU runs the same steps as a few kernels (beatflow.kernels)
+        from .kernels import detect_beats_gpu
+
+        return detect_beats_gpu(x, s, first=first, core=core)
+    return _detect_beats_xp(x, s, first=first, core=core)
+
+
+def _detect_beats_xp(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None):
+    """:func:`detect_beats` in array code (the CPU path, and the GPU kernels' reference)."""
     xp = namespace_of(x)
     vf = s.vf_baseline > 0
-    if xp is not np:  # the GPU runs the same steps as a few kernels (beatflow.kernels)
-        from .kernels import detect_peaks_gpu
-
-        peaks = detect_peaks_gpu(x, s, first=first, core=None if vf else core)
-    else:
-        peaks = _detect_peaks_xp(x, s, first=first, core=None if vf else core)
+    peaks = _detect_peaks_xp(x, s, first=first, core=None if vf else core)
     if not vf:
         return peaks, xp.zeros((0, 2), dtype=xp.int64)
     from .rhythm import flutter_rule  # the rhythm rule is array code on the detected peaks

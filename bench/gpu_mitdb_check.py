@@ -45,22 +45,22 @@ def check():
     d = np.load(FILE)
     s = SegmentParams().samples(float(d["fs"]))
     print(f"{'record':8s} {'CPU peaks':>9s} {'GPU peaks':>9s} {'sym. diff':>9s} {'Se %':>7s} {'PPV %':>7s} "
-          f"{'CPU ms':>7s} {'GPU ms':>7s}")
+          f"{'CPU ms':>7s} {'GPU ms':>7s} {'episodes CPU/GPU, equal':>24s}")
     for name in d["names"]:
         x = d[f"x{name}"]
         t = time.perf_counter()
-        pc = S.detect_peaks(x, s)
+        pc, ec = S.detect_beats(x, s)
         tc = time.perf_counter() - t
         xg = cupy.asarray(x)
         S.detect_peaks(xg, s)
         cupy.cuda.Device().synchronize()
         t = time.perf_counter()
-        pg = cupy.asnumpy(S.detect_peaks(xg, s))
+        pg, eg = (cupy.asnumpy(a) for a in S.detect_beats(xg, s))
         tg = time.perf_counter() - t
         rec = Record(str(name), float(d["fs"]), x, d[f"ann{name}"], d[f"sym{name}"].astype(object).astype(str))
         det = detection_of(pg, rec, exclude_vf=True)
         print(f"{name:8s} {len(pc):9d} {len(pg):9d} {np.setxor1d(pc, pg).size:9d} {100 * det.se:7.2f} "
-              f"{100 * det.ppv:7.2f} {tc * 1e3:7.1f} {tg * 1e3:7.2f}")
+              f"{100 * det.ppv:7.2f} {tc * 1e3:7.1f} {tg * 1e3:7.2f} {len(ec):10d}/{len(eg)} {np.array_equal(ec, eg)}")
 
 
 if __name__ == "__main__":

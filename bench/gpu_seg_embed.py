@@ -27,7 +27,7 @@ def kept_bounds(peaks, s, n: int):
 def setup(hours: float = 20.0):
     """``(s, x, xg, seg_embed)``: the segmentation parameters at 250 Hz, the synthetic stream (seed 0)
     on the host and on the device, and a function doing detection as the product does it (the
-    kernels and the flutter-episode rule), beat bounds (one compaction of the kept beats) and the
+    kernels, with the flutter-episode rule's), beat bounds (one compaction of the kept beats) and the
     embedding, returning ``(rows, p2p)``."""
     import cupy
 
@@ -42,7 +42,7 @@ def setup(hours: float = 20.0):
     base = max(1, s.pre // 2)
 
     def seg_embed():
-        peaks = S.detect_peaks(xg, s)  # the kernels, then the flutter rule (array code on CuPy)
+        peaks = S.detect_peaks(xg, s)  # the detection and flutter-rule kernels
         start, length = kept_bounds(peaks, s, xg.shape[0])
         return K.embed_gpu(xg, start, length, s.width, baseline_samples=base)
 

@@ -5,8 +5,8 @@ Run on the GPU machine from the repository root (``PYTHONPATH=$PWD``)::
     python bench/gpu_segment.py       # table on stdout, gpu_segment.json under $OUT (or bench/out)
 
 Data: the pipeline's 20 h synthetic ECG (250 Hz, seed 0, 18 M samples, float32) on the device.
-Checks: the peaks of ``kernels.detect_peaks_gpu`` equal the CPU path's and the array code's on
-CuPy (``segment._detect_peaks_xp``). Times: ``cupyx.profiler.benchmark`` (CUDA events on the
+Checks: the peaks of ``kernels.detect_beats_gpu`` (detection and flutter rule as kernels) equal
+the CPU path's and the array code's on CuPy (``segment._detect_beats_xp``). Times: ``cupyx.profiler.benchmark`` (CUDA events on the
 stream, so host stalls between launches count; median of 20) of each step and of
 segmentation + embedding as the flow's embed step does it (detect, beat bounds, kept mask, row
 lengths, ``embed_gpu``).
@@ -71,11 +71,12 @@ def main():
     peaks_h = S.detect_peaks(x, s)
     res["cpu_detect_s"] = round(time.perf_counter() - t, 3)
     t = time.perf_counter()
-    peaks_k = cupy.asnumpy(K.detect_peaks_gpu(xg, s))
+    peaks_k = cupy.asnumpy(K.detect_beats_gpu(xg, s)[0])  # the kernels with the flutter rule's
     res["first_call_s (compiles the kernels)"] = round(time.perf_counter() - t, 3)
-    peaks_a = cupy.asnumpy(S._detect_peaks_xp(xg, s))
+    peaks_a = cupy.asnumpy(S._detect_beats_xp(xg, s)[0])  # array code on CuPy, the rule as array code
     c = res["checks"]
     c["peaks_cpu"], c["peaks_kernels"], c["peaks_array_code_gpu"] = len(peaks_h), len(peaks_k), len(peaks_a)
+    c["peaks_kernels_without_rule"] = int(K.detect_peaks_gpu(xg, s).shape[0])
     c["kernels_vs_cpu_symmetric_difference"] = int(np.setxor1d(peaks_h, peaks_k).size)
     c["kernels_vs_array_code_symmetric_difference"] = int(np.setxor1d(peaks_a, peaks_k).size)
     env_k = K.qrs_envelope_gpu(xg, s)
@@ -108,8 +109,9 @@ def main():
     time_it("detect_peaks_gpu (whole detection)", lambda: K.detect_peaks_gpu(xg, s))
     from beatflow.rhythm import flutter_keep_mask
 
-    time_it("flutter-episode rule on CuPy (rhythm.flutter_keep_mask)", lambda: flutter_keep_mask(xg, peaks, 0, s))
-    time_it("segment.detect_peaks (the kernels + the flutter rule)", lambda: S.detect_peaks(xg, s))
+    time_it("detect_beats_gpu (whole detection + flutter rule kernels)", lambda: K.detect_beats_gpu(xg, s))
+    time_it("flutter rule as CuPy array code (rhythm.flutter_keep_mask, before)",
+            lambda: flutter_keep_mask(xg, peaks, 0, s))
     time_it("beat bounds + kept beats + row lengths", lambda: kept_bounds(peaks, s, xg.shape[0]))
     time_it("embed_gpu", lambda: K.embed_gpu(xg, st, ln, s.width, baseline_samples=base))
     time_it("segmentation + embedding (detect with the rule, bounds, embed)", seg_embed)

@@ -167,9 +167,18 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     return summary
 
 
-def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions, epochs,
-         batch_size, cache=None, engine_backend="auto", precision="fp32", train_precision="auto",
-         train_compile=None) -> dict:
+def _run(*args, **kwargs) -> dict:
+    """:func:`_run_flow` with the report's figure processes (:class:`FigurePool`) around it."""
+    figures = FigurePool()
+    try:
+        return _run_flow(figures, *args, **kwargs)
+    finally:
+        figures.close()
+
+
+def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions,
+              epochs, batch_size, cache=None, engine_backend="auto", precision="fp32", train_precision="auto",
+              train_compile=None) -> dict:
     threads = max(1, os.cpu_count() or 1)
     truth_path = None
     wait_for_workers(1)  # a cluster whose workers cannot start is an error, not a hang
@@ -257,7 +266,7 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
     sw.lap("train")
     # the report's figures that need nothing more are drawn here, in the flow's process, while the
     # workers build the engine and score (the report task then renders only the rest)
-    early = _draw_early_figures(fs, s, plan, trained)
+    early = _draw_early_figures(figures, fs, s, plan, trained)
 
     engine = T.build_engine.submit(trained["model"], trained["validation"], threads, device, engine_backend,
                                    precision).result()
@@ -307,7 +316,10 @@ def _run(log, sw, work: Path, input, column, fs, lead, hours, seed, device, work
         summary["input"] = f"synthetic ECG ({hours:g} h, seed {seed}): input.npy, truth.npz"
     data = _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, table, top, ctx, overview,
                         summary, truth, kb, rec_offset)
-    T.write_report.submit(str(work / "report.html"), data, early.result()).result()
+    from beatflow.report import FIGURES
+
+    late = figures.draw(data, [name for name in FIGURES if name not in early])  # the rest, at once
+    T.write_report.submit(str(work / "report.html"), data, figures.collect({**early, **late})).result()
     sw.lap("report")
     from prefect.runtime import flow_run
 
@@ -369,22 +381,82 @@ def _length_histogram(plan, s):
     return np.histogram(plan.length, bins=np.arange(0, 3 * s.upper + 8, 4))
 
 
-def _draw_early_figures(fs, s, plan, trained):
-    """A future of the report's early figures (``beatflow.report.EARLY_FIGURES``), drawn in a thread
-    of the flow's process: the flow only waits for its workers meanwhile."""
-    from concurrent.futures import ThreadPoolExecutor
+class FigurePool:
+    """The report's figures, drawn in processes of their own while the flow goes on.
+
+    Matplotlib holds the GIL while it lays out and rasterizes, so threads of the flow's process
+    draw one figure at a time (the seven took ~3 s in the report stage, the largest stage of a warm
+    GPU flow). The processes are spawned when the flow starts (the flow's process has Dask and
+    Prefect threads: no fork) and import Matplotlib then, so they are ready by the time the first
+    figures can be drawn; each figure is one job. A figure whose job fails (or a pool that cannot
+    start) is simply not handed on: the report task draws it itself.
+    """
+
+    def __init__(self, processes: int | None = None):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        n = processes or max(1, min(4, os.cpu_count() or 1))
+        try:
+            self.pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_warm_figures)
+            for _ in range(n):  # every process starts now (one per job while none is idle)
+                self.pool.submit(int)
+        except Exception:  # no processes here: the report task draws everything
+            self.pool = None
+
+    def draw(self, data, names) -> dict:
+        """Futures of the named figures (``beatflow.report.FIGURES``), one job each."""
+        from beatflow.report import render_figures
+
+        if self.pool is None:
+            return {}
+        try:
+            return {name: self.pool.submit(render_figures, data, (name,)) for name in names}
+        except Exception:  # a broken pool
+            return {}
+
+    @staticmethod
+    def collect(futures: dict) -> dict:
+        """The PNGs of the figures that were drawn (the others are left to the report task)."""
+        out = {}
+        for name, f in futures.items():
+            try:
+                out.update(f.result())
+            except Exception:
+                pass
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _warm_figures() -> None:
+    """A figure process's start: Matplotlib (Agg) and the report module imported, fonts loaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from beatflow import report
+
+    fig = report._new_fig(1.0, 1.0)
+    fig.add_subplot().plot([0.0, 1.0])
+    report._png(fig)
+
+
+def _draw_early_figures(figures: FigurePool, fs, s, plan, trained) -> dict:
+    """Futures of the report's early figures (``beatflow.report.EARLY_FIGURES``): they need only
+    what is known once the model is trained, and are drawn while the workers build the engine and
+    score."""
     from types import SimpleNamespace
 
-    from beatflow.report import EARLY_FIGURES, render_figures
+    from beatflow.report import EARLY_FIGURES
 
     counts, edges_ = _length_histogram(plan, s)
     d = SimpleNamespace(fs=fs, length_hist_counts=counts, length_hist_edges=edges_, length_bounds=(s.lower, s.upper),
-                        aligned_beats=trained["sample_rows"], train_loss=trained["train_loss"],
+                        aligned_beats=np.asarray(trained["sample_rows"]), train_loss=trained["train_loss"],
                         test_loss=trained["test_loss"])
-    pool = ThreadPoolExecutor(1, thread_name_prefix="beatflow-figures")
-    future = pool.submit(render_figures, d, EARLY_FIGURES)
-    pool.shutdown(wait=False)
-    return future
+    return figures.draw(d, EARLY_FIGURES)
 
 
 def _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, table, top, ctx, overview, summary,

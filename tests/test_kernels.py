@@ -337,3 +337,58 @@ def test_fast_launch_same_results_as_numba_launch(synthetic_ecg, monkeypatch):
     assert len(fast) >= 10, K._FastLaunch.errors  # the detection's kernels and the embedding's
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g, w)
+
+
+# --- the flutter rule (beatflow.rhythm) as kernels: vf_energy, vf_near, vf_episodes ---------------
+def test_flutter_kernels_match_array_code():
+    """The kernels' flutter windows and episodes, and the peaks they let through, equal the array
+    code's (rhythm.flutter_windows / flutter_rule, segment._detect_beats_xp) on streams with a
+    flutter episode, for even and odd windows, unaligned starts, a core, and runs of one window."""
+    from test_rhythm import _flutter, _stream
+
+    from beatflow import rhythm as R
+    from beatflow.params import SegmentParams
+
+    fs = 100.0
+    fired = 0
+    # (the simulator takes ~15 s per pass over 24 s at 100 Hz: one start and one core per case)
+    for seed, first, core, params in ((0, 0, None, {}),
+                                      (1, 1137, (1137 + 700, 1137 + 2100),
+                                       {"vf_window_s": 0.71, "vf_context": 1, "vf_min_windows": 3}),
+                                      (2, 37, None, {"vf_min_windows": 1})):
+        s = SegmentParams(**params).samples(fs)
+        x, a, b = _stream(seed, fs, seconds=24.0)
+        if seed == 2:  # noise, then a bare sinusoid: several short runs
+            rng = np.random.default_rng(seed)
+            x = np.concatenate([x[:900], rng.normal(size=400).astype(np.float32), _flutter(rng, 900, fs)])
+        ctx, _, _, xp, xd = K._vector_call(dev(x), "x")
+        info = xp.zeros(4, dtype=xp.int64)
+        episode, w0, spans = K._flutter_pass(ctx, xd, s, first, first, first + x.shape[0], info)
+        want, ww0 = R.flutter_windows(x, first, s)
+        assert w0 == ww0
+        np.testing.assert_array_equal(host(episode).astype(bool), want)
+        fired += int(want.sum())
+        spans = host(spans)[: int(host(info)[2])]
+        np.testing.assert_array_equal(spans[np.argsort(spans[:, 0])], R.flutter_rule(x, np.zeros(0, np.int64), first, s)[1])
+        peaks, ep = K.detect_beats_gpu(dev(x), s, first=first, core=core)
+        wpeaks, wep = S._detect_beats_xp(x, s, first=first, core=core)
+        np.testing.assert_array_equal(host(peaks), wpeaks)
+        np.testing.assert_array_equal(host(ep), wep)
+        assert wep.shape[0] > 0
+    assert fired > 0
+
+
+def test_flutter_kernels_off_and_on_a_plain_ecg():
+    """With the rule off the kernels' beats are the detection's; on an ECG without flutter, the
+    rule changes nothing and lists no episode."""
+    from beatflow.params import SegmentParams
+    from beatflow.synth import synthesize_ecg
+
+    x = synthesize_ecg(hours=12 / 3600, fs=100.0, seed=4).signal
+    on = SegmentParams().samples(100.0)
+    off = SegmentParams(vf_baseline_ratio=0.0).samples(100.0)
+    want = S._detect_peaks_xp(x, on)
+    for s in (on, off):
+        peaks, ep = K.detect_beats_gpu(dev(x), s)
+        np.testing.assert_array_equal(host(peaks), want)
+        assert host(ep).shape == (0, 2)

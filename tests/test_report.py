@@ -315,3 +315,24 @@ def test_figures_drawn_ahead_are_used_and_match():
     doc = render_report_html(d, {**early, "lengths": "QUFBQQ=="})
     assert "data:image/png;base64,QUFBQQ==" in doc  # a figure given is not drawn again
     assert doc.count("data:image/png;base64,") == render_report_html(d).count("data:image/png;base64,")
+
+
+def test_figure_pool_draws_in_processes_the_same_pictures():
+    """The flow's FigurePool: each figure drawn in a spawned process equals the one drawn here; a
+    figure whose job fails is left out (the report task draws it), and a closed pool draws nothing."""
+    from flows.pipeline import FigurePool
+
+    from beatflow.report import FIGURES, render_figures
+
+    d = _fake_data()
+    pool = FigurePool(2)
+    try:
+        futures = pool.draw(d, list(FIGURES))
+        assert set(futures) == set(FIGURES)
+        got = FigurePool.collect(futures)
+        assert got == render_figures(d, list(FIGURES))
+        assert len(pool.pool._processes) == 2  # drawn by the pool's two processes
+        broken = pool.draw(object(), ["lengths"])  # no fields: the job raises
+        assert FigurePool.collect(broken) == {}
+    finally:
+        pool.close()
