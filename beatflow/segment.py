@@ -35,7 +35,8 @@ The steps of :func:`detect_peaks`:
    ``margin`` × RR from both and not T-wave-like; the ends of the stream bound a gap as a beat does;
 9. :func:`beatflow.rhythm.flutter_keep_mask`: peaks inside ventricular flutter/fibrillation
    episodes (runs of windows with no isoelectric baseline and a low mean frequency) are dropped
-   (array code after either backend's detection, in :func:`detect_peaks`).
+   (array code after the CPU's detection; on the GPU four kernels before the peaks are emitted,
+   :func:`beatflow.kernels.detect_beats_gpu`).
 
 Why not the seed's Ricker wavelet by FFT: on real ECG (MIT-BIH) a Ricker response of fixed width
 peaks on tall T waves and on the wrong lobe of wide beats; the slope envelope with a T-wave test
@@ -406,7 +407,7 @@ def detect_peaks(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] 
     array of int64
         Sorted global sample indices of the detected peaks (maxima of the QRS energy envelope),
         in the namespace of ``x``. Peaks inside ventricular flutter/fibrillation episodes are
-        dropped (:func:`beatflow.rhythm.flutter_keep_mask`, for both backends; ``s.vf_baseline = 0``
+        dropped (:func:`beatflow.rhythm.flutter_keep_mask`, as kernels on the GPU; ``s.vf_baseline = 0``
         switches that off).
     """
     return detect_beats(x, s, first=first, core=core)[0]
