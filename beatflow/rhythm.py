@@ -70,6 +70,14 @@ def window_features(x, first: int, s: SegmentSamples):
         (``smooth[k]``; elsewhere it is not meaningful). The windows at the ends of ``x`` are
         completed with its first and last sample.
     """
+    if namespace_of(x) is np and x.shape[0] >= 3:  # the CPU path: the same quantities in fused loops
+        return _window_features_cpu(x, first, s)
+    return window_features_xp(x, first, s)
+
+
+def window_features_xp(x, first: int, s: SegmentSamples):
+    """:func:`window_features` in array code, whatever the namespace (the reference of the CPU's
+    fused loops and of the GPU kernels; the path of CuPy input without the kernels)."""
     xp = namespace_of(x)
     _, ndimage = scipy_for(xp)
     W, n = s.vf_window, x.shape[0]
@@ -98,6 +106,23 @@ def window_features(x, first: int, s: SegmentSamples):
         near[rows] = (xp.abs(hr - med[:, None]) < s.vf_tol * (hi - lo)[:, None]).sum(axis=1) / float(W)
     base = _context_sum(near, c) / _context_sum(xp.ones(nw, dtype=xp.float64), c)
     return smooth, base, w0
+
+
+def _window_features_cpu(x, first: int, s: SegmentSamples):
+    """:func:`window_features` on NumPy with the fused loops of
+    :func:`beatflow.cpu_kernels.flutter_features_cpu` (one pass for the energies, the near-median
+    fractions only for the windows that need them); the array code is their reference."""
+    from .cpu_kernels import flutter_features_cpu
+    from .segment import gaussian_derivative
+
+    taps = gaussian_derivative(s.kernel, s.a)
+    e_sig, e_slope = flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps)
+    c = s.vf_context
+    smooth = _context_sum(e_slope, c) < s.vf_omega**2 * _context_sum(e_sig, c)
+    rows = np.flatnonzero(_context_sum(smooth.astype(np.float64), c) > 0)
+    near = flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps, rows=rows, tol=s.vf_tol)
+    base = _context_sum(near, c) / _context_sum(np.ones(near.shape[0], dtype=np.float64), c)
+    return smooth, base, first // s.vf_window
 
 
 def flutter_windows(x, first: int, s: SegmentSamples):

@@ -50,6 +50,37 @@ def test_rhythm_matches_loop_reference():
     assert fired > 0
 
 
+def test_cpu_loops_match_array_code():
+    """The fused CPU loops (cpu_kernels.flutter_features_cpu) give the array code's window
+    quantities: energies to round-off, the same smooth windows and near-median fractions, for even
+    and odd windows, unaligned starts and streams shorter than a window."""
+    from beatflow.cpu_kernels import flutter_features_cpu
+
+    fs = 250.0
+    for seed, params in ((0, {}), (1, {"vf_window_s": 0.71, "vf_context": 1}), (2, {"vf_highpass_s": 0.02})):
+        s = SegmentParams(**params).samples(fs)
+        rng = np.random.default_rng(seed)
+        x, a, b = _stream(seed, fs, seconds=24.0)
+        for first, xs in ((0, x), (1137, x), (3, x[:100]), (0, rng.normal(size=4000).astype(np.float32))):
+            got_s, got_b, w0 = R._window_features_cpu(xs, first, s)
+            want_s, want_b, ww0 = R.window_features_xp(xs, first, s)
+            assert w0 == ww0
+            np.testing.assert_array_equal(got_s, want_s)
+            np.testing.assert_allclose(got_b[got_s], want_b[want_s], rtol=0, atol=1e-12)
+            # the energies themselves, against the array code's sums
+            e_sig, e_slope = flutter_features_cpu(xs, first, s.vf_window, s.vf_highpass,
+                                                  S.gaussian_derivative(s.kernel, s.a))
+            xd = S.despike(xs)
+            from scipy.ndimage import uniform_filter1d
+
+            W, lead = s.vf_window, first - w0 * s.vf_window
+            tail = e_sig.shape[0] * W - lead - xs.shape[0]
+            h = np.pad(xd - uniform_filter1d(xd, s.vf_highpass, mode="nearest"), (lead, tail), mode="edge")
+            d = np.pad(S._slope(xd, s.kernel, s.a), (lead, tail), mode="edge")
+            np.testing.assert_allclose(e_sig, (h.reshape(-1, W) ** 2).sum(axis=1), rtol=1e-9)
+            np.testing.assert_allclose(e_slope, (d.reshape(-1, W) ** 2).sum(axis=1), rtol=1e-9)
+
+
 def test_rhythm_fires_on_flutter_only_and_can_be_switched_off():
     fs = 250.0
     s = SegmentParams().samples(fs)
