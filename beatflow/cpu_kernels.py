@@ -22,6 +22,8 @@ the GPU path uses) and are tested against them and against the loop references o
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit
 
@@ -44,6 +46,22 @@ def _despiked(x, j, n):
     return max(min(a, b), min(max(a, b), c))
 
 @njit(cache=True, nogil=True)
+def _window_buffer(x, P0, R, xd):
+    # xd[u] = despiked sample at clip(P0 - R + u); without clipping (the interior) a vectorised loop
+    n = x.shape[0]
+    lo = P0 - R
+    L = xd.shape[0]
+    if lo >= 1 and lo + L + 1 <= n:
+        for u in range(L):
+            a = np.float64(x[lo + u - 1])
+            b = np.float64(x[lo + u])
+            c = np.float64(x[lo + u + 1])
+            xd[u] = max(min(a, b), min(max(a, b), c))
+    else:
+        for u in range(L):
+            xd[u] = _despiked(x, _clip(lo + u, n), n)
+
+@njit(cache=True, nogil=True)
 def _envelope(x, kr, box, out):
     n = x.shape[0]
     K = kr.shape[0]
@@ -64,15 +82,7 @@ def _envelope(x, kr, box, out):
         yl = m + 2 * bh
         xlo = ylo - kh
         xl = yl + 2 * kh
-        if xlo >= 1 and xlo + xl + 1 <= n:  # interior: no clipping, a vectorised loop
-            for t in range(xl):
-                a = np.float64(x[xlo + t - 1])
-                b = np.float64(x[xlo + t])
-                c = np.float64(x[xlo + t + 1])
-                xd[t] = max(min(a, b), min(max(a, b), c))
-        else:
-            for t in range(xl):
-                xd[t] = _despiked(x, _clip(xlo + t, n), n)
+        _window_buffer(x, xlo, 0, xd[:xl])
         # y[t] = sum_j xd[_clip(ylo + t + kh - j)] * k[j] = sum_i xd[t + i] * kr[i] with kr the
         # reversed kernel; the loop over t is the inner one, and its index must run forward
         # for LLVM to vectorise it (2.3x)
@@ -158,22 +168,6 @@ def _steepest(x, at, k, sh, out):
 
 
 @njit(cache=True, nogil=True)
-def _window_buffer(x, P0, R, xd):
-    # xd[u] = despiked sample at clip(P0 - R + u)
-    n = x.shape[0]
-    lo = P0 - R
-    L = xd.shape[0]
-    if lo >= 1 and lo + L + 1 <= n:
-        for u in range(L):
-            a = np.float64(x[lo + u - 1])
-            b = np.float64(x[lo + u])
-            c = np.float64(x[lo + u + 1])
-            xd[u] = max(min(a, b), min(max(a, b), c))
-    else:
-        for u in range(L):
-            xd[u] = _despiked(x, _clip(lo + u, n), n)
-
-@njit(cache=True, nogil=True)
 def _high_window(xd, ta, tb, R, hp, h):
     # h[t] for t in [ta, tb): xd[t + R] minus the mean of its hp neighbours, the sum carried along
     hh = hp // 2
@@ -221,12 +215,13 @@ def _window_energies(x, kr, first, w0, W, hp, e_sig, e_slope):
         e_sig[k] = ss
         e_slope[k] = sd
 
-@njit(cache=True, nogil=True)
-def _quantile(srt, q):
-    # NumPy's default (linear) quantile of sorted values, with its interpolation formula
+def quantile_sorted(srt, q):
+    """NumPy's default (linear) ``quantile(q)`` of the sorted values ``srt``, with its interpolation
+    formula. Plain Python: compiled here for the CPU loops and by :mod:`beatflow.kernels` as a CUDA
+    device function."""
     m = srt.shape[0]
     vi = (m - 1) * q
-    i0 = int(np.floor(vi))
+    i0 = int(math.floor(vi))
     g = vi - i0
     a = srt[i0]
     b = srt[min(i0 + 1, m - 1)]
@@ -234,6 +229,9 @@ def _quantile(srt, q):
     if g >= 0.5:
         return b - diff * (1.0 - g)
     return a + diff * g
+
+
+_quantile = njit(cache=True, nogil=True)(quantile_sorted)
 
 @njit(cache=True, nogil=True)
 def _window_near(x, first, w0, W, hp, R, rows, tol, near):

@@ -1201,18 +1201,9 @@ def _vf_build(W: int, HP: int, K: int, tpb: int):
             sd += e_slope[i]
         return sd < omega2 * ss
 
-    @cuda.jit(device=True)
-    def _pct(srt, q):
-        """NumPy's default (linear) ``quantile(q)`` of the ``W`` sorted values ``srt``."""
-        vi = (W - 1) * q
-        i0 = int(math.floor(vi))
-        g = vi - i0
-        a = srt[i0]
-        b = srt[min(i0 + 1, W - 1)]
-        d = b - a
-        if g >= 0.5:
-            return b - d * (1.0 - g)
-        return a + d * g
+    from .cpu_kernels import quantile_sorted
+
+    _pct = cuda.jit(device=True)(quantile_sorted)  # NumPy's linear quantile, the CPU loops' function
 
     @cuda.jit
     def vf_need(e_sig, e_slope, c, omega2, todo, info):
