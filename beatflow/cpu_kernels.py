@@ -16,9 +16,9 @@ slower than NeuroKit2. Here each is one pass:
   of :func:`beatflow.rhythm.window_features` made five full passes and four stream-sized
   temporaries, 2 s per 20 h on one core), and the near-median fractions of the windows that need one.
 
-Both have exactly the contract of the array-namespace functions in :mod:`beatflow.segment` (which
-the GPU path uses) and are tested against them and against the loop references of
-``tests/naive.py``. Compiled on first use and cached on disk (``cache=True``; this module is imported only when the CPU path runs).
+Each has exactly the contract of its array-namespace function in :mod:`beatflow.segment` or
+:mod:`beatflow.rhythm` and is tested against it (and against the loop references of
+``tests/naive.py``). Compiled on first use and cached on disk (``cache=True``; this module is imported only when the CPU path runs).
 """
 from __future__ import annotations
 

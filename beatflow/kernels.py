@@ -1063,7 +1063,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
 #: the flutter rule's energy kernel: chunks per window (a window's lanes, a power of two that divides
 #: a warp) and the windows of a block (GPU; the simulator runs one warp per block)
 _VF_CHUNKS = 16
-_VF_TILE, _SIM_VF_TILE = 8, WARP // _VF_CHUNKS
+_VF_TILE = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -1414,14 +1414,14 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
 
 def detect_beats_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = None, _cap: int | None = None):
     """:func:`beatflow.segment.detect_beats` on the GPU: :func:`detect_peaks_gpu` with the flutter
-    rule of :mod:`beatflow.rhythm` in three more kernels, before the peaks are emitted (still one
+    rule of :mod:`beatflow.rhythm` in four more kernels, before the peaks are emitted (still one
     synchronisation):
 
-    - ``vf_energy`` (one block per 1 s window): the energies of the high-passed signal and of its
-      slope;
-    - ``vf_near`` (one block per window within reach of a smooth one, the others return at once):
-      the fraction of near-median samples (a rank sort of the window in shared memory, NumPy's
-      median and linear percentiles);
+    - ``vf_energy`` (a tile of 1 s windows per block): the energies of the high-passed signal and
+      of its slope;
+    - ``vf_need`` (one thread per window): the list of windows within reach of a smooth one;
+    - ``vf_near`` (one block per listed window): the fraction of near-median samples (a rank sort
+      of the window in shared memory, NumPy's median and linear percentiles);
     - ``vf_episodes`` (one thread per window): the runs of flutter-like windows, and the episodes'
       sample ranges; ``emit`` then leaves out the peaks in them.
 

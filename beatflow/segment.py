@@ -35,8 +35,8 @@ The steps of :func:`detect_peaks`:
    ``margin`` × RR from both and not T-wave-like; the ends of the stream bound a gap as a beat does;
 9. :func:`beatflow.rhythm.flutter_keep_mask`: peaks inside ventricular flutter/fibrillation
    episodes (runs of windows with no isoelectric baseline and a low mean frequency) are dropped
-   (array code after the CPU's detection; on the GPU four kernels before the peaks are emitted,
-   :func:`beatflow.kernels.detect_beats_gpu`).
+   (after the CPU's detection, fused loops of :func:`beatflow.cpu_kernels.flutter_features_cpu`;
+   on the GPU four kernels before the peaks are emitted, :func:`beatflow.kernels.detect_beats_gpu`).
 
 Why not the seed's Ricker wavelet by FFT: on real ECG (MIT-BIH) a Ricker response of fixed width
 peaks on tall T waves and on the wrong lobe of wide beats; the slope envelope with a T-wave test

@@ -420,7 +420,7 @@ class FigurePool:
     def collect(futures: dict) -> dict:
         """The PNGs of the figures that were drawn (the others are left to the report task)."""
         out = {}
-        for name, f in futures.items():
+        for f in futures.values():
             try:
                 out.update(f.result())
             except Exception:
