@@ -127,8 +127,10 @@ def begin_run(run_id) -> None:
     try:
         import rmm
 
-        mr = rmm.mr.get_current_device_resource()
-        if isinstance(mr, rmm.mr.StatisticsResourceAdaptor) and hasattr(mr, "push_counters"):
+        from .capture_arena import resource_chain
+
+        mr = next((m for m in resource_chain() if isinstance(m, rmm.mr.StatisticsResourceAdaptor)), None)
+        if mr is not None and hasattr(mr, "push_counters"):
             if _RUN["pushed"]:
                 mr.pop_counters()
             mr.push_counters()  # a fresh frame: its peak is this run's
@@ -145,9 +147,10 @@ def transfer_stats(run_id=None) -> dict:
     try:
         import rmm
 
-        mr = rmm.mr.get_current_device_resource()
-        while mr is not None:
-            if isinstance(mr, rmm.mr.StatisticsResourceAdaptor):
+        from .capture_arena import resource_chain
+
+        for mr in resource_chain():
+            if isinstance(mr, rmm.mr.StatisticsResourceAdaptor) and "rmm_peak_bytes" not in out:
                 counts = mr.allocation_counts  # a Statistics object (a dict in older RMM)
                 get = (lambda k: counts[k]) if isinstance(counts, dict) else (lambda k: getattr(counts, k))
                 out["rmm_peak_bytes"] = int(get("peak_bytes"))
@@ -160,7 +163,6 @@ def transfer_stats(run_id=None) -> dict:
                 size = _rmm_setup_pool_size()
                 if size:
                     out["rmm_pool_bytes"] = size
-            mr = getattr(mr, "upstream_mr", None)
     except Exception:  # no rmm on CPU workers
         pass
     mm = _numba_memory_manager()
@@ -208,16 +210,19 @@ def _rmm_setup_pool_size():
 
 
 def track_rmm_statistics(run_id=None) -> bool:
-    """Wrap the current RMM resource (the worker's pool) in a statistics adaptor (peak use), and
-    count for run ``run_id`` from here on (:func:`begin_run`)."""
+    """Wrap the current RMM resource (the worker's pool) in a statistics adaptor (peak use), put a
+    :class:`~beatflow.capture_arena.CaptureArena` in front of it, and count for run ``run_id`` from
+    here on (:func:`begin_run`)."""
     try:
         import rmm
     except ImportError:
         begin_run(run_id)
         return False
-    mr = rmm.mr.get_current_device_resource()
-    if not isinstance(mr, rmm.mr.StatisticsResourceAdaptor):
-        rmm.mr.set_current_device_resource(rmm.mr.StatisticsResourceAdaptor(mr))
+    from . import capture_arena
+
+    if not any(isinstance(m, rmm.mr.StatisticsResourceAdaptor) for m in capture_arena.resource_chain()):
+        rmm.mr.set_current_device_resource(rmm.mr.StatisticsResourceAdaptor(rmm.mr.get_current_device_resource()))
+    capture_arena.install()  # in front: memory for captures of compiled steps (beatflow.capture_arena)
     begin_run(run_id)
     return True
 

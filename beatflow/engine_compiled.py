@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from . import capture_arena
 from .engine import _TORCH_DTYPES, PathLike, Scorer, check_precision, cuda_device_index
 from .engine_aoti import AotInductorEngine
 from .errors import DeviceError
@@ -59,8 +60,13 @@ class _GraphedBuckets:
         self.compiled = compiled
         self.device = device
         self.graphs: dict = {}
+        self.arenas: list = []  # under RMM: the captures' memory (beatflow.capture_arena)
         self.pool = None
         self.lock = threading.Lock()
+
+    def __del__(self):  # the graphs' tensors before the arenas they live in
+        self.graphs.clear()
+        self.arenas.clear()
 
     def _capture(self, shape, dtype):
         static = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -73,8 +79,18 @@ class _GraphedBuckets:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+        arenas = None if native_allocator() else capture_arena.installed()
+        if arenas is None:
+            with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+                outs = self.compiled(static)
+            return graph, static, outs
+        # RMM: the capture's memory from an arena mapped before it, captured on the warm-up's stream
+        with arenas.capture(max(32 << 20, 64 * static.numel() * 4)) as arena, \
+                torch.cuda.graph(graph, pool=self.pool, stream=side), torch.no_grad():
             outs = self.compiled(static)
+        self.arenas.append(arena)
+        if arena.overflow:
+            raise RuntimeError(f"the capture needed more than its arena of {arena.size} bytes")
         return graph, static, outs
 
     def __call__(self, x: torch.Tensor, rows: Optional[int] = None):
@@ -130,11 +146,11 @@ class CompiledEngine(AotInductorEngine):
             raise DeviceError("the compiled engine runs on a CUDA device")
         if precision not in _TORCH_DTYPES:
             raise ValueError(f"compiled engine: precision {precision!r} not supported (fp32, fp16, bf16)")
-        # graphs by default only where PyTorch allocates with its own allocator: under RMM, even over
-        # CUDA's async pool where training steps are captured, capturing the compiled scorer failed on
-        # an H200 ("CUDA driver error: invalid argument", bench/gpu_engine_async_probe.py); if a capture
-        # fails anyway, that bucket launches its kernels (_GraphedBuckets)
-        native = native_allocator()
+        # graphs by default where PyTorch allocates with its own allocator, or from RMM with a capture
+        # arena in front (beatflow.capture_arena; without it, capturing the compiled scorer under RMM's
+        # async pool failed on an H200: "CUDA driver error: invalid argument",
+        # bench/gpu_engine_async_probe.py); if a capture fails anyway, that bucket launches its kernels
+        native = native_allocator() or capture_arena.installed() is not None
         if cudagraphs and not native:
             raise DeviceError("compiled engine: CUDA graphs need PyTorch's own CUDA allocator, and another "
                               f"({torch.cuda.memory.get_allocator_backend()}) is installed")

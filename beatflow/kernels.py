@@ -160,6 +160,30 @@ def _sim_lock_shared_arrays():
     shared.array = array
 
 
+#: per-kernel register caps (``max_registers``; ptxas then spills what does not fit), a kernel
+#: absent from it gets what ptxas chooses; ``BEATFLOW_MAXREG="dense=64,vf_energy=96"`` overrides
+#: them (read once, when the kernels are first built: for benchmarks, each variant a process). On
+#: the H200 (``bench/gpu_maxreg.py``, session 9): dense 72 -> 64 registers, 4 blocks of 256 threads per
+#: SM instead of 3, 1.01 -> 0.93 ms; embed_warp 72 -> 48, 0.244 -> 0.195 ms; vf_energy 117 -> 96, 5
+#: blocks of 128 instead of 4 (the detection with the rule 1.69 -> 1.66 ms); the same peaks and rows.
+_MAXREG_DEFAULT: dict = {"dense": 64, "embed_warp": 48, "vf_energy": 96}
+
+
+def _maxreg() -> dict:
+    out = dict(_MAXREG_DEFAULT)
+    for item in os.environ.get("BEATFLOW_MAXREG", "").split(","):
+        if "=" in item:
+            name, value = item.split("=", 1)
+            out[name.strip()] = int(value)
+    return {k: v for k, v in out.items() if v > 0}
+
+
+def _kernel(name: str, sim: bool):
+    """``cuda.jit`` for the kernel ``name``, with its register cap (none under the simulator)."""
+    cap = None if sim else _maxreg().get(name)
+    return cuda.jit(max_registers=cap) if cap else cuda.jit
+
+
 @functools.lru_cache(maxsize=None)
 def _build():
     """Import Numba CUDA and compile-define the kernels (once). Returns ``(kernels dict, simulator?)``."""
@@ -254,7 +278,7 @@ def _build():
                         break
             gate[i] = 1 if keep else 0
 
-    @cuda.jit
+    @_kernel("embed_warp", sim)
     def embed_warp(x, start, length, first, width, baseline, rows, p2p, counter, claim):
         """Warps claim beats and write each beat's row in beat order (row = beat index).
 
@@ -801,7 +825,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     f64, i32 = _F64, np.int32
     u32 = np.uint32  # unsigned shared-memory indices: no negative-index wraparound code
 
-    @cuda.jit
+    @_kernel("dense", sim)
     def dense(x, kr, first, b0, write_env, env_out, bmax, xmax, cap, tcount, tpos, theight, tvalley, info):
         """One tile of ``tile`` samples per block, everything in shared memory: 3-point median,
         derivative-of-Gaussian slope, RMS over ``box`` (the sums of ``cpu_kernels.envelope_cpu``
@@ -954,7 +978,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                 c = cap
             tcount[ti] = c
 
-    @cuda.jit
+    @_kernel("cand_eval", sim)
     def cand_eval(x, tcount, offsets, cap, tpos, theight, tvalley, amp, b0, first, edge, weak_ratio, ratio, xmax, kf,
                   noise_valley, noise_slope, noise_level, cand, height, slope, state):
         """One warp per candidate slot (grid-stride; a warp whose slot is empty moves on): the
@@ -1034,7 +1058,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
             return not episode[_clip(p // vw - w0, episode.shape[0])]
         return True
 
-    @cuda.jit
+    @_kernel("emit_count", sim)
     def emit_count(offsets, cand, state, first, lo, hi, episode, w0, vw, counts):
         """Per tile: how many of its candidates are emitted (:func:`_beat`)."""
         nt = counts.shape[0]
@@ -1045,7 +1069,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                     c += 1
             counts[ti] = c
 
-    @cuda.jit
+    @_kernel("emit", sim)
     def emit(offsets, cand, state, first, lo, hi, episode, w0, vw, out_offsets, peaks):
         """The emitted beats of each tile, in order, at ``out_offsets[tile]`` of ``peaks`` (global indices)."""
         nt = out_offsets.shape[0] - 1
@@ -1140,7 +1164,7 @@ def _vf_build(W: int, HP: int, K: int, tpb: int):
             off //= 2
         return v
 
-    @cuda.jit
+    @_kernel("vf_energy", sim)
     def vf_energy(x, kr, first, w0, e_sig, e_slope):
         """Per window: the energies of the high-passed signal and of its slope (the slope taps
         ``kr`` reversed, summed as the dense kernel sums them). A tile of ``TW`` windows per block
@@ -1216,7 +1240,7 @@ def _vf_build(W: int, HP: int, K: int, tpb: int):
                     todo[cuda.atomic.add(info, 3, 1)] = k
                     break
 
-    @cuda.jit
+    @_kernel("vf_near", sim)
     def vf_near(x, first, w0, todo, info, tol, near):
         """Per listed window (one block each, grid-stride over the list): the fraction of its
         high-passed samples within ``tol`` × their 3–97 % range of their median. The ``W`` values
@@ -1272,7 +1296,7 @@ def _vf_build(W: int, HP: int, K: int, tpb: int):
             m += 1
         return sn / m < baseline
 
-    @cuda.jit
+    @_kernel("vf_episodes", sim)
     def vf_episodes(e_sig, e_slope, near, c, omega2, baseline, runs, w0, lo, hi, episode, spans, info):
         """Per window: ``episode[k]``, it lies in a run of at least ``runs`` flutter-like windows;
         the thread of a run's first window also writes the run as a ``[start, end)`` sample range

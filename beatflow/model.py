@@ -345,6 +345,8 @@ def train_vae(
         if on_epoch is not None:
             on_epoch(epoch, losses[-1], time.perf_counter() - t0)
 
+    if graphs:
+        step_loss.release()
     model.eval()
     test_loss = float("nan")
     if len(test_index):
@@ -387,24 +389,27 @@ def rmm_async_resource() -> bool:
         import rmm
     except ImportError:
         return False
-    mr = rmm.mr.get_current_device_resource()
-    while mr is not None:
-        if isinstance(mr, rmm.mr.CudaAsyncMemoryResource):
-            return True
-        mr = getattr(mr, "upstream_mr", None)
-    return False
+    from .capture_arena import resource_chain
+
+    return any(isinstance(mr, rmm.mr.CudaAsyncMemoryResource) for mr in resource_chain())
 
 
 def graph_allocator() -> bool:
     """Whether CUDA graphs can be captured with PyTorch's current CUDA allocator: its own caching
-    allocator or its ``cudaMallocAsync`` backend, or RMM over CUDA's stream-ordered pool (the flow's
-    GPU workers with ``--rmm-allocator async``). Not RMM's pool resource: its bookkeeping breaks the
-    capture (``cudaErrorStreamCaptureInvalidated``, measured on an H200)."""
+    allocator or its ``cudaMallocAsync`` backend, or RMM over CUDA's stream-ordered pool with a
+    :class:`~beatflow.capture_arena.CaptureArena` in front (the flow's GPU workers with
+    ``--rmm-allocator async``). Not RMM's pool resource: its bookkeeping breaks the capture
+    (``cudaErrorStreamCaptureInvalidated``), nor the async pool without the arena: the eager step's
+    first replay then hit an illegal memory access, and compiled steps could not be captured (H200)."""
     try:
         backend = torch.cuda.memory.get_allocator_backend()
     except Exception:  # pragma: no cover - older torch
         return False
-    return backend in ("native", "cudaMallocAsync") or rmm_async_resource()
+    if backend in ("native", "cudaMallocAsync"):
+        return True
+    from .capture_arena import installed
+
+    return rmm_async_resource() and installed() is not None
 
 
 def training_graphs(cudagraphs: Optional[bool], device, amp=None) -> bool:
@@ -416,7 +421,8 @@ def training_graphs(cudagraphs: Optional[bool], device, amp=None) -> bool:
     if cudagraphs and not possible:
         why = ("they run on a CUDA device" if dev.type != "cuda" else
                "fp16's gradient scaler is not captured: use bf16 or fp32" if amp == torch.float16 else
-               "capture needs PyTorch's own CUDA allocator or RMM over cudaMallocAsync, and "
+               "capture needs PyTorch's own CUDA allocator, or RMM over cudaMallocAsync with "
+               "beatflow.capture_arena.install() in front, and "
                f"{torch.cuda.memory.get_allocator_backend()} with another resource is installed")
         raise ValueError(f"training with CUDA graphs: {why}")
     return bool(cudagraphs)
@@ -435,8 +441,12 @@ class _GraphedSteps:
     def __init__(self, model, opt, step_loss, shapes, width: int, device):
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.graphs = {}
+        self.arenas = []
         try:
             self._capture(model, opt, step_loss, shapes, width, device)
+        except BaseException:
+            self.release()
+            raise
         finally:  # also when capture fails: training then starts from the same weights
             with torch.no_grad():
                 for k, v in model.state_dict().items():
@@ -447,6 +457,9 @@ class _GraphedSteps:
                             v.zero_()
 
     def _capture(self, model, opt, step_loss, shapes, width, device):
+        from . import capture_arena
+
+        arenas = None if native_allocator() else capture_arena.installed()
         pool = torch.cuda.graph_pool_handle()
         for b in shapes:
             static = torch.zeros((b, width), dtype=torch.float32, device=device)
@@ -465,9 +478,33 @@ class _GraphedSteps:
                     step()
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                loss = step()
+            if arenas is None:
+                with torch.cuda.graph(graph, pool=pool):
+                    loss = step()
+            else:  # RMM: the capture's memory from an arena, mapped before it (capture_arena); captured
+                # on the warm-up's stream, whose library workspaces the warm-up made outside the arena
+                with arenas.capture(self.arena_bytes(b, width)) as arena, \
+                        torch.cuda.graph(graph, pool=pool, stream=side):
+                    loss = step()
+                self.arenas.append(arena)
+                if arena.overflow:
+                    raise RuntimeError(f"the capture needed more than its arena of {arena.size} bytes")
             self.graphs[b] = (graph, static, loss)
+
+    @staticmethod
+    def arena_bytes(batch: int, width: int) -> int:
+        """Bytes of the arena of one step's capture: room for ~256 batch-sized float32 tensors (the
+        step makes a few dozen; an arena address is never reused within a capture)."""
+        return max(64 << 20, 256 * batch * width * 4)
+
+    def __del__(self):
+        self.release()
+
+    def release(self):
+        """Drop the graphs and their tensors, then the arenas they live in (in that order: a free
+        of an arena address is a no-op only while its arena is alive)."""
+        self.graphs.clear()
+        self.arenas.clear()
 
     def __call__(self, xb: torch.Tensor) -> torch.Tensor:
         graph, static, loss = self.graphs[xb.shape[0]]
@@ -478,12 +515,16 @@ class _GraphedSteps:
 
 def training_compiled(compile: bool, graphs: bool) -> bool:
     """Whether :func:`train_vae` compiles its steps: as asked, except when they are captured in CUDA
-    graphs while PyTorch allocates through a pluggable allocator (RMM's async pool in the flow's GPU
-    workers). Inductor's kernels cannot be launched inside such a capture ("CUDA driver error:
-    invalid argument", H200); there the graphs hold the fusible form uncompiled (10 epochs of 97 k
-    rows in 1.3 s, against 1.8 s compiled and launched without graphs), and the compilation (10-35 s
-    in a fresh worker) is not spent."""
-    return bool(compile) and not (graphs and not native_allocator())
+    graphs while PyTorch allocates through a pluggable allocator (RMM) with no capture arena in
+    front: Inductor's kernels cannot be launched inside such a capture ("CUDA driver error: invalid
+    argument", H200), so the compilation would be spent for nothing. With the arena (the flow's GPU
+    workers) the compiled step is captured: 10 epochs of 97 k rows in 0.43 s against 1.33 s for the
+    fusible form uncompiled in graphs (H200, session 9)."""
+    if not (compile and graphs) or native_allocator():
+        return bool(compile)
+    from .capture_arena import installed
+
+    return installed() is not None
 
 
 def training_precision(precision: str, device) -> str:

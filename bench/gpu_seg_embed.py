@@ -24,11 +24,12 @@ def kept_bounds(peaks, s, n: int):
     return start[kept], B.row_lengths(length[kept], s)
 
 
-def setup(hours: float = 20.0):
+def setup(hours: float = 20.0, cache: str | None = None):
     """``(s, x, xg, seg_embed)``: the segmentation parameters at 250 Hz, the synthetic stream (seed 0)
     on the host and on the device, and a function doing detection as the product does it (the
     kernels, with the flutter-episode rule's), beat bounds (one compaction of the kept beats) and the
-    embedding, returning ``(rows, p2p)``."""
+    embedding, returning ``(rows, p2p)``. ``cache``: a ``.npy`` path where the stream is kept between
+    processes."""
     import cupy
 
     from beatflow import kernels as K
@@ -37,7 +38,16 @@ def setup(hours: float = 20.0):
     from beatflow.synth import synthesize_ecg
 
     s = SegmentParams().samples(250.0)
-    x = synthesize_ecg(hours=hours, fs=250.0, seed=0).signal
+    if cache and os.path.exists(cache):
+        import numpy as np
+
+        x = np.load(cache)
+    else:
+        x = synthesize_ecg(hours=hours, fs=250.0, seed=0).signal
+        if cache:
+            import numpy as np
+
+            np.save(cache, x)
     xg = cupy.asarray(x)
     base = max(1, s.pre // 2)
 

@@ -46,6 +46,25 @@ def count(ptx: str):
     return len(ins), collections.Counter(ln.split()[0].split(".")[0] for ln in ins).most_common(8)
 
 
+def ptxas_usage(ptx: str, out: str, name: str) -> str:
+    """Registers, spills and shared memory that ptxas (of the nvcc wheel, when present) gives the
+    kernel for sm_90, or '' without ptxas."""
+    import glob
+    import re
+    import subprocess
+
+    exe = glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "nvidia", "cuda_nvcc", "bin", "ptxas"))
+    if not exe:
+        return ""
+    path = os.path.join(out, f"{name}.ptx")
+    with open(path, "w") as f:
+        f.write(ptx)
+    r = subprocess.run([exe[0], "-arch=sm_90", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+    return f"regs {regs.group(1) if regs else '?'} spill {spill.group(1) if spill else '?'}"
+
+
 def main():
     out = os.environ.get("OUT", "bench/out")
     os.makedirs(out, exist_ok=True)
@@ -87,7 +106,7 @@ def main():
             with open(os.path.join(out, "dense.ptx"), "w") as f:
                 f.write(ptx)
         n, kinds = count(ptx)
-        print(f"{name:18s} {n:6d} PTX instructions  {kinds}")
+        print(f"{name:18s} {n:6d} PTX instructions  {ptxas_usage(ptx, out, name)}  {kinds}")
 
 
 if __name__ == "__main__":

@@ -168,6 +168,10 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
         update_progress_artifact(progress, progress=100.0 * epoch / epochs)
 
     device = "cuda" if _device_of(beats) == "gpu" else "cpu"
+    if device == "cuda":  # compiled steps captured in graphs under RMM need it (the load task installed it
+        from beatflow.capture_arena import install  # on the workers that loaded partitions)
+
+        install()
     data = torch.from_dlpack(beats) if device == "cuda" else torch.from_numpy(to_host(beats))
     precision = training_precision(train_precision, device)
     res = train_vae(data, epochs=epochs, batch_size=batch_size, seed=seed, device=device, on_epoch=on_epoch,

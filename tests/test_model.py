@@ -237,7 +237,17 @@ def test_graph_allocator_rule(monkeypatch):
     fake = type(sys)("rmm")
     fake.mr = type(sys)("rmm.mr")
     fake.mr.CudaAsyncMemoryResource = Async
-    for current, want in ((Stats(), True), (Pool(), False)):  # an adaptor over the async pool; RMM's own pool
+    from beatflow import capture_arena
+
+    class Front:  # the arena's callback resource (no upstream_mr: capture_arena knows what is behind it)
+        pass
+
+    arena = capture_arena.CaptureArena(Stats(), callback_resource=lambda alloc, free: Front())
+    monkeypatch.setitem(capture_arena._INSTALLED, capture_arena._device_id(), arena)
+    # an adaptor over the async pool, with and without the arena in front; RMM's own pool
+    for current, is_async, graphs in ((arena.mr, True, True), (Stats(), True, False), (Pool(), False, False)):
         fake.mr.get_current_device_resource = lambda c=current: c
         monkeypatch.setitem(sys.modules, "rmm", fake)
-        assert M.rmm_async_resource() is want and M.graph_allocator() is want
+        assert M.rmm_async_resource() is is_async and M.graph_allocator() is graphs
+        assert M.training_compiled(True, True) is graphs  # compiled steps captured only through the arena
+        assert M.training_compiled(True, False) and not M.training_compiled(False, True)
