@@ -33,6 +33,8 @@ class _Arena:
         self.overflow = 0  # allocations that did not fit (they went upstream)
 
     def take(self, nbytes: int):
+        nbytes = max(int(nbytes), 1)  # a block of 0 bytes gets an address of its own too: PyTorch's
+        # pluggable allocator keys its blocks by address ("Trying to free a pointer not allocated here")
         off = -(-self.offset // _ALIGN) * _ALIGN
         if off + nbytes > self.size:
             self.overflow += 1

@@ -3,7 +3,7 @@
 # training step captured under RMM with and without beatflow.capture_arena (bench/gpu_capture_probe.py),
 # then, as the budget allows, the GPU tests, segmentation + embedding, the MIT-BIH check, Nsight
 # Compute durations and the flow on a standing cluster. Outputs under $OUT.
-#   BUDGET=540 [STEPS="maxreg capture tests segment mitdb ncu flow"] bash bench/gpu_session9.sh
+#   BUDGET=540 [STEPS="maxreg capture tests segment mitdb ncu flow cpu16"] bash bench/gpu_session9.sh
 set -u
 t0=$(date +%s)
 bash .whl/install.sh >/dev/null 2>&1
@@ -23,8 +23,8 @@ if want capture; then
 fi
 if want tests && [ "$(left)" -gt 120 ]; then
   echo "== GPU tests ($(el))"
-  timeout 260 python3 -m pytest -x -q --tb=short -p no:cacheprovider -p no:warnings tests/test_kernels.py \
-    tests/test_rhythm.py tests/test_capture_arena.py tests/test_model.py 2>&1 | tail -15
+  timeout 260 python3 -m pytest -x -q --tb=short -p no:cacheprovider -p no:warnings ${TESTS:-tests/test_kernels.py \
+    tests/test_rhythm.py tests/test_capture_arena.py tests/test_model.py} 2>&1 | tail -15
 fi
 if want segment && [ "$(left)" -gt 100 ]; then
   echo "== segmentation + embedding: bench/gpu_segment.py ($(el))"
@@ -46,5 +46,9 @@ if want flow && [ "$(left)" -gt 140 ]; then
   OUT=/tmp/flowout RUNS=${RUNS:-2} RUN_LIMIT=150 timeout $(( $(left) - 10 )) python3 bench/gpu_flow_persistent.py 2>&1 \
     | grep -v -i warn | tail -5
   tar czf "$OUT/flow.tgz" -C /tmp flowout 2>/dev/null
+fi
+if want cpu16 && [ "$(left)" -gt 150 ]; then
+  echo "== the flow on the CPU, 16 workers (bench/gpu_flow.sh) ($(el))"
+  OUT=$OUT/cpu RUNS=cpu16 RUN_LIMIT=$(( $(left) - 20 )) bash bench/gpu_flow.sh 2>&1 | grep -v -i warn | tail -8
 fi
 echo "done ($(el))"

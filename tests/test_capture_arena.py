@@ -55,14 +55,14 @@ def test_inside_a_capture_addresses_come_from_the_arena_distinct_and_aligned():
     up, arena = make()
     alloc, free = arena.mr
     with arena.capture(1 << 20) as a:
-        ptrs = [alloc(n) for n in (1, 300, 4096, 7, 100_000)]
+        ptrs = [alloc(n) for n in (1, 300, 0, 4096, 0, 7, 100_000)]
         for p in ptrs[:3]:
             free(p, 0)  # an arena address is never handed out again: the frees change nothing
         ptrs.append(alloc(300))
     assert len(up.allocated) == 1 and up.freed == []  # the arena's one buffer, nothing freed upstream
     assert all(a.base <= p < a.base + a.size for p in ptrs)
     assert all(p % 256 == 0 for p in ptrs) and len(set(ptrs)) == len(ptrs)
-    sizes = (1, 300, 4096, 7, 100_000, 300)
+    sizes = (1, 300, 1, 4096, 1, 7, 100_000, 300)  # (a block of 0 bytes takes one)
     spans = sorted(zip(ptrs, sizes))
     assert all(p + n <= q for (p, n), (q, _) in zip(spans, spans[1:]))  # no two blocks overlap
     q = alloc(64)  # after the capture: upstream again
