@@ -80,13 +80,15 @@ class _GraphedBuckets:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         arenas = None if native_allocator() else capture_arena.installed()
+        # thread-local: CUDA calls of other threads (a Dask worker's) do not invalidate the capture
         if arenas is None:
-            with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), torch.no_grad():
                 outs = self.compiled(static)
             return graph, static, outs
         # RMM: the capture's memory from an arena mapped before it, captured on the warm-up's stream
         with arenas.capture(max(32 << 20, 64 * static.numel() * 4)) as arena, \
-                torch.cuda.graph(graph, pool=self.pool, stream=side), torch.no_grad():
+                torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"), \
+                torch.no_grad():
             outs = self.compiled(static)
         self.arenas.append(arena)
         if arena.overflow:

@@ -478,13 +478,14 @@ class _GraphedSteps:
                     step()
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            # thread-local: CUDA calls of other threads of a Dask worker do not invalidate the capture
             if arenas is None:
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     loss = step()
             else:  # RMM: the capture's memory from an arena, mapped before it (capture_arena); captured
                 # on the warm-up's stream, whose library workspaces the warm-up made outside the arena
                 with arenas.capture(self.arena_bytes(b, width)) as arena, \
-                        torch.cuda.graph(graph, pool=pool, stream=side):
+                        torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
                     loss = step()
                 self.arenas.append(arena)
                 if arena.overflow:

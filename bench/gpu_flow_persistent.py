@@ -36,11 +36,13 @@ def main() -> int:
            "NUMBA_CUDA_MEMORY_MANAGER": "rmm.allocators.numba", "BEATFLOW_RMM_POOL_SIZE": "0.8", "PYTHONPATH": os.environ.get("PYTHONPATH", ROOT)}
     t = time.perf_counter()
     rmm_async = os.environ.get("RMM_ALLOCATOR", "async") == "async"  # as `beatflow run --rmm-allocator`
-    from tasks.cluster import gpu_worker_env
+    from tasks.cluster import GPU_WORKER_THREADS, gpu_worker_env
 
     gpu_worker_env(env, 0.8)  # what the flow's own cluster gives its workers (dask-cuda drops `env`)
+    threads = int(os.environ.get("THREADS", GPU_WORKER_THREADS))  # as the flow's own cluster
     cluster = LocalCUDACluster(rmm_pool_size=0.8, rmm_async=rmm_async, rmm_allocator_external_lib_list=["cupy", "torch"],
-                               host="127.0.0.1", dashboard_address="127.0.0.1:0", env=env)
+                               host="127.0.0.1", dashboard_address="127.0.0.1:0", env=env, threads_per_worker=threads)
+    print(f"threads per worker: {threads}", flush=True)
     client = Client(cluster)
     print(f"cluster up in {time.perf_counter() - t:.1f} s: {cluster.scheduler_address}", flush=True)
     rows = []

@@ -126,6 +126,13 @@ def parse_pool_size(value) -> float | int | str:
     return float(v) if v <= 1.0 else int(v)
 
 
+#: threads of each GPU worker: a GPU's partition tasks are short (milliseconds of kernels) and most of
+#: a task's time is Prefect's bookkeeping (its API calls), which one thread would serialise over the
+#: partitions; the kernels' launches are thread-safe (kernels._FastLaunch) and captures are
+#: thread-local (model._GraphedSteps, engine_compiled._GraphedBuckets)
+GPU_WORKER_THREADS = 4
+
+
 def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler: str | None = None,
                      rmm_pool_size=None, gpus: str | None = None, rmm_allocator: str = "async"):
     """The Dask task runner of a flow run.
@@ -134,7 +141,8 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
     ----------
     device : {"cpu", "gpu"}
         ``cpu``: a ``distributed.LocalCluster`` of ``workers`` single-threaded processes.
-        ``gpu``: a ``dask_cuda.LocalCUDACluster`` (one worker per GPU) with one RMM pool per GPU.
+        ``gpu``: a ``dask_cuda.LocalCUDACluster`` (one worker per GPU, :data:`GPU_WORKER_THREADS`
+        threads) with one RMM pool per GPU.
     workers : int, optional
         Number of CPU workers (default: the number of cores, at least 2).
     scheduler : str, optional
@@ -178,6 +186,7 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
                 "rmm_pool_size": pool,
                 "rmm_async": rmm_allocator == "async",
                 "rmm_allocator_external_lib_list": ["cupy", "torch"],
+                "threads_per_worker": GPU_WORKER_THREADS,
                 "dashboard_address": "127.0.0.1:0",
                 "host": "127.0.0.1",
             },
