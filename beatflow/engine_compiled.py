@@ -31,7 +31,7 @@ from . import capture_arena
 from .engine import _TORCH_DTYPES, PathLike, Scorer, check_precision, cuda_device_index
 from .engine_aoti import AotInductorEngine
 from .errors import DeviceError
-from .model import native_allocator
+from .model import capture_graph, native_allocator
 
 __all__ = ["CompiledEngine", "compiled_available", "native_allocator"]
 
@@ -79,20 +79,9 @@ class _GraphedBuckets:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        arenas = None if native_allocator() else capture_arena.installed()
-        # thread-local: CUDA calls of other threads (a Dask worker's) do not invalidate the capture
-        if arenas is None:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), torch.no_grad():
-                outs = self.compiled(static)
-            return graph, static, outs
-        # RMM: the capture's memory from an arena mapped before it, captured on the warm-up's stream
-        with arenas.capture(max(32 << 20, 64 * static.numel() * 4)) as arena, \
-                torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"), \
+        with capture_graph(graph, self.pool, side, max(32 << 20, 64 * static.numel() * 4), self.arenas), \
                 torch.no_grad():
             outs = self.compiled(static)
-        self.arenas.append(arena)
-        if arena.overflow:
-            raise RuntimeError(f"the capture needed more than its arena of {arena.size} bytes")
         return graph, static, outs
 
     def __call__(self, x: torch.Tensor, rows: Optional[int] = None):

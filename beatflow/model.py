@@ -8,6 +8,7 @@ This module only needs PyTorch and NumPy (no Prefect, no Dask).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -428,6 +429,29 @@ def training_graphs(cudagraphs: Optional[bool], device, amp=None) -> bool:
     return bool(cudagraphs)
 
 
+@contextlib.contextmanager
+def capture_graph(graph, pool, stream, arena_bytes: int, arenas: list):
+    """``torch.cuda.graph(graph, pool=pool)`` for the training steps and the compiled engine, thread-
+    local (CUDA calls of a Dask worker's other threads do not invalidate it). Under RMM with a
+    :class:`~beatflow.capture_arena.CaptureArena` in front, the capture's memory comes from a new
+    arena of ``arena_bytes`` (mapped before the capture; appended to ``arenas``, which must live as
+    long as the graph) and the capture runs on ``stream``, the warm-up's, whose library workspaces
+    the warm-up made outside the arena. An arena too small is a ``RuntimeError`` after the capture."""
+    from .capture_arena import installed
+
+    front = None if native_allocator() else installed()
+    if front is None:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+        return
+    with front.capture(arena_bytes) as arena, \
+            torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        yield
+    arenas.append(arena)
+    if arena.overflow:
+        raise RuntimeError(f"the capture needed more than its arena of {arena.size} bytes")
+
+
 class _GraphedSteps:
     """Whole training steps (forward, backward, optimizer update, gradients zeroed) captured once
     per batch shape in a CUDA graph; a call copies the batch into the static input, replays, and
@@ -457,9 +481,6 @@ class _GraphedSteps:
                             v.zero_()
 
     def _capture(self, model, opt, step_loss, shapes, width, device):
-        from . import capture_arena
-
-        arenas = None if native_allocator() else capture_arena.installed()
         pool = torch.cuda.graph_pool_handle()
         for b in shapes:
             static = torch.zeros((b, width), dtype=torch.float32, device=device)
@@ -478,18 +499,8 @@ class _GraphedSteps:
                     step()
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            # thread-local: CUDA calls of other threads of a Dask worker do not invalidate the capture
-            if arenas is None:
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    loss = step()
-            else:  # RMM: the capture's memory from an arena, mapped before it (capture_arena); captured
-                # on the warm-up's stream, whose library workspaces the warm-up made outside the arena
-                with arenas.capture(self.arena_bytes(b, width)) as arena, \
-                        torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-                    loss = step()
-                self.arenas.append(arena)
-                if arena.overflow:
-                    raise RuntimeError(f"the capture needed more than its arena of {arena.size} bytes")
+            with capture_graph(graph, pool, side, self.arena_bytes(b, width), self.arenas):
+                loss = step()
             self.graphs[b] = (graph, static, loss)
 
     @staticmethod
@@ -552,8 +563,6 @@ def _step_loss(model: "LightVAE", device_type: str, amp, compile: bool, fused: b
     (:mod:`beatflow.fused`, ``fused``; default: when ``compile``), ``torch.compile``-d when
     ``compile``. A compiled step that fails (no Triton, no compiler) runs uncompiled from then on;
     the returned function's ``failed`` attribute tells."""
-    import contextlib
-
     fused = compile if fused is None else fused
 
     def cast():

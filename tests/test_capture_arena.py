@@ -141,3 +141,45 @@ def test_compiled_step_captured_under_rmm_through_the_arena():
     assert got["fast"][:2] == [True, True]  # with it: the compiled step in the graphs
     assert got["live_arenas"] == 0  # released with the graphs
     assert abs(got["fast"][2] - got["plain"][2]) <= 0.05 * got["plain"][2]
+
+
+def test_capture_graph_takes_an_arena_only_where_one_is_installed(monkeypatch):
+    # model.capture_graph, the one capture of the training steps and of the compiled engine, with
+    # torch.cuda.graph and the installed arena as stand-ins (CPU)
+    import contextlib
+
+    import torch
+
+    from beatflow import capture_arena
+    from beatflow import model as M
+
+    calls = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, stream=None, capture_error_mode="global"):
+        calls.append((graph, pool, stream, capture_error_mode))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(M, "native_allocator", lambda: False)
+    monkeypatch.setattr(capture_arena, "installed", lambda: None)
+    kept = []
+    with M.capture_graph("g0", "pool", "side", 1 << 16, kept):  # no arena: plain capture, default stream
+        pass
+    assert calls == [("g0", "pool", None, "thread_local")] and kept == []
+
+    up, arena = make()
+    alloc, _ = arena.mr
+    monkeypatch.setattr(capture_arena, "installed", lambda: arena)
+    with M.capture_graph("g1", "pool", "side", 1 << 16, kept):
+        p = alloc(100)  # the capture's allocations come from the arena
+    assert calls[-1] == ("g1", "pool", "side", "thread_local")
+    assert len(kept) == 1 and kept[0].holds(p)
+    with pytest.raises(RuntimeError, match="more than its arena of 1024 bytes"):
+        with M.capture_graph("g2", "pool", "side", 1024, kept):
+            alloc(4096)
+    assert len(kept) == 2  # kept all the same: the graph's tensors may live in it
+    monkeypatch.setattr(M, "native_allocator", lambda: True)  # PyTorch's own allocator: never an arena
+    with M.capture_graph("g3", "pool", "side", 1 << 16, kept):
+        pass
+    assert calls[-1] == ("g3", "pool", None, "thread_local") and len(kept) == 2
