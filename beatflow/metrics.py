@@ -51,19 +51,20 @@ def match_beats(detected, reference, tolerance: int):
     -------
     (Detection, match) : match[i] is the index in ``detected`` matched to ``reference[i]``, or -1.
     """
-    d = np.asarray(detected, dtype=np.int64)
-    r = np.asarray(reference, dtype=np.int64)
-    match = np.full(r.shape[0], -1, dtype=np.int64)
-    j = 0
-    for i in range(r.shape[0]):
-        lo = r[i] - tolerance
-        while j < d.shape[0] and d[j] < lo:
+    d = np.asarray(detected, dtype=np.int64).tolist()  # Python ints: the walk is 10x faster than on
+    r = np.asarray(reference, dtype=np.int64).tolist()  # NumPy scalars (0.1 s per 100 000 beats)
+    out = [-1] * len(r)
+    j, nd = 0, len(d)
+    for i, ri in enumerate(r):
+        lo = ri - tolerance
+        while j < nd and d[j] < lo:
             j += 1
-        if j < d.shape[0] and d[j] <= r[i] + tolerance:
-            match[i] = j
+        if j < nd and d[j] <= ri + tolerance:
+            out[i] = j
             j += 1
+    match = np.asarray(out, dtype=np.int64)
     tp = int((match >= 0).sum())
-    return Detection(tp=tp, fp=int(d.shape[0] - tp), fn=int(r.shape[0] - tp)), match
+    return Detection(tp=tp, fp=int(nd - tp), fn=int(len(r) - tp)), match
 
 
 def roc_auc(scores, positive) -> float:

@@ -689,6 +689,17 @@ FIGURES = {"stream": _fig_stream, "lengths": _fig_lengths, "aligned": _fig_align
 EARLY_FIGURES = ("lengths", "aligned", "training")
 
 
+def warm_up() -> None:
+    """Start of a figure-drawing process (``flows.pipeline.FigurePool``): Matplotlib (Agg) imported
+    and its fonts loaded, so that the first figure it draws pays none of that."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = _new_fig(1.0, 1.0)
+    fig.add_subplot().plot([0.0, 1.0])
+    _png(fig)
+
+
 def render_figures(data, names=EARLY_FIGURES) -> dict:
     """The PNGs (base64) of the named figures. ``data`` may be a :class:`ReportData` or any object
     with the fields those figures read (``fs``, ``length_hist_counts``, ``length_hist_edges``,

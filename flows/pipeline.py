@@ -1,8 +1,9 @@
 """The end-to-end flow: load → segment → embed → train → engine → score → report.
 
-Partitions of the stream are mapped over the Dask workers; each partition's arrays stay in its
-worker (futures). The flow itself only sees small results and writes the outputs, into a
-temporary folder renamed at the end, so a failed run leaves no partial output.
+Each stage is a Prefect task; the partitions' work of a stage is mapped over the Dask workers
+(``tasks.stages``) and each partition's arrays stay in its worker (futures). The flow itself only
+sees small results and writes the outputs, into a temporary folder renamed at the end, so a failed
+run leaves no partial output.
 """
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from prefect import flow, get_run_logger, unmapped
-from prefect.futures import wait
+from prefect import flow, get_run_logger
 
 from beatflow.backend import transfer_stats
 from beatflow.beats import MODEL_INPUT
@@ -37,18 +37,6 @@ N_TOP = 12
 
 def default_out_dir() -> Path:
     return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-
-
-def raise_first_failure(futures) -> None:
-    """Wait for mapped futures and re-raise the first task's own error (e.g. a bad CSV line).
-
-    Without this, the tasks downstream of a failed one would report only that their input was not
-    ready. Results are not fetched: partition arrays stay on their workers.
-    """
-    wait(futures)
-    for f in futures:
-        if not f.state.is_completed():
-            f.result()  # raises the task's exception
 
 
 class _Stopwatch:
@@ -198,9 +186,9 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     log.info("%s: %d recording(s), %d partitions, fs %g Hz", source.path, len(source.recordings), len(specs), fs)
 
     # load (each partition on one worker, where it stays) and exchange the small halos
-    parts = T.load_partition.map(unmapped(source), specs, unmapped(device))
-    raise_first_failure(parts)
-    edges = [f.result() for f in T.partition_edges.map(parts, unmapped(s.halo))]
+    from prefect.runtime import flow_run
+
+    parts, edges = T.load(source, specs, device, s.halo, flow_run.id)
     lengths = [e[0] for e in edges]
     n_samples = {}
     for sp, n in zip(specs, lengths):
@@ -215,16 +203,15 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         rec_offset[r] = acc
         acc += n_samples.get(r, 0)
     # the whole-stream picture (per pixel column) is computed while the rest goes on
-    overview_futures = T.stream_overview.map(
-        parts, [rec_offset[sp.recording] + firsts[k] for k, sp in enumerate(specs)], unmapped(total),
-        unmapped(N_COLUMNS))
+    overview_futures = T.map_partitions(T.stream_overview, parts,
+                                        [rec_offset[sp.recording] + firsts[k] for k, sp in enumerate(specs)],
+                                        name="stream-overview", total=total, ncols=N_COLUMNS)
     sw.lap("load")
 
     # segmentation
-    seg_tokens = [token(base_token, "segment", sp.recording, firsts[k], lengths[k]) if cache else None
-                  for k, sp in enumerate(specs)]
-    segmented = [f.result() for f in cached(T.segment_partition, cache).map(parts, lefts, rights, firsts,
-                                                                              unmapped(s), seg_tokens)]
+    seg_token = (token(base_token, "segment", [(sp.recording, firsts[k], lengths[k]) for k, sp in enumerate(specs)])
+                 if cache else None)
+    segmented = cached(T.segment, cache)(parts, lefts, rights, firsts, s, cache_token=seg_token)
     peaks = [p for p, _ in segmented]
     plan = plan_beats(specs, firsts, n_samples, peaks, s)
     episodes = _flutter_episodes(specs, [e for _, e in segmented], source, fs)
@@ -244,9 +231,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
 
     # pruning / embedding: each partition's kept beats become rows, on the partition's worker
     kept = [plan.kept_of(k) for k in range(len(specs))]
-    embedded = T.embed_partition.map(parts, lefts, rights, firsts, [k[0] for k in kept], [k[1] for k in kept],
-                                     unmapped(s))
-    raise_first_failure(embedded)
+    embedded = T.embed(parts, lefts, rights, firsts, [k[0] for k in kept], [k[1] for k in kept], s)
     sw.lap("embed")
 
     # training: once, on one worker, on the gathered matrix
@@ -275,9 +260,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
 
     # scoring goes back out to the partitions' workers; offsets of recordings on one time axis
     dominant = np.asarray(trained["dominant"], np.float32)
-    scored = [f.result() for f in T.score_partition.map(embedded, unmapped(engine["path"]),
-                                                         unmapped(trained["scale"]),
-                                                         [dominant[sp.recording] for sp in specs])]
+    scored = T.score(embedded, engine["path"], trained["scale"], [dominant[sp.recording] for sp in specs])
     scores = np.concatenate([sc for sc, _ in scored]) if scored else np.zeros(0, np.float32)
     mu = np.concatenate([m for _, m in scored]) if scored else np.zeros((0, 2), np.float32)
     threshold = robust_threshold(scores)
@@ -293,22 +276,18 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     log.info("scoring: %d of %d beats flagged (threshold %.4g)", flagged, len(table), threshold)
     sw.lap("score")
 
-    truth = None  # the check against the synthetic truth runs beside the report's context snippets
-    truth_future = (T.evaluate_truth.submit(truth_path, np.concatenate(peaks), plan.peak[kb], scores, fs)
-                    if truth_path else None)
-
     # report: whole-stream picture per partition, context of the top anomalies
-    overview = [f.result() for f in overview_futures]
+    overview = T.gather(overview_futures)
     top = table.nsmallest(N_TOP, "rank")
     windows = {k: [] for k in range(len(specs))}
     for _, row in top.iterrows():
         b = int(row["beat"])
         pad = int(fs)
         windows[int(plan.owner[b])].append((int(row["start"]) - pad, int(row["start"]) + int(row["length"]) + pad))
-    ctx_lists = T.context_snippets.map(parts, lefts, rights, firsts, [windows[k] for k in range(len(specs))])
-    ctx = {k: f.result() for k, f in enumerate(ctx_lists)}
-    if truth_future is not None:
-        truth = truth_future.result()
+    ctx = dict(enumerate(T.context_snippets(parts, lefts, rights, firsts, [windows[k] for k in range(len(specs))])))
+    truth = None
+    if truth_path:  # the check against the synthetic truth
+        truth = T.evaluate_truth(truth_path, np.concatenate(peaks), plan.peak[kb], scores, fs)
         log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
     summary = _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers,
                        specs, truth, episodes)
@@ -319,9 +298,8 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     from beatflow.report import FIGURES
 
     late = figures.draw(data, [name for name in FIGURES if name not in early])  # the rest, at once
-    T.write_report.submit(str(work / "report.html"), data, figures.collect({**early, **late})).result()
+    T.write_report(str(work / "report.html"), data, figures.collect({**early, **late}))
     sw.lap("report")
-    from prefect.runtime import flow_run
 
     stats = run_on_workers(transfer_stats, flow_run.id)  # this run's counts (workers may serve many runs)
     summary["workers_reporting"] = len(stats)
@@ -396,12 +374,15 @@ class FigurePool:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
+        from beatflow.report import warm_up  # (a light module: the processes do not import this one)
+
         n = processes or max(1, min(4, os.cpu_count() or 1))
         try:
             self.pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_warm_figures)
+                                            initializer=warm_up)
             for _ in range(n):  # every process starts now (one per job while none is idle)
                 self.pool.submit(int)
+            _lower_priority(getattr(self.pool, "_processes", None) or {})
         except Exception:  # no processes here: the report task draws everything
             self.pool = None
 
@@ -432,16 +413,15 @@ class FigurePool:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _warm_figures() -> None:
-    """A figure process's start: Matplotlib (Agg) and the report module imported, fonts loaded."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from beatflow import report
-
-    fig = report._new_fig(1.0, 1.0)
-    fig.add_subplot().plot([0.0, 1.0])
-    report._png(fig)
+def _lower_priority(processes: dict) -> None:
+    """Run the figure processes at a lower priority than the flow's workers: while they start
+    (imports, seconds of CPU each) they would otherwise slow the stages on a small machine (training
+    took 2x as long beside them on 2 cores)."""
+    for pid in list(processes):
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, 10)
+        except (AttributeError, OSError):  # not on this platform, or already gone
+            pass
 
 
 def _draw_early_figures(figures: FigurePool, fs, s, plan, trained) -> dict:

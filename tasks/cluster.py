@@ -238,9 +238,9 @@ def flow_client():
         from prefect.context import FlowRunContext
 
         ctx = FlowRunContext.get()
-        client = getattr(getattr(ctx, "task_runner", None), "_client", None)
-        if client is not None:
-            return client
+        runner = getattr(ctx, "task_runner", None)
+        if hasattr(type(runner), "client"):  # a DaskTaskRunner: its client (made on first use)
+            return runner.client
         from distributed import get_client
 
         return get_client()
