@@ -9,6 +9,10 @@ for CuPy, Numba and PyTorch, as the flow's own cluster) stay up, and the same 20
 Run on the GPU machine from the repository root (``PYTHONPATH=/tmp/site:$PWD``)::
 
     RUNS=3 python3 bench/gpu_flow_persistent.py     # summaries and a table under $OUT
+
+``DEVICE=cpu WORKERS=16`` does the same for the CPU path: a standing ``LocalCluster`` of 16
+single-threaded workers set up as the flow's own (``tasks.cluster``), and ``beatflow run --device
+cpu`` against it, so that warm runs of both paths can be compared.
 """
 from __future__ import annotations
 
@@ -26,7 +30,6 @@ OUT = os.environ.get("OUT", os.path.join(ROOT, "bench", "out"))
 def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from dask_cuda import LocalCUDACluster
     from distributed import Client
     from prefect.server.api.server import SubprocessASGIServer
 
@@ -35,30 +38,48 @@ def main() -> int:
     env = {"PREFECT_API_URL": server.api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1",
            "NUMBA_CUDA_MEMORY_MANAGER": "rmm.allocators.numba", "BEATFLOW_RMM_POOL_SIZE": "0.8", "PYTHONPATH": os.environ.get("PYTHONPATH", ROOT)}
     t = time.perf_counter()
-    rmm_async = os.environ.get("RMM_ALLOCATOR", "async") == "async"  # as `beatflow run --rmm-allocator`
-    from tasks.cluster import GPU_WORKER_THREADS, gpu_worker_env
+    device = os.environ.get("DEVICE", "gpu")
+    extra = []
+    if device == "cpu":
+        from distributed import LocalCluster
 
-    gpu_worker_env(env, 0.8)  # what the flow's own cluster gives its workers (dask-cuda drops `env`)
-    threads = int(os.environ.get("THREADS", GPU_WORKER_THREADS))  # as the flow's own cluster
-    cluster = LocalCUDACluster(rmm_pool_size=0.8, rmm_async=rmm_async, rmm_allocator_external_lib_list=["cupy", "torch"],
-                               host="127.0.0.1", dashboard_address="127.0.0.1:0", env=env, threads_per_worker=threads)
-    print(f"threads per worker: {threads}", flush=True)
+        from tasks.cluster import _configure_worker_spawn
+
+        _configure_worker_spawn()  # as the flow's own CPU cluster
+        n = int(os.environ.get("WORKERS", "16"))
+        env = {k: v for k, v in env.items() if not k.startswith(("NUMBA_CUDA", "BEATFLOW_RMM"))}
+        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, host="127.0.0.1",
+                               dashboard_address="127.0.0.1:0", env=env)
+        extra = ["--workers", str(n)]
+        print(f"CPU workers: {n}", flush=True)
+    else:
+        from dask_cuda import LocalCUDACluster
+
+        rmm_async = os.environ.get("RMM_ALLOCATOR", "async") == "async"  # as `beatflow run --rmm-allocator`
+        from tasks.cluster import GPU_WORKER_THREADS, gpu_worker_env
+
+        gpu_worker_env(env, 0.8)  # what the flow's own cluster gives its workers (dask-cuda drops `env`)
+        threads = int(os.environ.get("THREADS", GPU_WORKER_THREADS))  # as the flow's own cluster
+        cluster = LocalCUDACluster(rmm_pool_size=0.8, rmm_async=rmm_async,
+                                   rmm_allocator_external_lib_list=["cupy", "torch"], host="127.0.0.1",
+                                   dashboard_address="127.0.0.1:0", env=env, threads_per_worker=threads)
+        print(f"threads per worker: {threads}", flush=True)
     client = Client(cluster)
     print(f"cluster up in {time.perf_counter() - t:.1f} s: {cluster.scheduler_address}", flush=True)
     rows = []
     try:
         for r in range(1, int(os.environ.get("RUNS", "3")) + 1):
-            out = f"/tmp/bf-persistent-{r}"
+            out = f"/tmp/bf-persistent-{device}-{r}"
             t = time.perf_counter()
             cmd = [sys.executable, "-m", "beatflow.cli", "run", "--hours", os.environ.get("HOURS", "20"),
-                   "--device", "gpu", "--scheduler", cluster.scheduler_address, "--out", out]
-            with open(os.path.join(OUT, f"log-persistent-{r}.txt"), "w") as log:
+                   "--device", device, "--scheduler", cluster.scheduler_address, "--out", out] + extra
+            with open(os.path.join(OUT, f"log-persistent-{device}-{r}.txt"), "w") as log:
                 rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                     timeout=int(os.environ.get("RUN_LIMIT", "150"))).returncode
             wall = time.perf_counter() - t
             s = json.load(open(os.path.join(out, "summary.json"))) if os.path.exists(os.path.join(out, "summary.json")) else {}
             if s:
-                json.dump(s, open(os.path.join(OUT, f"summary-persistent-{r}.json"), "w"), indent=1)
+                json.dump(s, open(os.path.join(OUT, f"summary-persistent-{device}-{r}.json"), "w"), indent=1)
             rows.append((r, rc, wall, s))
             t_ = s.get("timings_s", {})
             print(f"run {r}: rc={rc} wall {wall:.1f} s  " + "  ".join(f"{k} {v:.2f}" for k, v in t_.items())

@@ -3,7 +3,7 @@
 # segmentation + embedding, MIT-BIH check, Nsight Compute, the flow on a standing cluster, the CPU flow
 # on 16 workers) plus "gpuflow": `beatflow run --device gpu` on its own LocalCUDACluster
 # (tasks.cluster.make_task_runner), a cold run. Outputs under $OUT.
-#   BUDGET=540 [STEPS="tests flow cpu16 gpuflow"] bash bench/gpu_session10.sh
+#   BUDGET=540 [STEPS="tests flow cpuwarm cpu16 gpuflow"] bash bench/gpu_session10.sh
 set -u
 t0=$(date +%s)
 bash .whl/install.sh >/dev/null 2>&1
@@ -42,10 +42,17 @@ if want ncu && [ "$(left)" -gt 200 ]; then
 fi
 if want flow && [ "$(left)" -gt 140 ]; then
   echo "== flow on a standing cluster ($(el))"
-  rm -rf /tmp/bf-persistent-* /tmp/flowout; mkdir -p /tmp/flowout
+  rm -rf /tmp/bf-persistent-gpu-* /tmp/flowout; mkdir -p /tmp/flowout
   OUT=/tmp/flowout RUNS=${RUNS:-2} RUN_LIMIT=150 timeout $(( $(left) - 10 )) python3 bench/gpu_flow_persistent.py 2>&1 \
     | grep -v -i warn | tail -5
   tar czf "$OUT/flow.tgz" -C /tmp flowout 2>/dev/null
+fi
+if want cpuwarm && [ "$(left)" -gt 200 ]; then
+  echo "== the flow on the CPU, a standing cluster of 16 workers ($(el))"
+  rm -rf /tmp/bf-persistent-cpu-* /tmp/flowcpu; mkdir -p /tmp/flowcpu
+  DEVICE=cpu WORKERS=16 OUT=/tmp/flowcpu RUNS=${CPU_RUNS:-3} RUN_LIMIT=150 timeout $(( $(left) - 10 )) \
+    python3 bench/gpu_flow_persistent.py 2>&1 | grep -v -i warn | tail -5
+  tar czf "$OUT/flow-cpu.tgz" -C /tmp flowcpu 2>/dev/null
 fi
 if want cpu16 && [ "$(left)" -gt 150 ]; then
   echo "== the flow on the CPU, 16 workers (bench/gpu_flow.sh) ($(el))"

@@ -126,11 +126,12 @@ def parse_pool_size(value) -> float | int | str:
     return float(v) if v <= 1.0 else int(v)
 
 
-#: threads of each GPU worker: a GPU's partition tasks are short (milliseconds of kernels) and most of
-#: a task's time is Prefect's bookkeeping (its API calls), which one thread would serialise over the
-#: partitions; the kernels' launches are thread-safe (kernels._FastLaunch) and captures are
-#: thread-local (model._GraphedSteps, engine_compiled._GraphedBuckets)
-GPU_WORKER_THREADS = 4
+#: threads of each GPU worker: one. A GPU's partitions take milliseconds of kernels each, so threads
+#: gain nothing since the stages' partition work runs as plain Dask tasks (with Prefect task runs per
+#: partition, 4 threads overlapped their bookkeeping); and what a worker prepares once per thread (the
+#: CUDA graphs of training and of the compiled engine are captured per thread) made the second and
+#: third runs on a standing 4-thread worker pay it again (17.9 and 6.1 s against 4.1 s, H200 session 10)
+GPU_WORKER_THREADS = 1
 
 
 def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler: str | None = None,

@@ -105,8 +105,8 @@ def test_gpu_workers_get_their_environment_as_pre_spawn_variables():
 
 def test_gpu_cluster_settings(monkeypatch):
     # what the flow asks of dask-cuda (a stand-in module here: CI has no dask-cuda): one worker per GPU
-    # with several threads (Prefect's bookkeeping of the partition tasks overlaps), RMM's async pool
-    # shared with CuPy and PyTorch
+    # with one thread (what it prepares per thread, it prepares once), RMM's async pool shared with
+    # CuPy and PyTorch
     import sys
     import types
 
@@ -121,6 +121,6 @@ def test_gpu_cluster_settings(monkeypatch):
         runner = make_task_runner("gpu", 1, rmm_pool_size="50%", gpus="0,1")
     kw = runner.cluster_kwargs
     assert runner.cluster_class in ("dask_cuda.LocalCUDACluster", fake.LocalCUDACluster)
-    assert GPU_WORKER_THREADS > 1 and kw["threads_per_worker"] == GPU_WORKER_THREADS
+    assert GPU_WORKER_THREADS == 1 and kw["threads_per_worker"] == 1
     assert kw["rmm_pool_size"] == 0.5 and kw["rmm_async"] is True and kw["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert kw["rmm_allocator_external_lib_list"] == ["cupy", "torch"]

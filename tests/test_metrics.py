@@ -46,3 +46,16 @@ def test_anomaly_table_ranks():
     assert t["flagged"].tolist() == [False, True, True]
     assert t["recording"].astype(str).tolist() == ["a", "a", "b"]
     assert t["time_s"].tolist() == [0.08, 0.16, 0.32]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_roc_auc_equals_scikit_learn_with_ties(seed):
+    """The NumPy rank statistic against scikit-learn's ROC-AUC, on scores with many ties."""
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(20, 3000))
+    scores = rng.integers(0, 12, n).astype(np.float32) if seed % 2 else rng.normal(size=n)
+    labels = rng.random(n) < rng.uniform(0.05, 0.6)
+    labels[:2] = [True, False]
+    assert roc_auc(scores, labels) == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
