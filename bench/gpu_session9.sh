@@ -1,54 +1,5 @@
 #!/usr/bin/env bash
-# One H200 call (session 9): register caps of the heavy kernels (bench/gpu_maxreg.py), the compiled
-# training step captured under RMM with and without beatflow.capture_arena (bench/gpu_capture_probe.py),
-# then, as the budget allows, the GPU tests, segmentation + embedding, the MIT-BIH check, Nsight
-# Compute durations and the flow on a standing cluster. Outputs under $OUT.
+# Session 9's H200 script, now one with session 10's (the same steps and options, plus "cpuwarm" and
+# "gpuflow"): the commands in bench/RESULTS.md still run as written.
 #   BUDGET=540 [STEPS="maxreg capture tests segment mitdb ncu flow cpu16"] bash bench/gpu_session9.sh
-set -u
-t0=$(date +%s)
-bash .whl/install.sh >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
-el() { echo "$(( $(date +%s) - t0 )) s"; }
-left() { echo $(( ${BUDGET:-540} - ($(date +%s) - t0) )); }
-want() { case " ${STEPS:-maxreg capture} " in *" $1 "*) return 0 ;; esac; return 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-if want maxreg; then
-  echo "== register caps: bench/gpu_maxreg.py ($(el))"
-  timeout $(( $(left) - 20 )) python3 bench/gpu_maxreg.py 2>&1 | grep -v -i warn | tail -30
-  cp bench/out/gpu_maxreg.json "$OUT/" 2>/dev/null
-fi
-if want capture; then
-  echo "== compiled training step captured under RMM: bench/gpu_capture_probe.py ($(el))"
-  VARIANTS=${CAPTURE:-"uncompiled async arena"} LIMIT=${CAPTURE_LIMIT:-110} timeout $(( $(left) - 10 )) python3 bench/gpu_capture_probe.py 2>&1 | tail -60
-fi
-if want tests && [ "$(left)" -gt 120 ]; then
-  echo "== GPU tests ($(el))"
-  timeout 260 python3 -m pytest -x -q --tb=short -p no:cacheprovider -p no:warnings ${TESTS:-tests/test_kernels.py \
-    tests/test_rhythm.py tests/test_capture_arena.py tests/test_model.py} 2>&1 | tail -15
-fi
-if want segment && [ "$(left)" -gt 100 ]; then
-  echo "== segmentation + embedding: bench/gpu_segment.py ($(el))"
-  SHAPES=${SHAPES:-1} timeout 150 python3 bench/gpu_segment.py 2>&1 | grep -v -i warn | tail -24
-  cp bench/out/gpu_segment.json "$OUT/" 2>/dev/null
-fi
-if want mitdb && [ "$(left)" -gt 80 ]; then
-  echo "== MIT-BIH, detection and episodes on CuPy against NumPy ($(el))"
-  timeout 120 python3 bench/gpu_mitdb_check.py 2>&1 | grep -v -i warn | tail -7
-fi
-if want ncu && [ "$(left)" -gt 200 ]; then
-  echo "== Nsight Compute durations ($(el))"
-  timeout 110 ncu --clock-control none -c 40 --section SpeedOfLight python3 bench/gpu_seg_embed.py > "$OUT/ncu.txt" 2>&1
-  python3 bench/ncu_durations.py "$OUT/ncu.txt"
-fi
-if want flow && [ "$(left)" -gt 140 ]; then
-  echo "== flow on a standing cluster ($(el))"
-  rm -rf /tmp/bf-persistent-* /tmp/flowout; mkdir -p /tmp/flowout
-  OUT=/tmp/flowout RUNS=${RUNS:-2} RUN_LIMIT=150 timeout $(( $(left) - 10 )) python3 bench/gpu_flow_persistent.py 2>&1 \
-    | grep -v -i warn | tail -5
-  tar czf "$OUT/flow.tgz" -C /tmp flowout 2>/dev/null
-fi
-if want cpu16 && [ "$(left)" -gt 150 ]; then
-  echo "== the flow on the CPU, 16 workers (bench/gpu_flow.sh) ($(el))"
-  OUT=$OUT/cpu RUNS=cpu16 RUN_LIMIT=$(( $(left) - 20 )) bash bench/gpu_flow.sh 2>&1 | grep -v -i warn | tail -8
-fi
-echo "done ($(el))"
+exec bash "$(dirname "$0")/gpu_session10.sh" "$@"
