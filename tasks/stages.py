@@ -117,14 +117,19 @@ def map_partitions(fn, *iterables, name: str, **constants) -> list:
     """``fn`` over the partitions on the flow's Dask cluster: Dask futures, one per partition, each
     run where its partition's arrays live (futures among the arguments); ``constants`` go to every
     call. Keys read ``<name>-<partition>-<run>`` on the Dask dashboard."""
+    tag = uuid.uuid4().hex[:8]
+    n = len(iterables[0]) if iterables else 0
+    return _client().map(fn, *iterables, key=[f"{name}-{k}-{tag}" for k in range(n)], pure=False, **constants)
+
+
+def _client():
+    """The flow's Dask client (the stages run in the flow's process, on its Dask task runner)."""
     from tasks.cluster import flow_client
 
     client = flow_client()
     if client is None:
         raise RuntimeError("the pipeline's stages need the flow's Dask task runner")
-    tag = uuid.uuid4().hex[:8]
-    n = len(iterables[0]) if iterables else 0
-    return client.map(fn, *iterables, key=[f"{name}-{k}-{tag}" for k in range(n)], pure=False, **constants)
+    return client
 
 
 def wait_partitions(futures) -> None:
@@ -132,9 +137,7 @@ def wait_partitions(futures) -> None:
     so that no later stage waits on input that will not come. Results stay on the workers."""
     from distributed import wait
 
-    from tasks.cluster import flow_client
-
-    with flow_client().as_current():  # the flow thread has no default client
+    with _client().as_current():  # the flow thread has no default client
         wait(futures)
     for f in futures:
         if f.status == "error":
@@ -143,9 +146,7 @@ def wait_partitions(futures) -> None:
 
 def gather(futures) -> list:
     """The (small) results of partition futures, in order; the first failure re-raised."""
-    from tasks.cluster import flow_client
-
-    return flow_client().gather(futures) if futures else []
+    return _client().gather(futures) if futures else []
 
 
 # --- the stages: Prefect tasks run in the flow's process ---
@@ -163,15 +164,13 @@ def load(source: Source, specs: list, device: str, halo: int, run_id=None) -> tu
 
 
 def _holders(futures) -> set:
-    from tasks.cluster import flow_client
-
     try:
-        return {w for ws in flow_client().who_has(futures).values() for w in ws}
+        return {w for ws in _client().who_has(futures).values() for w in ws}
     except Exception:
         return set()
 
 
-@task(name="segment", cache_policy=NO_CACHE, persist_result=False)
+@partition_task(name="segment")
 def segment(parts: list, lefts: list, rights: list, firsts: list, s: SegmentSamples,
             cache_token: str | None = None) -> list:
     """Peaks and flutter episodes of every partition (:func:`segment_partition`), host arrays.
