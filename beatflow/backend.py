@@ -168,6 +168,13 @@ def transfer_stats(run_id=None) -> dict:
     mm = _numba_memory_manager()
     if mm:
         out["numba_memory_manager"] = mm
+    import sys
+
+    if "cupy" in sys.modules and cupy_available():
+        alloc = sys.modules["cupy"].cuda.get_allocator()
+        out["cupy_allocator"] = getattr(alloc, "__name__", type(alloc).__name__)
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+        out["torch_allocator"] = sys.modules["torch"].cuda.memory.get_allocator_backend()
     return out
 
 
@@ -197,16 +204,120 @@ def _rmm_setup_pool_size():
     if not value:
         return None
     try:
-        v = float(value)
+        small = float(value) <= 1.0
     except ValueError:
-        from dask.utils import parse_bytes
-
-        return int(parse_bytes(value))
-    if v <= 1.0:
+        small = False
+    if small:
         import cupy
 
-        return int(v * cupy.cuda.Device().mem_info[1])
-    return int(v)
+        return _pool_bytes(value, int(cupy.cuda.Device().mem_info[1]))
+    return _pool_bytes(value, 0)
+
+
+def _pool_bytes(value, total: int) -> int:
+    """An RMM pool size (a share of the device like ``0.8``, bytes, or a size like ``"40GB"``) in
+    bytes of a device of ``total`` bytes, rounded down to RMM's 256-byte alignment."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        from dask.utils import parse_bytes
+
+        v = float(parse_bytes(str(value)))
+    n = int(v * total) if v <= 1.0 else int(v)
+    return n - n % 256
+
+
+def setup_gpu_memory(pool_size=0.8, allocator: str = "async") -> dict:
+    """Make this process's GPU allocate from one RMM pool, for CuPy, Numba and PyTorch alike.
+
+    What a worker already has is kept (dask-cuda's workers come with their pool and CuPy/PyTorch
+    allocators); what it lacks is set up: a plain ``dask worker`` on a GPU node, or a ``dask cuda
+    worker`` started without ``--rmm-pool-size``, gets a pool of ``pool_size`` (``allocator``
+    ``"async"``: CUDA's stream-ordered pool, or ``"pool"``: RMM's own) and the three libraries are
+    pointed at it. Idempotent. Run on every GPU worker by :class:`tasks.cluster.GPUMemorySetup`.
+
+    Returns
+    -------
+    dict
+        :func:`gpu_memory_state` after the setup, plus ``pool_created`` (whether this call made the pool).
+
+    Raises
+    ------
+    DeviceError
+        No CuPy, no CUDA device, no RMM, or a pool that does not fit the device (one line, with the sizes).
+    """
+    if allocator not in ("async", "pool"):
+        raise DeviceError(f"RMM allocator {allocator!r} is not one of async, pool")
+    if not cupy_available():
+        raise DeviceError("no CUDA device, or CuPy is not installed here (pip install 'beatflow[gpu]')")
+    try:
+        import rmm
+        from rmm.allocators.cupy import rmm_cupy_allocator
+    except ImportError:
+        raise DeviceError("RMM is not installed here (pip install 'beatflow[gpu]')") from None
+    import cupy
+
+    from .capture_arena import resource_chain
+
+    created = False
+    if not any(isinstance(m, (rmm.mr.CudaAsyncMemoryResource, rmm.mr.PoolMemoryResource)) for m in resource_chain()):
+        free, total = (int(v) for v in cupy.cuda.runtime.memGetInfo())
+        size = _pool_bytes(pool_size, total)
+        try:
+            if size > free:
+                raise MemoryError(f"{size} > {free} bytes free")
+            if allocator == "async":
+                mr = rmm.mr.CudaAsyncMemoryResource(initial_pool_size=size)
+            else:
+                mr = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), initial_pool_size=size)
+        except Exception as e:
+            raise DeviceError(f"cannot reserve an RMM pool of {size / 1e9:.2f} GB on a GPU with {free / 1e9:.2f} of "
+                              f"{total / 1e9:.2f} GB free ({type(e).__name__}): lower --rmm-pool-size") from None
+        rmm.mr.set_current_device_resource(mr)
+        os.environ["BEATFLOW_RMM_POOL_SIZE"] = str(size)  # what transfer_stats reports as the pool
+        created = True
+    cupy.cuda.set_allocator(rmm_cupy_allocator)
+    try:
+        import torch
+        from rmm.allocators.torch import rmm_torch_allocator
+
+        if torch.cuda.memory.get_allocator_backend() != "pluggable":
+            torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
+    except ImportError:
+        pass
+    except RuntimeError:  # PyTorch allocated on this GPU before: its own allocator stays (reported)
+        pass
+    try:
+        from numba import cuda
+        from rmm.allocators.numba import RMMNumbaManager
+
+        cuda.set_memory_manager(RMMNumbaManager)  # for the context Numba creates next (none yet on a fresh worker)
+    except ImportError:
+        pass
+    return {**gpu_memory_state(), "pool_created": created}
+
+
+def gpu_memory_state() -> dict:
+    """Who allocates on this process's GPU: the RMM resources (outermost first), CuPy's allocator,
+    PyTorch's allocator backend (``pluggable`` is RMM's) and Numba's memory manager (creating
+    Numba's context if there is none)."""
+    import sys
+
+    from .capture_arena import resource_chain
+
+    out = {"rmm_resources": [type(m).__name__ for m in resource_chain()]}
+    if "cupy" in sys.modules:
+        alloc = sys.modules["cupy"].cuda.get_allocator()
+        out["cupy_allocator"] = getattr(alloc, "__name__", type(alloc).__name__)
+    if "torch" in sys.modules:
+        out["torch_allocator"] = sys.modules["torch"].cuda.memory.get_allocator_backend()
+    try:
+        from numba import cuda
+
+        out["numba_memory_manager"] = type(cuda.current_context().memory_manager).__name__
+    except Exception:
+        pass
+    return out
 
 
 def track_rmm_statistics(run_id=None) -> bool:

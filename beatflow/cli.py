@@ -17,13 +17,15 @@ def _run_parser(sub) -> None:
     p.add_argument("--fs", type=float, help="sampling rate in Hz of CSV/Parquet/npy input (default 250)")
     p.add_argument("--lead", type=int, default=0, help="WFDB channel (default 0)")
     p.add_argument("--hours", type=float, default=20.0, help="length of the synthetic ECG (default 20)")
-    p.add_argument("--workers", type=int, default=None, help="Dask workers (default: CPU cores, at least 2)")
-    p.add_argument("--partitions", type=int, default=None, help="partitions of the stream (default 4 per worker)")
+    p.add_argument("--workers", type=int, default=None, help="Dask workers (default: CPU cores, at least 2; with --scheduler: the cluster's)")
+    p.add_argument("--partitions", type=int, default=None, help="partitions of the stream (default 2 per worker)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
-    p.add_argument("--scheduler", help="address of a running Dask scheduler (tcp://host:port) to use")
+    p.add_argument("--scheduler", help="address of a running Dask scheduler (tcp://host:port) to use; with --device gpu its workers "
+                        "need the GPUs (and get RMM set up if they lack it), not this machine")
     p.add_argument("--gpus", help="GPUs for --device gpu, as CUDA_VISIBLE_DEVICES lists them (default: all)")
     p.add_argument("--rmm-pool-size", default=None,
-                   help="RMM pool per GPU: a share (80%%, 0.8) or a size (40GB); default 80%%")
+                   help="RMM pool per GPU: a share (80%%, 0.8) or a size (40GB); default 80%%; with --scheduler, "
+                        "for workers started without one")
     p.add_argument("--rmm-allocator", choices=("async", "pool"), default="async",
                    help="RMM's resource on each GPU: CUDA's stream-ordered pool (async: PyTorch can capture "
                         "CUDA graphs in it) or RMM's pool; default async")
@@ -85,7 +87,8 @@ def cmd_run(args) -> int:
 
     for name in ("hours", "workers", "partitions", "epochs", "batch_size", "fs"):
         _positive(name.replace("_", "-"), getattr(args, name), allow_none=name != "hours")
-    device = resolve_device(args.device)
+    # with --scheduler the GPUs are the workers' (checked there: tasks.cluster.GPUMemorySetup), not this machine's
+    device = "gpu" if args.scheduler and args.device == "gpu" else resolve_device(args.device)
     if device == "cpu":  # what the CPU cannot run is an input error now, not after training
         from .engines import resolve_backend
         from .errors import InputError
@@ -101,12 +104,14 @@ def cmd_run(args) -> int:
     from flows.pipeline import ecg_anomaly_flow
     from tasks.cluster import make_task_runner, parse_pool_size, prefect_api
 
-    if device == "gpu":
+    if device == "gpu" and args.rmm_pool_size is not None:
+        parse_pool_size(args.rmm_pool_size)  # a bad size is an input error, before anything starts
+    if args.scheduler:
+        workers = args.workers  # None: as many as the cluster has
+    elif device == "gpu":
         from .backend import gpu_count
         from .errors import InputError
 
-        if args.rmm_pool_size is not None:
-            parse_pool_size(args.rmm_pool_size)  # a bad size is an input error, before anything starts
         n_gpus = gpu_count(args.gpus)
         if args.workers and n_gpus and args.workers != n_gpus:
             raise InputError(f"--workers {args.workers}: --device gpu runs one worker per GPU ({n_gpus})")
@@ -122,7 +127,8 @@ def cmd_run(args) -> int:
             out=args.out, device=device, workers=workers, partitions=args.partitions, epochs=args.epochs,
             batch_size=args.batch_size, store=args.store, cache=args.cache, engine_backend=args.engine,
             precision=args.precision, train_precision=args.train_precision,
-            train_compile=None if args.train_compile == "auto" else args.train_compile == "on")
+            train_compile=None if args.train_compile == "auto" else args.train_compile == "on",
+            rmm_pool_size=args.rmm_pool_size, rmm_allocator=args.rmm_allocator)
     con = Console()
     t = Table(title="beatflow run", show_header=False)
     for k in ("samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss", "anomalies_flagged",

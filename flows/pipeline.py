@@ -29,7 +29,7 @@ from beatflow.reading import open_source
 from beatflow.scoring import anomaly_table, robust_threshold
 from tasks import stages as T
 from tasks.caching import cached, code_version, input_digest, token
-from tasks.cluster import run_on_workers, wait_for_workers
+from tasks.cluster import flow_client, on_home_worker, prepare_gpu_workers, run_on_workers, wait_for_workers
 
 N_COLUMNS = 4000  # pixel columns of the whole-stream picture
 N_TOP = 12
@@ -87,10 +87,11 @@ def remove_stale_partials(final: Path) -> list[Path]:
 @flow(name="beatflow", log_prints=True)
 def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: float | None = None,
                      lead: int = 0, hours: float = 20.0, seed: int = 0, out: str | None = None,
-                     device: str = "cpu", workers: int = 2, partitions: int | None = None,
+                     device: str = "cpu", workers: int | None = 2, partitions: int | None = None,
                      epochs: int = 10, batch_size: int = 1024, store: str | None = None,
                      cache: str | None = None, engine_backend: str = "auto", precision: str = "fp32",
-                     train_precision: str = "auto", train_compile: bool | None = None) -> dict:
+                     train_precision: str = "auto", train_compile: bool | None = None,
+                     rmm_pool_size: str | float | None = None, rmm_allocator: str = "async") -> dict:
     """Find abnormal heartbeats in a long ECG and write ``summary.json``, ``anomalies.parquet``,
     ``report.html``, the model and the engine to ``out``.
 
@@ -107,7 +108,8 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     device : {"cpu", "gpu"}
         Resolved device the task runner was built for.
     workers, partitions : int
-        Dask workers (for the summary) and partitions of the stream (default 4 per worker).
+        Dask workers (``None``: as many as the cluster has) and partitions of the stream (default 2
+        per worker).
     epochs, batch_size : int
         VAE training.
     store : str, optional
@@ -123,6 +125,10 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     train_precision, train_compile : str, bool
         VAE training in mixed precision on a GPU (``auto``: bf16 where supported, else fp16 with
         a gradient scaler; ``fp32``), and compiled training steps (default: on a GPU).
+    rmm_pool_size, rmm_allocator : optional
+        On the GPU, the RMM pool that a worker without one gets (default 80 % of its GPU) and its
+        kind (``async`` or ``pool``): every GPU worker, on the flow's own cluster or on one given by
+        ``--scheduler``, is set up by :class:`tasks.cluster.GPUMemorySetup`.
     """
     log = get_run_logger()
     sw = _Stopwatch()
@@ -136,7 +142,8 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     (work / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
     try:
         summary = _run(log, sw, work, input, column, fs, lead, hours, seed, device, workers, partitions,
-                       epochs, batch_size, cache, engine_backend, precision, train_precision, train_compile)
+                       epochs, batch_size, cache, engine_backend, precision, train_precision, train_compile,
+                       rmm_pool_size, rmm_allocator)
         if store:
             from beatflow.store import Store
 
@@ -166,10 +173,15 @@ def _run(*args, **kwargs) -> dict:
 
 def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions,
               epochs, batch_size, cache=None, engine_backend="auto", precision="fp32", train_precision="auto",
-              train_compile=None) -> dict:
+              train_compile=None, rmm_pool_size=None, rmm_allocator="async") -> dict:
     threads = max(1, os.cpu_count() or 1)
     truth_path = None
     wait_for_workers(1)  # a cluster whose workers cannot start is an error, not a hang
+    if workers is None:  # a cluster given by --scheduler: as many as it has
+        client = flow_client()
+        workers = max(1, len(client.scheduler_info().get("workers", {}))) if client is not None else 1
+    # every GPU worker allocates from one RMM pool for CuPy, Numba and PyTorch (set up if it was not)
+    gpu_workers = prepare_gpu_workers(rmm_pool_size, rmm_allocator) if device == "gpu" else {}
     if input is None:
         input, truth_path = T.synthesize.submit(hours, fs or DEFAULT_FS, seed, str(work)).result()
         sw.lap("synthesize")
@@ -239,9 +251,10 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
                          epochs, batch_size, seed, MODEL_INPUT, train_precision) if cache else None)
     model_folder = str(Path(cache).resolve() / "models" / train_token) if cache else str(work)
     compile_steps = (device == "gpu") if train_compile is None else bool(train_compile)
-    trained = cached(T.train_model, cache).submit(embedded, model_folder, epochs, batch_size, seed, threads,
-                                                  [sp.recording for sp in specs], train_precision=train_precision,
-                                                  compile=compile_steps, cache_token=train_token).result()
+    with on_home_worker():  # the same worker every run: its compiled steps and graphs stay warm
+        trained = cached(T.train_model, cache).submit(embedded, model_folder, epochs, batch_size, seed, threads,
+                                                      [sp.recording for sp in specs], train_precision=train_precision,
+                                                      compile=compile_steps, cache_token=train_token).result()
     if cache:  # the cached model lives in the cache; the run's outputs get a copy
         for name in ("model.pt", "model.json", "validation_beats.npy"):
             shutil.copy(Path(model_folder) / name, work / name)
@@ -253,8 +266,9 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     # workers build the engine and score (the report task then renders only the rest)
     early = _draw_early_figures(figures, fs, s, plan, trained)
 
-    engine = T.build_engine.submit(trained["model"], trained["validation"], threads, device, engine_backend,
-                                   precision).result()
+    with on_home_worker():
+        engine = T.build_engine.submit(trained["model"], trained["validation"], threads, device, engine_backend,
+                                       precision).result()
     shutil.copy(engine["path"], work / ("engine" + Path(engine["path"]).suffix))  # the run keeps its engine
     sw.lap("engine")
 
@@ -291,6 +305,8 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
     summary = _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers,
                        specs, truth, episodes)
+    if gpu_workers:
+        summary["gpu_workers"] = gpu_workers
     if truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end
         summary["input"] = f"synthetic ECG ({hours:g} h, seed {seed}): input.npy, truth.npz"
     data = _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, table, top, ctx, overview,

@@ -124,3 +124,98 @@ def test_gpu_cluster_settings(monkeypatch):
     assert GPU_WORKER_THREADS == 1 and kw["threads_per_worker"] == 1
     assert kw["rmm_pool_size"] == 0.5 and kw["rmm_async"] is True and kw["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert kw["rmm_allocator_external_lib_list"] == ["cupy", "torch"]
+
+
+def test_gpu_memory_setup_without_a_gpu_is_a_device_error(monkeypatch):
+    import beatflow.backend as B
+
+    monkeypatch.setattr(B, "cupy_available", lambda: False)
+    with pytest.raises(DeviceError, match="^no CUDA device, or CuPy is not installed here"):
+        B.setup_gpu_memory(0.5)
+    with pytest.raises(DeviceError, match="RMM allocator 'arena' is not one of async, pool"):
+        B.setup_gpu_memory(0.5, "arena")
+
+
+@pytest.mark.parametrize("value, total, want", [(0.5, 1000 * 256, 500 * 256), ("0.25", 1024, 256), (1000, 0, 768),
+                                                ("1kB", 0, 768), (3e9, 0, 3_000_000_000)])
+def test_pool_bytes_are_aligned_for_rmm(value, total, want):
+    from beatflow.backend import _pool_bytes
+
+    assert _pool_bytes(value, total) == want
+
+
+@pytest.mark.skipif(not __import__("beatflow.backend", fromlist=["x"]).cupy_available(), reason="needs a CUDA GPU")
+def test_gpu_memory_setup_points_cupy_numba_and_torch_at_one_rmm_pool():
+    """On a GPU (fresh process, as a plain `dask worker` starts): a pool that does not fit is a clear
+    error; then the pool is made once, and CuPy, PyTorch and Numba allocations all land in it."""
+    code = r'''
+import json
+import rmm
+from beatflow.backend import setup_gpu_memory
+from beatflow.errors import DeviceError
+try:
+    setup_gpu_memory("1000TB")
+    too_big = None
+except DeviceError as e:
+    too_big = str(e)
+first = setup_gpu_memory(0.05, "async")
+again = setup_gpu_memory(0.05, "async")
+import cupy, torch
+from numba import cuda
+stats = rmm.mr.StatisticsResourceAdaptor(rmm.mr.get_current_device_resource())
+rmm.mr.set_current_device_resource(stats)
+def used():
+    c = stats.allocation_counts
+    return int(c["current_bytes"] if isinstance(c, dict) else c.current_bytes)
+n = 1 << 22
+b0 = used(); a = cupy.zeros(n, cupy.uint8); b1 = used()
+t = torch.zeros(n, dtype=torch.uint8, device="cuda"); b2 = used()
+d = cuda.device_array(n, dtype="u1"); b3 = used()
+print(json.dumps({"too_big": too_big, "first": first, "again": again, "cupy": b1 - b0, "torch": b2 - b1,
+                  "numba": b3 - b2}))
+'''
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["too_big"].startswith("cannot reserve an RMM pool of 1000000.00 GB on a GPU with"), got["too_big"]
+    assert got["first"]["pool_created"] and not got["again"]["pool_created"]
+    assert "CudaAsyncMemoryResource" in got["first"]["rmm_resources"]
+    assert got["first"]["cupy_allocator"] == "rmm_cupy_allocator"
+    assert got["first"]["torch_allocator"] == "pluggable"
+    assert got["first"]["numba_memory_manager"] == "RMMNumbaManager"
+    for lib in ("cupy", "torch", "numba"):
+        assert got[lib] >= 1 << 22, (lib, got)
+
+
+def test_training_goes_to_the_home_worker_even_where_its_data_is_elsewhere(monkeypatch):
+    """Tasks submitted in ``on_home_worker`` run on the first worker by address although their input
+    lives on another (Dask alone would follow the data), and on another worker once that one is gone."""
+    import numpy as np
+    from distributed import Client, LocalCluster, get_worker
+
+    import tasks.cluster as C
+
+    def where(x):
+        return get_worker().address
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        monkeypatch.setattr(C, "flow_client", lambda: client)
+        home, other = sorted(client.scheduler_info()["workers"])
+        data = client.scatter(np.zeros(4_000_000), workers=[other])
+        assert client.submit(where, data, pure=False).result() == other  # follows the data
+        with C.on_home_worker() as w:
+            assert w == home
+            assert client.submit(where, data, pure=False).result() == home
+        assert client.submit(where, data, pure=False).result() == other  # only inside
+        with C.on_home_worker():
+            client.retire_workers([home])
+            assert client.submit(where, data, pure=False).result() == other  # the home worker is gone
