@@ -4,7 +4,8 @@
 # `beatflow run --device gpu` on its own LocalCUDACluster (a cold run), and (session 11) "workers":
 # bench/gpu_workers.py, the flow on WORKERS plain `dask worker` processes sharing the GPU, set up by the
 # flow's GPU memory plugin, against the one-worker run. Outputs under $OUT.
-#   BUDGET=540 [STEPS="tests workers flow cpuwarm cpu16 gpuflow"] bash bench/gpu_session11.sh
+# "multi": bench/gpu_multi.py, the flow on 1, 2 and all GPUs (the several-GPU issue).
+#   BUDGET=540 [STEPS="tests workers multi flow cpuwarm cpu16 gpuflow"] bash bench/gpu_session11.sh
 set -u
 t0=$(date +%s)
 bash .whl/install.sh >/dev/null 2>&1
@@ -68,5 +69,10 @@ if want workers && [ "$(left)" -gt 200 ]; then
   mkdir -p "$OUT/workers"
   OUT=$OUT/workers RUN_LIMIT=${RUN_LIMIT:-200} timeout $(( $(left) - 10 )) python3 bench/gpu_workers.py 2>&1 \
     | grep -v -i "warn\|sqlalche\|database" | tail -40
+fi
+if want multi && [ "$(left)" -gt 200 ]; then
+  echo "== several GPUs: bench/gpu_multi.py (GPU sets ${GPU_SETS:-from nvidia-smi}, inputs ${INPUTS:-20 200} h) ($(el))"
+  mkdir -p "$OUT/multi"
+  OUT=$OUT/multi timeout $(( $(left) - 10 )) python3 bench/gpu_multi.py 2>&1 | grep -v -i "warn\|sqlalche\|database" | tail -30
 fi
 echo "done ($(el))"

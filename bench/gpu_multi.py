@@ -1,0 +1,141 @@
+"""Several GPUs of one host: the flow on 1, 2 and all GPUs, scaling efficiency and identical results.
+
+For each GPU set (``GPU_SETS``, default ``0``, ``0,1`` and all GPUs that ``nvidia-smi -L`` lists) a
+``LocalCUDACluster`` set up as the flow's own (one worker per GPU, one thread, RMM async pool 80 %
+for CuPy, Numba and PyTorch) stays up, and ``beatflow run --device gpu --scheduler ...`` runs each
+input (``INPUTS``, hours of synthetic ECG; default ``20 200``) ``RUNS`` times (default 2: the first
+compiles, the last is measured, "excluding one-time compilation"). Per run: the stage times, bytes
+moved between workers (the workers' ``transfer_outgoing_bytes_total``), the RMM pool peak per GPU.
+Per input: scaling efficiency ``T(1 GPU) / (N × T(N GPUs))`` of the measured runs, and beats,
+scores and flags against the one-GPU run. ``PROTOCOL=ucx`` tries UCX (needs ``ucxx``/``distributed-ucxx``).
+
+    INPUTS="20 200" python3 bench/gpu_multi.py      # on the GPU machine, PYTHONPATH=/tmp/site:$PWD
+
+Table and ``gpu_multi.json`` under ``$OUT``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+OUT = os.environ.get("OUT", os.path.join(ROOT, "bench", "out"))
+STAGES = ["synthesize", "load", "segment", "embed", "train", "engine", "score", "report", "total"]
+
+
+def gpu_sets() -> list[str]:
+    if os.environ.get("GPU_SETS"):
+        return os.environ["GPU_SETS"].split()
+    n = len([l for l in subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.splitlines()
+             if l.startswith("GPU ")])
+    sets = ["0"] + (["0,1"] if n >= 2 else []) + ([",".join(map(str, range(n)))] if n > 2 else [])
+    return sets
+
+
+def outgoing(client) -> int:
+    return int(sum(client.run(lambda dask_worker: dask_worker.transfer_outgoing_bytes_total).values()))
+
+
+def main() -> int:
+    os.makedirs(OUT, exist_ok=True)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from distributed import Client
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start(timeout=120)
+    env = {**os.environ, "PREFECT_API_URL": server.api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", ROOT)}
+    inputs = os.environ.get("INPUTS", "20 200").split()
+    runs = int(os.environ.get("RUNS", "2"))
+    protocol = os.environ.get("PROTOCOL", "tcp")
+    results = []
+    try:
+        from dask_cuda import LocalCUDACluster
+
+        from tasks.cluster import GPU_WORKER_THREADS, gpu_worker_env
+
+        sets = gpu_sets()
+        # the same partitions on every GPU set (results must not depend on how many GPUs share them)
+        parts = os.environ.get("PARTITIONS") or str(2 * max(len(g.split(",")) for g in sets))
+        for gpus in sets:
+            t = time.perf_counter()
+            gpu_worker_env({k: env[k] for k in ("PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED",
+                                                "OMP_NUM_THREADS", "PYTHONPATH")}, 0.8)
+            kw = {"protocol": protocol} if protocol != "tcp" else {"host": "127.0.0.1"}
+            try:
+                cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=gpus, rmm_pool_size=0.8, rmm_async=True,
+                                           rmm_allocator_external_lib_list=["cupy", "torch"],
+                                           dashboard_address="127.0.0.1:0", threads_per_worker=GPU_WORKER_THREADS,
+                                           **kw)
+            except Exception as e:
+                print(f"GPUs {gpus}: cluster ({protocol}) did not start: {type(e).__name__}: {e}", flush=True)
+                continue
+            client = Client(cluster)
+            n = len(gpus.split(","))
+            client.wait_for_workers(n, timeout=180)
+            print(f"GPUs {gpus}: {n} worker(s) up in {time.perf_counter() - t:.1f} s ({protocol})", flush=True)
+            try:
+                for hours in inputs:
+                    for r in range(1, runs + 1):
+                        name = f"g{gpus.replace(',', '')}-h{hours}-r{r}"
+                        out = f"/tmp/bfm-{name}"
+                        shutil.rmtree(out, ignore_errors=True)
+                        before = outgoing(client)
+                        t = time.perf_counter()
+                        cmd = [sys.executable, "-m", "beatflow.cli", "run", "--hours", hours, "--device", "gpu",
+                               "--scheduler", cluster.scheduler_address, "--partitions", parts, "--out", out]
+                        with open(os.path.join(OUT, f"log-{name}.txt"), "w") as log:
+                            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                timeout=float(os.environ.get("RUN_LIMIT", "400"))).returncode
+                        wall = time.perf_counter() - t
+                        moved = outgoing(client) - before
+                        s = json.load(open(os.path.join(out, "summary.json"))) if rc == 0 else {}
+                        if s:
+                            shutil.copy(os.path.join(out, "summary.json"), os.path.join(OUT, f"summary-{name}.json"))
+                        results.append({"gpus": gpus, "n": n, "hours": hours, "run": r, "rc": rc, "wall": wall,
+                                        "moved_bytes": moved, "summary": s, "out": out})
+                        tt = s.get("timings_s", {})
+                        print(f"{name}: rc {rc}, wall {wall:.1f} s, flow {tt.get('total', float('nan')):.2f} s, "
+                              f"between workers {moved / 2**20:.1f} MiB", flush=True)
+            finally:
+                client.close()
+                cluster.close()
+    finally:
+        server.stop()
+
+    measured = {(x["gpus"], x["hours"]): x for x in results if x["run"] == runs and x["summary"]}
+    print("| GPUs | hours | " + " | ".join(STAGES) + " | efficiency | between workers MiB | pool peak GB per GPU "
+          "| same beats | max score diff | same flags |")
+    print("|---" * (len(STAGES) + 7) + "|")
+    import numpy as np
+    import pandas as pd
+
+    for (gpus, hours), x in measured.items():
+        s, tt = x["summary"], x["summary"]["timings_s"]
+        one = measured.get(("0", hours)) or measured.get((gpus.split(",")[0], hours))
+        eff = one["summary"]["timings_s"]["total"] / (x["n"] * tt["total"]) if one else float("nan")
+        same, diff, flags = "-", "-", "-"
+        if one and one is not x:
+            a = pd.read_parquet(os.path.join(one["out"], "anomalies.parquet"))
+            b = pd.read_parquet(os.path.join(x["out"], "anomalies.parquet"))
+            same = len(a) == len(b) and bool((a["peak"].to_numpy() == b["peak"].to_numpy()).all())
+            if same:
+                diff = f"{float(np.abs(a['score'].to_numpy() - b['score'].to_numpy()).max()):.2e}"
+                flags = bool((a["flagged"].to_numpy() == b["flagged"].to_numpy()).all())
+        x["check"] = {"efficiency": eff, "same_beats": same, "max_score_diff": diff, "same_flags": flags}
+        peaks = ", ".join(f"{v / 2**30:.2f}" for v in s.get("transfers", {}).get("rmm_peak_bytes_per_worker") or [])
+        print(f"| {gpus} | {hours} | " + " | ".join(f"{tt.get(k, float('nan')):.2f}" for k in STAGES)
+              + f" | {eff:.2f} | {x['moved_bytes'] / 2**20:.1f} | {peaks} | {same} | {diff} | {flags} |")
+    json.dump([{k: v for k, v in x.items() if k != "summary"} | {"timings_s": x["summary"].get("timings_s")}
+               for x in results], open(os.path.join(OUT, "gpu_multi.json"), "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
