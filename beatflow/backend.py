@@ -5,6 +5,7 @@ functions find it from their input with :func:`namespace_of`, so results stay wh
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -233,8 +234,9 @@ def setup_gpu_memory(pool_size=0.8, allocator: str = "async") -> dict:
     What a worker already has is kept (dask-cuda's workers come with their pool and CuPy/PyTorch
     allocators); what it lacks is set up: a plain ``dask worker`` on a GPU node, or a ``dask cuda
     worker`` started without ``--rmm-pool-size``, gets a pool of ``pool_size`` (``allocator``
-    ``"async"``: CUDA's stream-ordered pool, or ``"pool"``: RMM's own) and the three libraries are
-    pointed at it. Idempotent. Run on every GPU worker by :class:`tasks.cluster.GPUMemorySetup`.
+    ``"async"``: CUDA's stream-ordered pool, or ``"pool"``: RMM's own), limited to that size (a
+    partition that does not fit is a clear error: :func:`device_memory`), and the three libraries
+    are pointed at it. Idempotent. Run on every GPU worker by :class:`tasks.cluster.GPUMemorySetup`.
 
     Returns
     -------
@@ -270,6 +272,7 @@ def setup_gpu_memory(pool_size=0.8, allocator: str = "async") -> dict:
                 mr = rmm.mr.CudaAsyncMemoryResource(initial_pool_size=size)
             else:
                 mr = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), initial_pool_size=size)
+            mr = rmm.mr.LimitingResourceAdaptor(mr, allocation_limit=size)  # the pool is the worker's budget
         except Exception as e:
             raise DeviceError(f"cannot reserve an RMM pool of {size / 1e9:.2f} GB on a GPU with {free / 1e9:.2f} of "
                               f"{total / 1e9:.2f} GB free ({type(e).__name__}): lower --rmm-pool-size") from None
@@ -295,6 +298,56 @@ def setup_gpu_memory(pool_size=0.8, allocator: str = "async") -> dict:
     except ImportError:
         pass
     return {**gpu_memory_state(), "pool_created": created}
+
+
+def pool_limit() -> tuple[int | None, int | None]:
+    """``(limit, in use)`` bytes of this process's RMM pool where it has a limit (a
+    ``LimitingResourceAdaptor``: the flow's GPU workers have one of ``--rmm-pool-size``), else ``(None, None)``."""
+    try:
+        import rmm
+    except ImportError:
+        return None, None
+    from .capture_arena import resource_chain
+
+    for mr in resource_chain():
+        if isinstance(mr, rmm.mr.LimitingResourceAdaptor):
+            return int(mr.get_allocation_limit()), int(mr.get_allocated_bytes())
+    return None, None
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is a failed device allocation (RMM's ``MemoryError``, CuPy's and PyTorch's
+    ``OutOfMemoryError``, or a CUDA "out of memory" error)."""
+    if isinstance(e, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(e).__mro__):
+        return True
+    text = str(e).lower()
+    return "out of memory" in text or "out_of_memory" in text
+
+
+@contextlib.contextmanager
+def device_memory(what: str, nbytes: int, gpu: bool = True):
+    """Turn a failed device allocation inside into a :class:`DeviceError` naming the sizes: ``what``
+    (e.g. "partition 3 (4 500 000 samples)") and its ``nbytes``, against the worker's pool limit and
+    use (or the GPU's free memory), with what to change. Other errors pass unchanged, and all of
+    them when the work is not on a GPU (``gpu=False``)."""
+    try:
+        yield
+    except Exception as e:
+        if not gpu or not is_out_of_memory(e):
+            raise
+        limit, used = pool_limit()
+        if limit is not None:
+            where = f"this worker's RMM pool (limit {limit / 1e9:.2f} GB, {used / 1e9:.2f} GB in use)"
+        else:
+            try:
+                import cupy
+
+                free, total = cupy.cuda.runtime.memGetInfo()
+                where = f"this GPU ({free / 1e9:.2f} of {total / 1e9:.2f} GB free)"
+            except Exception:
+                where = "this GPU"
+        raise DeviceError(f"{what} needs {nbytes / 1e6:.1f} MB on the GPU, more than {where} can give: raise "
+                          "--rmm-pool-size or cut the stream into more --partitions") from None
 
 
 def gpu_memory_state() -> dict:

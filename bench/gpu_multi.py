@@ -5,7 +5,7 @@ For each GPU set (``GPU_SETS``, default ``0``, ``0,1`` and all GPUs that ``nvidi
 for CuPy, Numba and PyTorch) stays up, and ``beatflow run --device gpu --scheduler ...`` runs each
 input (``INPUTS``, hours of synthetic ECG; default ``20 200``) ``RUNS`` times (default 2: the first
 compiles, the last is measured, "excluding one-time compilation"). Per run: the stage times, bytes
-moved between workers (the workers' ``transfer_outgoing_bytes_total``), the RMM pool peak per GPU.
+moved between workers (the totals of the workers' ``transfer_incoming_log``), the RMM pool peak per GPU.
 Per input: scaling efficiency ``T(1 GPU) / (N × T(N GPUs))`` of the measured runs, and beats,
 scores and flags against the one-GPU run. ``PROTOCOL=ucx`` tries UCX (needs ``ucxx``/``distributed-ucxx``).
 
@@ -37,8 +37,9 @@ def gpu_sets() -> list[str]:
     return sets
 
 
-def outgoing(client) -> int:
-    return int(sum(client.run(lambda dask_worker: dask_worker.transfer_outgoing_bytes_total).values()))
+def between_workers(client) -> int:
+    """Bytes the workers fetched from each other so far (not what the flow's client gathered)."""
+    return int(sum(client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log)).values()))
 
 
 def main() -> int:
@@ -86,7 +87,7 @@ def main() -> int:
                         name = f"g{gpus.replace(',', '')}-h{hours}-r{r}"
                         out = f"/tmp/bfm-{name}"
                         shutil.rmtree(out, ignore_errors=True)
-                        before = outgoing(client)
+                        before = between_workers(client)
                         t = time.perf_counter()
                         cmd = [sys.executable, "-m", "beatflow.cli", "run", "--hours", hours, "--device", "gpu",
                                "--scheduler", cluster.scheduler_address, "--partitions", parts, "--out", out]
@@ -94,7 +95,7 @@ def main() -> int:
                             rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                 timeout=float(os.environ.get("RUN_LIMIT", "400"))).returncode
                         wall = time.perf_counter() - t
-                        moved = outgoing(client) - before
+                        moved = between_workers(client) - before
                         s = json.load(open(os.path.join(out, "summary.json"))) if rc == 0 else {}
                         if s:
                             shutil.copy(os.path.join(out, "summary.json"), os.path.join(OUT, f"summary-{name}.json"))

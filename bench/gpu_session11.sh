@@ -4,7 +4,8 @@
 # `beatflow run --device gpu` on its own LocalCUDACluster (a cold run), and (session 11) "workers":
 # bench/gpu_workers.py, the flow on WORKERS plain `dask worker` processes sharing the GPU, set up by the
 # flow's GPU memory plugin, against the one-worker run. Outputs under $OUT.
-# "multi": bench/gpu_multi.py, the flow on 1, 2 and all GPUs (the several-GPU issue).
+# "multi": bench/gpu_multi.py, the flow on 1, 2 and all GPUs (the several-GPU issue); "oom": a pool too small
+# for a partition must stop the run with one line naming the sizes.
 #   BUDGET=540 [STEPS="tests workers multi flow cpuwarm cpu16 gpuflow"] bash bench/gpu_session11.sh
 set -u
 t0=$(date +%s)
@@ -69,6 +70,15 @@ if want workers && [ "$(left)" -gt 200 ]; then
   mkdir -p "$OUT/workers"
   OUT=$OUT/workers RUN_LIMIT=${RUN_LIMIT:-200} timeout $(( $(left) - 10 )) python3 bench/gpu_workers.py 2>&1 \
     | grep -v -i "warn\|sqlalche\|database" | tail -40
+fi
+if want oom && [ "$(left)" -gt 120 ]; then
+  echo "== a pool too small for a partition: beatflow run --device gpu --partitions 1 --rmm-pool-size 40MB ($(el))"
+  rm -rf /tmp/bf-oom
+  t1=$(date +%s)
+  PREFECT_SERVER_ANALYTICS_ENABLED=false timeout 200 python3 -m beatflow.cli run --device gpu --hours ${OOM_HOURS:-20} \
+    --partitions 1 --rmm-pool-size 40MB --out /tmp/bf-oom > "$OUT/log-oom.txt" 2>&1
+  echo "rc=$? in $(( $(date +%s) - t1 )) s; last line: $(tail -1 "$OUT/log-oom.txt" | cut -c1-400)"
+  echo "output folder: $(ls -d /tmp/bf-oom /tmp/.bf-oom.* 2>/dev/null || echo none)"
 fi
 if want multi && [ "$(left)" -gt 200 ]; then
   echo "== several GPUs: bench/gpu_multi.py (GPU sets ${GPU_SETS:-from nvidia-smi}, inputs ${INPUTS:-20 200} h) ($(el))"

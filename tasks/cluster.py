@@ -187,6 +187,7 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
                 **kwargs,
                 # dask-cuda reads a float as a fraction of the device ("80%" is not understood)
                 "rmm_pool_size": pool,
+                "rmm_maximum_pool_size": pool,  # the pool is the worker's budget: what does not fit is a clear error
                 "rmm_async": rmm_allocator == "async",
                 "rmm_allocator_external_lib_list": ["cupy", "torch"],
                 "threads_per_worker": GPU_WORKER_THREADS,

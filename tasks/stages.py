@@ -24,8 +24,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from beatflow import partitions as P
-from beatflow.backend import namespace, to_host, to_namespace
-from beatflow.errors import InputError
+from beatflow.backend import device_memory, namespace, to_host, to_namespace
+from beatflow.errors import BeatflowError
 from beatflow.params import SegmentSamples
 from beatflow.reading import PartitionSpec, Source
 
@@ -57,15 +57,18 @@ def synthesize(hours: float, fs: float, seed: int, folder: str) -> tuple[str, st
 
 def load_partition(spec: PartitionSpec, source: Source, device: str, run_id=None):
     """Read one partition (host), then one copy to the device on the GPU path. A failed read is
-    tried again (``LOAD_ATTEMPTS`` in all), except for bad input (:class:`InputError`)."""
+    tried again (``LOAD_ATTEMPTS`` in all), except for bad input or no room on the GPU (:class:`BeatflowError`)."""
     from beatflow.backend import begin_run, track_rmm_statistics
 
     # this run's transfer counters and pool peak start on this worker before its first device allocation
     (track_rmm_statistics if device == "gpu" else begin_run)(run_id)
     for attempt in range(LOAD_ATTEMPTS):
         try:
-            return to_namespace(source.read(spec), namespace(device))
-        except InputError:
+            host = source.read(spec)
+            with device_memory(f"partition {getattr(spec, 'index', spec)} ({host.shape[0]:,} samples)", host.nbytes,
+                               device == "gpu"):
+                return to_namespace(host, namespace(device))
+        except BeatflowError:  # bad input, or no room on the GPU: reading again changes nothing
             raise
         except Exception:
             if attempt + 1 == LOAD_ATTEMPTS:
@@ -82,8 +85,9 @@ def segment_partition(core, left, right, first: int, s: SegmentSamples):
     """Peaks of one partition (QRS envelope, non-maximum suppression, local thresholds; see beatflow.segment)
     and the ventricular flutter/fibrillation episodes in its core: ``(peaks, episodes)``, host arrays."""
     xp = namespace(_device_of(core))
-    peaks, episodes = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, s,
-                                          episodes=True)
+    with device_memory(f"segmenting a partition of {core.shape[0]:,} samples", core.nbytes, xp is not np):
+        peaks, episodes = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, s,
+                                              episodes=True)
     return to_host(peaks), to_host(episodes)
 
 
@@ -91,7 +95,8 @@ def embed_partition(core, left, right, first: int, start, length, s: SegmentSamp
     """Padded beat matrix of a partition's kept beats and their peak-to-peak amplitudes; stays on
     the worker."""
     xp = namespace(_device_of(core))
-    return P.embed_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, start, length, s)
+    with device_memory(f"the beat rows of a partition of {core.shape[0]:,} samples", core.nbytes, xp is not np):
+        return P.embed_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, start, length, s)
 
 
 def stream_overview(core, offset: int, total: int, ncols: int):
@@ -258,8 +263,9 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
         install()
     data = torch.from_dlpack(beats) if device == "cuda" else torch.from_numpy(to_host(beats))
     precision = training_precision(train_precision, device)
-    res = train_vae(data, epochs=epochs, batch_size=batch_size, seed=seed, device=device, on_epoch=on_epoch,
-                    precision=precision, compile=compile, cudagraphs=None)
+    with device_memory(f"training on {n:,} beats", int(beats.nbytes), device == "cuda"):
+        res = train_vae(data, epochs=epochs, batch_size=batch_size, seed=seed, device=device, on_epoch=on_epoch,
+                        precision=precision, compile=compile, cudagraphs=None)
     os.makedirs(folder, exist_ok=True)
     model_path = os.path.join(folder, "model.pt")
     save_model(res.model, model_path)
@@ -312,10 +318,11 @@ def score_partition(embedded, dominant=None, *, engine_path: str, scale: float):
 
     rows, _ = embedded
     engine = _engine(engine_path)
-    x = rows / rows.dtype.type(scale) if engine.on_gpu else to_host(rows) / np.float32(scale)
-    if dominant is not None:
-        x = residual_rows(x, dominant)
-    score, mu = engine.infer(x)
+    with device_memory(f"scoring {rows.shape[0]:,} beats", int(rows.nbytes), engine.on_gpu):
+        x = rows / rows.dtype.type(scale) if engine.on_gpu else to_host(rows) / np.float32(scale)
+        if dominant is not None:
+            x = residual_rows(x, dominant)
+        score, mu = engine.infer(x)
     return to_host(score), to_host(mu)
 
 

@@ -123,6 +123,7 @@ def test_gpu_cluster_settings(monkeypatch):
     assert runner.cluster_class in ("dask_cuda.LocalCUDACluster", fake.LocalCUDACluster)
     assert GPU_WORKER_THREADS == 1 and kw["threads_per_worker"] == 1
     assert kw["rmm_pool_size"] == 0.5 and kw["rmm_async"] is True and kw["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert kw["rmm_maximum_pool_size"] == 0.5  # the pool is a budget: a partition that does not fit is an error
     assert kw["rmm_allocator_external_lib_list"] == ["cupy", "torch"]
 
 
@@ -219,3 +220,47 @@ def test_training_goes_to_the_home_worker_even_where_its_data_is_elsewhere(monke
         with C.on_home_worker():
             client.retire_workers([home])
             assert client.submit(where, data, pure=False).result() == other  # the home worker is gone
+
+
+@pytest.mark.skipif(not __import__("beatflow.backend", fromlist=["x"]).cupy_available(), reason="needs a CUDA GPU")
+def test_a_pool_too_small_is_a_clear_error_from_every_library():
+    """On a GPU (fresh process): a worker's pool of 64 MB is a limit; 100 MB from CuPy, PyTorch or
+    Numba inside ``device_memory`` is one DeviceError naming the sizes, not a hang or a bare bad_alloc."""
+    code = r'''
+import json
+from beatflow.backend import device_memory, pool_limit, setup_gpu_memory
+from beatflow.errors import DeviceError
+setup_gpu_memory("64MB", "async")
+import cupy, torch
+from numba import cuda
+out = {"limit": pool_limit()}
+n = 100_000_000
+for lib, alloc in (("cupy", lambda: cupy.zeros(n, cupy.uint8)), ("torch", lambda: torch.zeros(n, dtype=torch.uint8, device="cuda")),
+                   ("numba", lambda: cuda.device_array(n, dtype="u1"))):
+    try:
+        with device_memory(f"{lib} test", n):
+            alloc()
+        out[lib] = None
+    except DeviceError as e:
+        out[lib] = str(e)
+small = cupy.zeros(1_000_000, cupy.uint8)  # what fits still works
+out["after"] = pool_limit()
+print(json.dumps(out))
+'''
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["limit"] == [64_000_000, 0]
+    for lib in ("cupy", "torch", "numba"):
+        assert got[lib] == (f"{lib} test needs 100.0 MB on the GPU, more than this worker's RMM pool (limit 0.06 GB, "
+                            "0.00 GB in use) can give: raise --rmm-pool-size or cut the stream into more --partitions"), \
+            (lib, got[lib])
+    assert got["after"][1] >= 1_000_000

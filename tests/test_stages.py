@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from beatflow.errors import InputError
+from beatflow.errors import DeviceError, InputError
 from tasks import stages as T
 
 
@@ -40,3 +40,52 @@ def test_load_partition_does_not_retry_bad_input():
         T.load_partition(5, src, "cpu")
     assert src.calls == 1
 
+
+
+def test_load_partition_without_room_on_the_gpu_names_the_sizes_and_does_not_retry(monkeypatch):
+    """A device copy that does not fit the worker's pool is one clear error with the sizes (not a
+    retry, not a bare allocator message); on the CPU a MemoryError stays what it is."""
+    import beatflow.backend as B
+
+    def no_room(x, xp):
+        raise MemoryError("std::bad_alloc: out_of_memory: RMM failure at limiting_resource_adaptor.hpp")
+
+    monkeypatch.setattr(T, "to_namespace", no_room)
+    monkeypatch.setattr(T, "namespace", lambda device: np)
+    monkeypatch.setattr(B, "pool_limit", lambda: (50_000_000, 1_000_000))
+    src = _FlakySource(0, None)
+    with pytest.raises(DeviceError) as e:
+        T.load_partition(1_000_000, src, "gpu")
+    assert str(e.value) == ("partition 1000000 (1,000,000 samples) needs 4.0 MB on the GPU, more than this worker's "
+                            "RMM pool (limit 0.05 GB, 0.00 GB in use) can give: raise --rmm-pool-size or cut the "
+                            "stream into more --partitions")
+    assert src.calls == 1
+    src = _FlakySource(0, None)
+    with pytest.raises(MemoryError):
+        T.load_partition(1_000_000, src, "cpu")
+    assert src.calls == T.LOAD_ATTEMPTS
+
+
+@pytest.mark.parametrize("error, converted", [
+    (MemoryError("std::bad_alloc"), True),
+    (type("OutOfMemoryError", (RuntimeError,), {})("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+    (RuntimeError("CUDA error: out of memory"), True),
+    (RuntimeError("illegal memory access"), False),
+    (ValueError("shapes differ"), False),
+])
+def test_device_memory_converts_only_failed_allocations(monkeypatch, error, converted):
+    import beatflow.backend as B
+
+    monkeypatch.setattr(B, "pool_limit", lambda: (2_000_000_000, 1_500_000_000))
+
+    def fail():
+        with B.device_memory("scoring 1,000 beats", 1_048_576):
+            raise error
+
+    if converted:
+        with pytest.raises(DeviceError, match=r"^scoring 1,000 beats needs 1\.0 MB on the GPU, more than this "
+                                              r"worker's RMM pool \(limit 2\.00 GB, 1\.50 GB in use\) can give"):
+            fail()
+    else:
+        with pytest.raises(type(error)):
+            fail()
