@@ -60,7 +60,7 @@ def main() -> int:
 
         gpu_worker_env(env, 0.8)  # what the flow's own cluster gives its workers (dask-cuda drops `env`)
         threads = int(os.environ.get("THREADS", GPU_WORKER_THREADS))  # as the flow's own cluster
-        cluster = LocalCUDACluster(rmm_pool_size=0.8, rmm_async=rmm_async,
+        cluster = LocalCUDACluster(rmm_pool_size=0.8, rmm_maximum_pool_size=0.8, rmm_async=rmm_async,
                                    rmm_allocator_external_lib_list=["cupy", "torch"], host="127.0.0.1",
                                    dashboard_address="127.0.0.1:0", env=env, threads_per_worker=threads)
         print(f"threads per worker: {threads}", flush=True)

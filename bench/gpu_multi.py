@@ -70,7 +70,7 @@ def main() -> int:
                                                 "OMP_NUM_THREADS", "PYTHONPATH")}, 0.8)
             kw = {"protocol": protocol} if protocol != "tcp" else {"host": "127.0.0.1"}
             try:
-                cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=gpus, rmm_pool_size=0.8, rmm_async=True,
+                cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=gpus, rmm_pool_size=0.8, rmm_maximum_pool_size=0.8, rmm_async=True,
                                            rmm_allocator_external_lib_list=["cupy", "torch"],
                                            dashboard_address="127.0.0.1:0", threads_per_worker=GPU_WORKER_THREADS,
                                            **kw)
