@@ -19,7 +19,8 @@ def _run_parser(sub) -> None:
     p.add_argument("--hours", type=float, default=20.0, help="length of the synthetic ECG (default 20)")
     p.add_argument("--workers", type=int, default=None, help="Dask workers (default: CPU cores, at least 2; with --scheduler: the cluster's)")
     p.add_argument("--partitions", type=int, default=None, help="partitions of the stream (default 2 per worker)")
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="auto: the GPU when CuPy sees one here (with --scheduler: when every worker has one)")
     p.add_argument("--scheduler", help="address of a running Dask scheduler (tcp://host:port) to use; with --device gpu its workers "
                         "need the GPUs (and get RMM set up if they lack it), not this machine")
     p.add_argument("--gpus", help="GPUs for --device gpu, as CUDA_VISIBLE_DEVICES lists them (default: all)")
@@ -88,7 +89,12 @@ def cmd_run(args) -> int:
     for name in ("hours", "workers", "partitions", "epochs", "batch_size", "fs"):
         _positive(name.replace("_", "-"), getattr(args, name), allow_none=name != "hours")
     # with --scheduler the GPUs are the workers' (checked there: tasks.cluster.GPUMemorySetup), not this machine's
-    device = "gpu" if args.scheduler and args.device == "gpu" else resolve_device(args.device)
+    if args.scheduler and args.device != "cpu":
+        from tasks.cluster import cluster_device
+
+        device = "gpu" if args.device == "gpu" else cluster_device(args.scheduler)
+    else:
+        device = resolve_device(args.device)
     if device == "cpu":  # what the CPU cannot run is an input error now, not after training
         from .engines import resolve_backend
         from .errors import InputError

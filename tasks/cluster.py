@@ -234,6 +234,30 @@ class GPUMemorySetup(WorkerPlugin):
             raise DeviceError(f"worker {getattr(worker, 'address', '?')}: {e}") from None
 
 
+def cluster_device(address: str, timeout: float = 30.0) -> str:
+    """``"gpu"`` if every worker of the running cluster at ``address`` has CuPy and a CUDA device,
+    else ``"cpu"``: what ``--device auto`` means with ``--scheduler`` (the workers' GPUs count, not
+    this machine's).
+
+    Raises
+    ------
+    DeviceError
+        The scheduler cannot be reached, or it has no workers.
+    """
+    from distributed import Client
+
+    from beatflow.backend import cupy_available
+
+    try:
+        with Client(address, timeout=timeout) as client:
+            has = client.run(cupy_available)
+    except OSError as e:
+        raise DeviceError(f"--scheduler {address}: cannot reach the Dask scheduler ({e})") from None
+    if not has:
+        raise DeviceError(f"--scheduler {address}: the Dask cluster has no workers")
+    return "gpu" if all(has.values()) else "cpu"
+
+
 def prepare_gpu_workers(pool_size=None, allocator: str = "async") -> dict:
     """Register :class:`GPUMemorySetup` on the flow's cluster (its own ``LocalCUDACluster``, or one
     given by ``--scheduler``) and return each worker's memory state ``{address: dict}``.

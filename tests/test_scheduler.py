@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from beatflow.errors import DeviceError
 from conftest import ROOT, _free_port, run_cli
 
 
@@ -42,13 +43,18 @@ def existing_cluster(prefect_server):
             p.wait(30)
 
 
+_GPU_HERE = bool(os.environ.get("CUDA_VISIBLE_DEVICES")) or __import__("importlib").util.find_spec("cupy") is not None
+
+
 def test_existing_cluster_matches_local(prefect_server, existing_cluster, tmp_path):
-    common = ["run", "--hours", "0.1", "--seed", "3", "--epochs", "2", "--device", "cpu", "--partitions", "3"]
-    # no --workers: the flow takes the cluster's two
-    remote = run_cli([*common, "--scheduler", existing_cluster, "--out", tmp_path / "remote"], prefect_server)
+    common = ["run", "--hours", "0.1", "--seed", "3", "--epochs", "2", "--partitions", "3"]
+    # no --workers: the flow takes the cluster's two; --device auto: the workers have no GPU, so the CPU
+    remote = run_cli([*common, "--device", "cpu" if _GPU_HERE else "auto", "--scheduler", existing_cluster,
+                      "--out", tmp_path / "remote"], prefect_server)
     assert remote.returncode == 0, remote.stderr[-2000:]
-    assert json.loads((tmp_path / "remote" / "summary.json").read_text())["workers"] == 2
-    local = run_cli([*common, "--workers", "2", "--out", tmp_path / "local"], prefect_server)
+    summary = json.loads((tmp_path / "remote" / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["device"] == "cpu"
+    local = run_cli([*common, "--device", "cpu", "--workers", "2", "--out", tmp_path / "local"], prefect_server)
     assert local.returncode == 0, local.stderr[-2000:]
     a, b = (pd.read_parquet(tmp_path / d / "anomalies.parquet") for d in ("remote", "local"))
     np.testing.assert_array_equal(a["peak"], b["peak"])
@@ -56,9 +62,7 @@ def test_existing_cluster_matches_local(prefect_server, existing_cluster, tmp_pa
     assert a["flagged"].tolist() == b["flagged"].tolist()
 
 
-@pytest.mark.skipif(bool(os.environ.get("CUDA_VISIBLE_DEVICES")) or
-                    __import__("importlib").util.find_spec("cupy") is not None,
-                    reason="the workers of this cluster would see a GPU")
+@pytest.mark.skipif(_GPU_HERE, reason="the workers of this cluster would see a GPU")
 def test_gpu_run_on_workers_without_a_gpu_names_the_worker(prefect_server, existing_cluster, tmp_path):
     """--device gpu with --scheduler is checked on the workers (this machine's GPUs do not matter):
     a worker without CuPy or a CUDA device stops the run with one line naming it, nothing written."""
@@ -71,3 +75,13 @@ def test_gpu_run_on_workers_without_a_gpu_names_the_worker(prefect_server, exist
         r.stderr[-2000:]
     assert "no CUDA device, or CuPy is not installed here" in last
     assert not out.exists() and not [q for q in tmp_path.iterdir() if q.name.endswith(".partial")]
+
+
+@pytest.mark.skipif(_GPU_HERE, reason="the workers of this cluster would see a GPU")
+def test_auto_device_on_an_existing_cluster_is_decided_by_its_workers(existing_cluster):
+    """--device auto with --scheduler asks the workers (here: CPU workers), not this machine."""
+    from tasks.cluster import cluster_device
+
+    assert cluster_device(existing_cluster) == "cpu"
+    with pytest.raises(DeviceError, match=r"^--scheduler tcp://127\.0\.0\.1:1: cannot reach the Dask scheduler"):
+        cluster_device("tcp://127.0.0.1:1", timeout=2)
