@@ -199,6 +199,8 @@ print(json.dumps({"too_big": too_big, "first": first, "again": again, "cupy": b1
 def test_training_goes_to_the_home_worker_even_where_its_data_is_elsewhere(monkeypatch):
     """Tasks submitted in ``on_home_worker`` run on the first worker by address although their input
     lives on another (Dask alone would follow the data), and on another worker once that one is gone."""
+    import uuid
+
     import numpy as np
     from distributed import Client, LocalCluster, get_worker
 
@@ -211,15 +213,23 @@ def test_training_goes_to_the_home_worker_even_where_its_data_is_elsewhere(monke
             Client(cluster) as client:
         monkeypatch.setattr(C, "flow_client", lambda: client)
         home, other = sorted(client.scheduler_info()["workers"])
-        data = client.scatter(np.zeros(4_000_000), workers=[other])
-        assert client.submit(where, data, pure=False).result() == other  # follows the data
+        held = []
+
+        def run_where():
+            """Where a task runs whose input is new data on the other worker (not hashed: scattering equal
+            arrays gives one key, which an earlier task on the home worker has copied there), in a task
+            group of its own (a large group of small tasks is "root-ish": placed without regard to data)."""
+            held.append(client.scatter(np.zeros(4_000_000), workers=[other], hash=False))
+            return client.submit(where, held[-1], key=f"where{len(held)}x-{uuid.uuid4().hex}").result()
+
+        assert run_where() == other  # follows the data
         with C.on_home_worker() as w:
             assert w == home
-            assert client.submit(where, data, pure=False).result() == home
-        assert client.submit(where, data, pure=False).result() == other  # only inside
+            assert run_where() == home
+        assert run_where() == other  # only inside
         with C.on_home_worker():
             client.retire_workers([home])
-            assert client.submit(where, data, pure=False).result() == other  # the home worker is gone
+            assert run_where() == other  # the home worker is gone
 
 
 @pytest.mark.skipif(not __import__("beatflow.backend", fromlist=["x"]).cupy_available(), reason="needs a CUDA GPU")
