@@ -169,13 +169,6 @@ def transfer_stats(run_id=None) -> dict:
     mm = _numba_memory_manager()
     if mm:
         out["numba_memory_manager"] = mm
-    import sys
-
-    if "cupy" in sys.modules and cupy_available():
-        alloc = sys.modules["cupy"].cuda.get_allocator()
-        out["cupy_allocator"] = getattr(alloc, "__name__", type(alloc).__name__)
-    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
-        out["torch_allocator"] = sys.modules["torch"].cuda.memory.get_allocator_backend()
     return out
 
 
@@ -205,14 +198,14 @@ def _rmm_setup_pool_size():
     if not value:
         return None
     try:
-        small = float(value) <= 1.0
-    except ValueError:
-        small = False
-    if small:
-        import cupy
+        share = float(value) <= 1.0
+    except ValueError:  # a size with a unit
+        share = False
+    if not share:
+        return _pool_bytes(value, 0)
+    import cupy
 
-        return _pool_bytes(value, int(cupy.cuda.Device().mem_info[1]))
-    return _pool_bytes(value, 0)
+    return _pool_bytes(value, int(cupy.cuda.Device().mem_info[1]))
 
 
 def _pool_bytes(value, total: int) -> int:

@@ -17,12 +17,13 @@ def _run_parser(sub) -> None:
     p.add_argument("--fs", type=float, help="sampling rate in Hz of CSV/Parquet/npy input (default 250)")
     p.add_argument("--lead", type=int, default=0, help="WFDB channel (default 0)")
     p.add_argument("--hours", type=float, default=20.0, help="length of the synthetic ECG (default 20)")
-    p.add_argument("--workers", type=int, default=None, help="Dask workers (default: CPU cores, at least 2; with --scheduler: the cluster's)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="Dask workers (default: CPU cores, at least 2; with --scheduler: the cluster's)")
     p.add_argument("--partitions", type=int, default=None, help="partitions of the stream (default 2 per worker)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="auto: the GPU when CuPy sees one here (with --scheduler: when every worker has one)")
-    p.add_argument("--scheduler", help="address of a running Dask scheduler (tcp://host:port) to use; with --device gpu its workers "
-                        "need the GPUs (and get RMM set up if they lack it), not this machine")
+    p.add_argument("--scheduler", help="address of a running Dask scheduler (tcp://host:port) to use; with "
+                   "--device gpu its workers need the GPUs (and get RMM set up if they lack it), not this machine")
     p.add_argument("--gpus", help="GPUs for --device gpu, as CUDA_VISIBLE_DEVICES lists them (default: all)")
     p.add_argument("--rmm-pool-size", default=None,
                    help="RMM pool per GPU: a share (80%%, 0.8) or a size (40GB); default 80%%; with --scheduler, "

@@ -229,7 +229,7 @@ class GPUMemorySetup(WorkerPlugin):
         from beatflow.backend import setup_gpu_memory
 
         try:
-            self.state = setup_gpu_memory(self.pool_size, self.allocator)
+            setup_gpu_memory(self.pool_size, self.allocator)
         except DeviceError as e:
             raise DeviceError(f"worker {getattr(worker, 'address', '?')}: {e}") from None
 
