@@ -239,10 +239,23 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _new_fig(w: float, h: float, layout: str | None = "constrained"):
+def _new_fig(w: float, h: float, margins: tuple = (0.75, 0.2, 0.35, 0.55), **space):
+    """A figure of ``w`` × ``h`` inches with fixed ``margins`` (left, right, top, bottom, in inches)
+    around its subplots (``space``: ``wspace``/``hspace`` between them). Fixed margins, not
+    Matplotlib's constrained layout: that measures every text of a figure in an extra draw, a third
+    to a half of what a figure cost."""
     from matplotlib.figure import Figure  # noqa: PLC0415  (no pyplot, Agg canvas on save)
 
-    return Figure(figsize=(w, h), dpi=_DPI, layout=layout)
+    fig = Figure(figsize=(w, h), dpi=_DPI)
+    left, right, top, bottom = margins
+    fig.subplots_adjust(left=left / w, right=1 - right / w, top=1 - top / h, bottom=bottom / h, **space)
+    return fig
+
+
+def _title(ax, text: str, fontsize: float = 10) -> None:
+    """A left-aligned title just above ``ax``, at a fixed place (``Axes.set_title`` moves its title
+    clear of the ticks by measuring them at every draw)."""
+    ax.text(0.0, 1.0, text, transform=ax.transAxes, ha="left", va="bottom", fontsize=fontsize)
 
 
 def _hours_formatter():
@@ -268,8 +281,8 @@ def _style(ax) -> None:
 
 
 def _fig_stream(d: ReportData) -> str:
-    fig = _new_fig(13.0, 3.4)
-    gs = fig.add_gridspec(2, 1, height_ratios=[1.0, 0.13])
+    fig = _new_fig(13.0, 3.4, margins=(0.95, 0.3, 0.32, 0.5))
+    gs = fig.add_gridspec(2, 1, height_ratios=[1.0, 0.13], hspace=0.08)
     ax = fig.add_subplot(gs[0])
     rug = fig.add_subplot(gs[1], sharex=ax)
     mn = np.asarray(d.stream_min, dtype=np.float64).reshape(-1)
@@ -287,11 +300,7 @@ def _fig_stream(d: ReportData) -> str:
         _no_data(ax)
     ax.set_xlim(0, dur_h if dur_h > 0 else 1)
     ax.set_ylabel("amplitude", fontsize=9)
-    ax.set_title(
-        f"Whole recording, min/max envelope over {ncols:,} pixel columns (y clipped to 0.2–99.8 percentile)",
-        fontsize=10,
-        loc="left",
-    )
+    _title(ax, f"Whole recording, min/max envelope over {ncols:,} pixel columns (y clipped to 0.2–99.8 percentile)")
     _style(ax)
     ax.tick_params(labelbottom=False)
     t = np.asarray(d.anomaly_times_s, dtype=np.float64).reshape(-1) / 3600.0
@@ -309,7 +318,7 @@ def _fig_stream(d: ReportData) -> str:
 
 
 def _fig_lengths(d: ReportData) -> str:
-    fig = _new_fig(6.4, 3.4)
+    fig = _new_fig(6.4, 3.4, margins=(0.75, 0.2, 0.55, 0.55))
     ax = fig.add_subplot()
     counts = np.asarray(d.length_hist_counts, dtype=np.float64).reshape(-1)
     edges = np.asarray(d.length_hist_edges, dtype=np.float64).reshape(-1)
@@ -335,7 +344,7 @@ def _fig_lengths(d: ReportData) -> str:
 
 
 def _fig_aligned(d: ReportData) -> str:
-    fig = _new_fig(6.4, 3.4)
+    fig = _new_fig(6.4, 3.4, margins=(0.75, 0.2, 0.3, 0.55))
     ax = fig.add_subplot()
     a = np.asarray(d.aligned_beats, dtype=np.float64)
     if a.ndim == 2 and a.size:
@@ -344,7 +353,7 @@ def _fig_aligned(d: ReportData) -> str:
         ax.plot(t, a.T, lw=0.6, alpha=0.55, color="#4c72b0")
         ax.plot(t, np.median(a, axis=0), lw=1.6, color="#111", label="median")
         ax.legend(fontsize=8, frameon=False)
-        ax.set_title(f"{a.shape[0]} typical kept beats, zero padded to {a.shape[1]} samples", fontsize=9, loc="left")
+        _title(ax, f"{a.shape[0]} typical kept beats, zero padded to {a.shape[1]} samples", fontsize=9)
         ax.set_xlabel("time from beat start (ms)" if d.fs else "sample", fontsize=9)
     else:
         _no_data(ax)
@@ -389,7 +398,10 @@ def _fig_scores(d: ReportData) -> str:
     s = np.asarray(d.score_all, dtype=np.float64).reshape(-1)
     s = s[np.isfinite(s)]
     if s.size:
-        ax.hist(s, bins=120, color="#4c72b0", log=True)
+        counts, edges = np.histogram(s, bins=120)  # one step patch, not 120 bars
+        ax.stairs(counts, edges, fill=True, color="#4c72b0", baseline=0.5)
+        ax.set_yscale("log")
+        ax.set_ylim(0.5, None)
         thr = float(d.threshold)
         n_above = int((s >= thr).sum())
         ax.axvline(thr, color=_FLAG, lw=1.4, label=f"threshold {thr:.4g}  ({n_above:,} ≥)")
@@ -402,102 +414,167 @@ def _fig_scores(d: ReportData) -> str:
     return _png(fig)
 
 
+def _pixel_max(x, y, value, xlim, ylim, shape) -> np.ndarray:
+    """Datashader-style aggregation of points onto pixels: the largest ``value`` of the points in
+    each pixel of a ``shape`` (rows, columns) grid over ``xlim`` × ``ylim`` (row 0 at the bottom),
+    widened by one pixel so that single points stay visible; NaN where no point falls."""
+    rows, cols = shape
+    c = np.floor((x - xlim[0]) / (xlim[1] - xlim[0]) * cols).astype(np.int64)
+    r = np.floor((y - ylim[0]) / (ylim[1] - ylim[0]) * rows).astype(np.int64)
+    ok = (c >= 0) & (c < cols) & (r >= 0) & (r < rows) & np.isfinite(value)
+    img = np.full(rows * cols, -np.inf)
+    np.maximum.at(img, r[ok] * cols + c[ok], value[ok])
+    from scipy.ndimage import maximum_filter  # noqa: PLC0415
+
+    img = maximum_filter(img.reshape(rows, cols), size=2, mode="constant", cval=-np.inf)
+    img[np.isneginf(img)] = np.nan
+    return img
+
+
 def _fig_latent(d: ReportData) -> str:
+    """The test beats' latent means, coloured by score (and, with a ground truth, by label), drawn
+    as an image of per-pixel maxima (:func:`_pixel_max`): the cost does not grow with the beats."""
+    from matplotlib.colors import ListedColormap  # noqa: PLC0415
+
     mu = np.asarray(d.latent_mu, dtype=np.float64)
     sc = np.asarray(d.latent_score, dtype=np.float64).reshape(-1)
     labels = None if d.truth_labels is None else np.asarray(d.truth_labels).reshape(-1)
     two = labels is not None and labels.size == sc.size and sc.size > 0
-    fig = _new_fig(13.0 if two else 7.6, 5.0)
+    fig = _new_fig(13.0 if two else 7.6, 5.0, margins=(0.85, 0.2, 0.35, 0.55), wspace=0.18)
     axes = [fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)] if two else [fig.add_subplot()]
     ax = axes[0]
     if mu.ndim != 2 or mu.shape[0] == 0 or mu.shape[1] < 2 or sc.size != mu.shape[0]:
         _no_data(ax)
         return _png(fig)
     x, y = mu[:, 0], mu[:, 1]
-    order = np.argsort(sc, kind="stable")  # high scores drawn last (on top)
     fin = sc[np.isfinite(sc)]
     vmin, vmax = (np.percentile(fin, 1), np.percentile(fin, 99.5)) if fin.size else (0, 1)
     if vmax <= vmin:
         vmax = vmin + 1e-9
     m = mu.shape[0]
-    size = 4 if m > 5000 else 9
-    sca = ax.scatter(x[order], y[order], c=sc[order], s=size, cmap="viridis", vmin=vmin, vmax=vmax, lw=0)
+    # Zoom on the bulk: outliers can stretch the axes a lot.
+    lims = []
+    for arr in (x, y):
+        f = arr[np.isfinite(arr)]
+        lo, hi = np.percentile(f, [0.05, 99.95]) if f.size else (0.0, 1.0)
+        pad = 0.08 * (hi - lo if hi > lo else 1.0)
+        lims.append((lo - pad, hi + pad))
+    bbox = ax.get_position()  # the axes' size in pixels, from the fixed layout (the colorbar takes ~13 %)
+    shape = (max(8, int(bbox.height * fig.get_figheight() * _DPI)),
+             max(8, int(bbox.width * fig.get_figwidth() * _DPI * 0.87)))
+
+    def show(a, img, **kw):
+        return a.imshow(img, extent=(*lims[0], *lims[1]), origin="lower", aspect="auto", interpolation="nearest",
+                        **kw)
+
+    sca = show(ax, _pixel_max(x, y, sc, lims[0], lims[1], shape), cmap="viridis", vmin=vmin, vmax=vmax)
     flagged = sc >= float(d.threshold)
     if flagged.any():
         ax.scatter(
-            x[flagged], y[flagged], s=size * 5, facecolors="none", edgecolors=_FLAG, lw=0.7,
+            x[flagged], y[flagged], s=20, facecolors="none", edgecolors=_FLAG, lw=0.7,
             label=f"flagged ({int(flagged.sum()):,})",
         )
-        ax.legend(fontsize=8, loc="best", frameon=True, framealpha=0.8)
+        ax.legend(fontsize=8, loc="upper right", frameon=True, framealpha=0.8)
     cb = fig.colorbar(sca, ax=ax, extend="both", shrink=0.9)
     cb.set_label("anomaly score", fontsize=9)
     cb.ax.tick_params(labelsize=8)
-    ax.set_title(f"latent means of {m:,} test beats, coloured by score", fontsize=10, loc="left")
+    _title(ax, f"latent means of {m:,} test beats, coloured by score (largest per pixel)")
     ax.set_xlabel("z₁", fontsize=9)
     ax.set_ylabel("z₂", fontsize=9)
     _style(ax)
-    # Zoom on the bulk: outliers can stretch the axes a lot.
-    for arr, setter in ((x, ax.set_xlim), (y, ax.set_ylim)):
-        f = arr[np.isfinite(arr)]
-        if f.size:
-            lo, hi = np.percentile(f, [0.05, 99.95])
-            pad = 0.08 * (hi - lo if hi > lo else 1.0)
-            setter(lo - pad, hi + pad)
+    ax.set_xlim(*lims[0])
+    ax.set_ylim(*lims[1])
     if two:
         ax2 = axes[1]
         ax2.sharex(ax)
         ax2.sharey(ax)
         uniq = [int(u) for u in np.unique(labels)]
-        # draw the common class first so rare classes stay visible
+        # the common class lowest, so that rare classes stay visible where they share a pixel
         uniq.sort(key=lambda u: -(labels == u).sum())
-        for u in uniq:
-            sel = labels == u
-            ax2.scatter(
-                x[sel], y[sel], s=size if u == 0 else size * 2.5, lw=0,
-                color=_LABEL_COLOURS.get(u, "#17becf"), alpha=0.8 if u else 0.5,
-                label=f"{_LABEL_NAMES.get(u, str(u))} ({int(sel.sum()):,})",
-            )
-        ax2.legend(fontsize=8, markerscale=2.5, frameon=True, framealpha=0.8)
-        ax2.set_title("same points, coloured by ground-truth label", fontsize=10, loc="left")
+        rank = np.zeros(labels.size)
+        for k, u in enumerate(uniq):
+            rank[labels == u] = k
+        colours = [_LABEL_COLOURS.get(u, "#17becf") for u in uniq]
+        show(ax2, _pixel_max(x, y, rank, lims[0], lims[1], shape), cmap=ListedColormap(colours), vmin=-0.5,
+             vmax=len(uniq) - 0.5)
+        for u, colour in zip(uniq, colours):
+            ax2.scatter([], [], s=16, lw=0, color=colour, label=f"{_LABEL_NAMES.get(u, str(u))} ({int((labels == u).sum()):,})")
+        ax2.legend(fontsize=8, frameon=True, framealpha=0.8, loc="upper right")
+        _title(ax2, "same points, coloured by ground-truth label (rarest per pixel)")
         ax2.set_xlabel("z₁", fontsize=9)
         _style(ax2)
     return _png(fig)
 
 
 def _fig_top(d: ReportData, limit: int = 12) -> str | None:
+    """The signal around each of the ``limit`` highest-scoring beats, a panel each (beat shaded).
+
+    The panels share one time axis (seconds from the beat's start) and are drawn in a single
+    Matplotlib Axes, each trace scaled into its cell, its amplitude range written in the corner: a
+    dozen Axes spent most of a second on their tick objects, and this figure is on the flow's
+    critical path."""
+    from matplotlib.collections import LineCollection, PolyCollection  # noqa: PLC0415
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
     top = list(d.top or [])[:limit]
     if not top:
         return None
     ncol = 4 if len(top) > 4 else len(top)
     nrow = math.ceil(len(top) / ncol)
-    height = 2.25 * nrow + 0.3
-    # Fixed margins instead of constrained layout: much faster for a dozen axes.
-    fig = _new_fig(13.0, height, layout=None)
-    fig.subplots_adjust(left=0.04, right=0.99, top=1 - 0.32 / height, bottom=0.5 / height, wspace=0.18,
-                        hspace=0.5)
+    height = 2.05 * nrow + 0.35
+    fig = _new_fig(13.0, height, margins=(0.12, 0.12, 0.05, 0.5))
+    ax = fig.add_subplot()
+    ax.set_axis_off()
     fs = float(d.fs) if d.fs else 1.0
-    for i, a in enumerate(top):
-        ax = fig.add_subplot(nrow, ncol, i + 1)
+    panels = []
+    for a in top:
         ctx = np.asarray(a.get("context", []), dtype=np.float64).reshape(-1)
         c0 = int(a.get("context_start", a.get("start", 0)))
         start = int(a.get("start", c0))
-        length = int(a.get("length", 0))
-        if ctx.size:
-            t = (c0 + np.arange(ctx.size)) / fs - start / fs  # seconds relative to the beat start
-            ax.plot(t, ctx, lw=0.7, color="#222")
-            ax.axvspan(0.0, length / fs, color=_FLAG, alpha=0.2, lw=0)
-            ax.set_xlim(t[0], t[-1])
+        t = (c0 + np.arange(ctx.size)) / fs - start / fs  # seconds relative to the beat start
+        panels.append((a, t, ctx, start))
+    spans = [(float(t[0]), float(t[-1])) for _, t, c, _ in panels if c.size]
+    t0, t1 = (min(p[0] for p in spans), max(p[1] for p in spans)) if spans else (0.0, 1.0)
+    t1 = t1 if t1 > t0 else t0 + 1.0
+    ticks = [v for v in MaxNLocator(nbins=6).tick_values(t0, t1) if t0 <= v <= t1]
+    gx, gy, title_h = 0.07, 0.42, 0.16  # gaps between cells and the title band, in cell units
+    frames, traces, shaded, grid = [], [], [], []
+    for i, (a, t, ctx, start) in enumerate(panels):
+        row, col = divmod(i, ncol)
+        x0, y0 = col * (1 + gx), -row * (1 + gy)
+
+        def px(v, x0=x0):
+            return x0 + (np.asarray(v, dtype=np.float64) - t0) / (t1 - t0)
+
+        frames.append([(x0, y0), (x0 + 1, y0), (x0 + 1, y0 + 1), (x0, y0 + 1)])
+        grid.extend([[(float(px(v)), y0), (float(px(v)), y0 + 1)] for v in ticks])
+        if ctx.size and np.isfinite(ctx).any():
+            lo, hi = float(np.nanmin(ctx)), float(np.nanmax(ctx))
+            pad = 0.08 * (hi - lo if hi > lo else 1.0)
+            lo, hi = lo - pad, hi + pad
+            traces.append(np.column_stack([px(t), y0 + (ctx - lo) / (hi - lo)]))
+            length = int(a.get("length", 0))
+            b0, b1 = float(px(0.0)), float(px(length / fs))
+            shaded.append([(b0, y0), (b1, y0), (b1, y0 + 1), (b0, y0 + 1)])
+            ax.text(x0 + 0.99, y0 + 0.97, f"{_fmt_num(lo + pad, 3)} … {_fmt_num(hi - pad, 3)}", ha="right", va="top",
+                    fontsize=7, color="#5a6470")
         else:
-            _no_data(ax)
+            ax.text(x0 + 0.5, y0 + 0.5, "no data", ha="center", va="center", fontsize=8, color="#888")
         time_s = a.get("time_s", start / fs)
         title = f"#{i + 1}  {_fmt_hms(time_s)}  score {_fmt_num(a.get('score'), 3)}"
         if a.get("label"):
             title += f"  [{a['label']}]"
-        ax.set_title(title, fontsize=8.5, loc="left")
-        _style(ax)
-        ax.tick_params(labelsize=7)
-        if i // ncol == nrow - 1:
-            ax.set_xlabel("s from beat start", fontsize=8)
+        ax.text(x0, y0 + 1 + 0.03, title, ha="left", va="bottom", fontsize=8.5)
+        if row == nrow - 1 or i + ncol >= len(top):  # the lowest panel of its column: the time axis
+            for v in ticks:
+                ax.text(float(px(v)), y0 - 0.03, f"{v:g}", ha="center", va="top", fontsize=7)
+            ax.text(x0 + 0.5, y0 - 0.16, "s from beat start", ha="center", va="top", fontsize=8)
+    ax.add_collection(LineCollection(grid, colors="#b0b0b0", linewidths=0.4, alpha=0.5))
+    ax.add_collection(PolyCollection(shaded, facecolors=_FLAG, alpha=0.2, linewidths=0))
+    ax.add_collection(PolyCollection(frames, facecolors="none", edgecolors="#888", linewidths=0.6))
+    ax.add_collection(LineCollection(traces, colors="#222", linewidths=0.7))
+    ax.set_xlim(-0.005, ncol * (1 + gx) - gx + 0.005)
+    ax.set_ylim(-(nrow - 1) * (1 + gy) - 0.005, 1 + title_h)
     return _png(fig)
 
 

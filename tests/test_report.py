@@ -336,3 +336,33 @@ def test_figure_pool_draws_in_processes_the_same_pictures():
         assert FigurePool.collect(broken) == {}
     finally:
         pool.close()
+
+
+def test_pixel_max_matches_a_naive_loop_over_points():
+    """The latent figure's aggregation: each pixel the largest value of the points in it, widened by
+    one pixel (down/left neighbours' maxima), NaN where empty; points outside the limits dropped."""
+    from scipy.ndimage import maximum_filter  # noqa: F401  (the function uses it)
+
+    from beatflow.report import _pixel_max
+
+    rng = np.random.default_rng(3)
+    n, rows, cols = 500, 17, 23
+    x, y = rng.uniform(-0.2, 1.2, n), rng.uniform(-0.1, 1.1, n)
+    v = rng.normal(size=n)
+    v[::50] = np.nan
+    got = _pixel_max(x, y, v, (0.0, 1.0), (0.0, 1.0), (rows, cols))
+    raw = np.full((rows, cols), -np.inf)
+    for xi, yi, vi in zip(x, y, v):
+        c, r = int(np.floor(xi * cols)), int(np.floor(yi * rows))
+        if 0 <= c < cols and 0 <= r < rows and np.isfinite(vi):
+            raw[r, c] = max(raw[r, c], vi)
+    want = np.full((rows, cols), -np.inf)
+    for r in range(rows):
+        for c in range(cols):
+            for dr in (-1, 0):
+                for dc in (-1, 0):
+                    if 0 <= r + dr and 0 <= c + dc:
+                        want[r, c] = max(want[r, c], raw[r + dr, c + dc])
+    want[np.isneginf(want)] = np.nan
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(got).any() and np.isfinite(got).any()
