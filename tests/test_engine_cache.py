@@ -108,6 +108,21 @@ def test_build_then_cache_hit_without_export(trained, cache, exports):
     np.testing.assert_allclose(eng2.infer(x)[0], score_beats(load_model(trained[0]), x)[0], atol=1e-4)
 
 
+def test_a_hit_in_the_same_process_reuses_the_loaded_engine(trained, cache, exports):
+    """A standing worker that runs the flow again gets the engine object it already loaded (its
+    compiled code and graphs); after the file changes, or in another process, it loads anew."""
+    eng, info = build(trained, cache)
+    exports.fail = True
+    eng2, info2 = build(trained, cache)
+    assert info2["cache"] == "hit" and eng2 is eng
+    assert engines.load_engine(info["path"], threads=1) is eng  # the scoring tasks' load, same options
+    engines._LOADED.clear()  # another process
+    eng3, info3 = build(trained, cache)
+    assert info3["cache"] == "hit" and eng3 is not eng
+    x = trained[1][:30]
+    np.testing.assert_array_equal(eng3.infer(x)[0], eng.infer(x)[0])
+
+
 @pytest.mark.parametrize("change", ["batch_profile", "weights", "versions", "device_name"])
 def test_changed_key_rebuilds(trained, cache, exports, monkeypatch, tmp_path, change):
     _, info = build(trained, cache)
