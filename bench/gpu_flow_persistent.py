@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -70,9 +71,12 @@ def main() -> int:
     try:
         for r in range(1, int(os.environ.get("RUNS", "3")) + 1):
             out = f"/tmp/bf-persistent-{device}-{r}"
+            shutil.rmtree(out, ignore_errors=True)  # (left by an earlier call on this machine)
             t = time.perf_counter()
             cmd = [sys.executable, "-m", "beatflow.cli", "run", "--hours", os.environ.get("HOURS", "20"),
                    "--device", device, "--scheduler", cluster.scheduler_address, "--out", out] + extra
+            if os.environ.get("EPOCHS"):  # (a shorter training, to look at the other stages on a small machine)
+                cmd += ["--epochs", os.environ["EPOCHS"]]
             with open(os.path.join(OUT, f"log-persistent-{device}-{r}.txt"), "w") as log:
                 rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                     timeout=int(os.environ.get("RUN_LIMIT", "150"))).returncode

@@ -5,7 +5,8 @@
 # bench/gpu_workers.py, the flow on WORKERS plain `dask worker` processes sharing the GPU, set up by the
 # flow's GPU memory plugin, against the one-worker run. Outputs under $OUT.
 # "multi": bench/gpu_multi.py, the flow on 1, 2 and all GPUs (the several-GPU issue); "oom": a pool too small
-# for a partition must stop the run with one line naming the sizes.
+# for a partition must stop the run with one line naming the sizes. "ncudense" (session 12): Nsight Compute's
+# pipes, stalls and instruction counts of the dense and embedding kernels (bench/gpu_ncu_dense.sh).
 #   BUDGET=540 [STEPS="tests workers multi flow cpuwarm cpu16 gpuflow"] bash bench/gpu_session11.sh
 set -u
 t0=$(date +%s)
@@ -42,6 +43,10 @@ if want ncu && [ "$(left)" -gt 200 ]; then
   echo "== Nsight Compute durations ($(el))"
   timeout 110 ncu --clock-control none -c 40 --section SpeedOfLight python3 bench/gpu_seg_embed.py > "$OUT/ncu.txt" 2>&1
   python3 bench/ncu_durations.py "$OUT/ncu.txt"
+fi
+if want ncudense && [ "$(left)" -gt 90 ]; then
+  echo "== Nsight Compute, the dense and embedding kernels in detail: bench/gpu_ncu_dense.sh ($(el))"
+  bash bench/gpu_ncu_dense.sh 2>&1 | tail -60
 fi
 if want flow && [ "$(left)" -gt 140 ]; then
   echo "== flow on a standing cluster ($(el))"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 import uuid
 
 import numpy as np
@@ -35,6 +36,8 @@ partition_task = functools.partial(task, cache_policy=NO_CACHE, persist_result=F
 
 #: attempts at reading a partition (a file on a network share can fail once); bad input is not retried
 LOAD_ATTEMPTS = 3
+#: seconds between updates of the training progress artifact (the last epoch always updates it)
+PROGRESS_EVERY_S = 0.5
 
 
 @partition_task(name="synthesize-ecg")
@@ -251,10 +254,15 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
         dominant[r] = to_host(dom)
         beats[lo:hi] = residual_rows(beats[lo:hi], dom)
     progress = create_progress_artifact(progress=0.0, description="VAE training (epochs done, %)")
+    shown = [time.monotonic()]
 
     def on_epoch(epoch: int, loss: float, elapsed: float) -> None:
         log.info("epoch %d/%d  train loss per row %.5f  (%.1f s)", epoch, epochs, loss, elapsed)
-        update_progress_artifact(progress, progress=100.0 * epoch / epochs)
+        # the artifact at most twice a second, and at the end: each update is a call to the Prefect
+        # API (10-20 ms), as long as a whole epoch of a warm GPU run
+        if epoch == epochs or time.monotonic() - shown[0] >= PROGRESS_EVERY_S:
+            update_progress_artifact(progress, progress=100.0 * epoch / epochs)
+            shown[0] = time.monotonic()
 
     device = "cuda" if _device_of(beats) == "gpu" else "cpu"
     if device == "cuda":  # compiled steps captured in graphs under RMM need it (the load task installed it
