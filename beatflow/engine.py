@@ -884,8 +884,12 @@ class OnnxRuntimeEngine(Engine):
 # validation and timing
 # ----------------------------------------------------------------------------------------------
 
-def compare_engine(engine: Engine, scorer: Union[Scorer, LightVAE], beats: np.ndarray) -> dict:
+def compare_engine(engine: Engine, scorer: Union[Scorer, LightVAE], beats: np.ndarray,
+                   reference: Optional[tuple] = None) -> dict:
     """Engine against the eager fp32 PyTorch scorer on ``beats``.
+
+    ``reference``: the scorer's ``(score, mu)`` on these beats when already known (they are a pure
+    function of the weights and the beats), else computed here.
 
     Returns
     -------
@@ -894,8 +898,11 @@ def compare_engine(engine: Engine, scorer: Union[Scorer, LightVAE], beats: np.nd
         ``max_abs_err_mu``; NaN errors when a value is not finite.
     """
     x = np.ascontiguousarray(beats, dtype=np.float32)
-    with torch_threads(1):
-        ref_s, ref_mu = score_beats(scorer, x)
+    if reference is None:
+        with torch_threads(1):
+            ref_s, ref_mu = score_beats(scorer, x)
+    else:
+        ref_s, ref_mu = reference
     got_s, got_mu = engine.infer(x)
     got_s, got_mu = np.asarray(got_s), np.asarray(got_mu)
 
@@ -913,8 +920,10 @@ def compare_engine(engine: Engine, scorer: Union[Scorer, LightVAE], beats: np.nd
 
 def validate_engine(engine: Engine, scorer: Union[Scorer, LightVAE], beats: np.ndarray, *,
                     atol: float = 1e-4, rtol: float = 1e-3, mu_atol: Optional[float] = None,
-                    mu_rtol: Optional[float] = None, report: Optional[dict] = None) -> float:
-    """Compare an engine's scores with the eager PyTorch scorer.
+                    mu_rtol: Optional[float] = None, report: Optional[dict] = None,
+                    reference: Optional[tuple] = None) -> float:
+    """Compare an engine's scores with the eager PyTorch scorer (``reference``: its ``(score, mu)``
+    on ``beats`` when already known, see :func:`compare_engine`).
 
     Parameters
     ----------
@@ -943,7 +952,7 @@ def validate_engine(engine: Engine, scorer: Union[Scorer, LightVAE], beats: np.n
     """
     mu_atol = atol if mu_atol is None else mu_atol
     mu_rtol = rtol if mu_rtol is None else mu_rtol
-    res = compare_engine(engine, scorer, beats)
+    res = compare_engine(engine, scorer, beats, reference)
     if report is not None:
         report.update(res)
     name = getattr(engine, "name", type(engine).__name__)

@@ -111,14 +111,19 @@ def test_build_then_cache_hit_without_export(trained, cache, exports):
 def test_a_hit_in_the_same_process_reuses_the_loaded_engine(trained, cache, exports):
     """A standing worker that runs the flow again gets the engine object it already loaded (its
     compiled code and graphs); after the file changes, or in another process, it loads anew."""
+    engines._REFERENCES.clear()
     eng, info = build(trained, cache)
+    assert info["phases_s"]["reference"] == "computed" and info["phases_s"]["build"] > 0
     exports.fail = True
     eng2, info2 = build(trained, cache)
     assert info2["cache"] == "hit" and eng2 is eng
+    # the eager scorer's output on the same beats is kept too, and gives the same error
+    assert info2["phases_s"]["reference"] == "kept" and info2["max_abs_err"] == info["max_abs_err"]
     assert engines.load_engine(info["path"], threads=1) is eng  # the scoring tasks' load, same options
     engines._LOADED.clear()  # another process
+    engines._REFERENCES.clear()
     eng3, info3 = build(trained, cache)
-    assert info3["cache"] == "hit" and eng3 is not eng
+    assert info3["cache"] == "hit" and eng3 is not eng and info3["phases_s"]["reference"] == "computed"
     x = trained[1][:30]
     np.testing.assert_array_equal(eng3.infer(x)[0], eng.infer(x)[0])
 
