@@ -769,9 +769,14 @@ EARLY_FIGURES = ("lengths", "aligned", "training")
 def warm_up() -> None:
     """Start of a figure-drawing process (``flows.pipeline.FigurePool``): Matplotlib (Agg) imported
     and its fonts loaded, so that the first figure it draws pays none of that."""
+    import logging
+
     import matplotlib
 
     matplotlib.use("Agg")
+    # mathtext (the log axes' labels) looks for fallback fonts that a minimal install lacks and warns
+    # about each on the console; DejaVu Sans, which it falls back to, has every glyph the figures use
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
     # what the figures use, once each (the first use of an image, a colorbar, a log axis or a
     # legend in a process costs up to 0.4 s more than the next)
     fig = _new_fig(3.0, 2.0, margins=(0.3, 0.3, 0.2, 0.3))

@@ -29,7 +29,7 @@ from beatflow.reading import open_source
 from beatflow.scoring import anomaly_table, robust_threshold
 from tasks import stages as T
 from tasks.caching import cached, code_version, input_digest, token
-from tasks.cluster import flow_client, on_home_worker, prepare_gpu_workers, run_on_workers, wait_for_workers
+from tasks.cluster import flow_client, prepare_gpu_workers, run_on_workers, wait_for_workers
 
 N_COLUMNS = 4000  # pixel columns of the whole-stream picture
 N_TOP = 12
@@ -183,7 +183,9 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     # every GPU worker allocates from one RMM pool for CuPy, Numba and PyTorch (set up if it was not)
     gpu_workers = prepare_gpu_workers(rmm_pool_size, rmm_allocator) if device == "gpu" else {}
     if input is None:
-        input, truth_path = T.synthesize.submit(hours, fs or DEFAULT_FS, seed, str(work)).result()
+        # in the flow's process (a copy from the cache of generated recordings on a warm run): as a
+        # task on a worker it cost the round trips of a remote Prefect task run too
+        input, truth_path = T.synthesize(hours, fs or DEFAULT_FS, seed, str(work))
         sw.lap("synthesize")
     source = open_source(input, column=column, fs=fs, lead=lead)
     fs = source.fs
@@ -251,10 +253,12 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
                          epochs, batch_size, seed, MODEL_INPUT, train_precision) if cache else None)
     model_folder = str(Path(cache).resolve() / "models" / train_token) if cache else str(work)
     compile_steps = (device == "gpu") if train_compile is None else bool(train_compile)
-    with on_home_worker():  # the same worker every run: its compiled steps and graphs stay warm
-        trained = cached(T.train_model, cache).submit(embedded, model_folder, epochs, batch_size, seed, threads,
-                                                      [sp.recording for sp in specs], train_precision=train_precision,
-                                                      compile=compile_steps, cache_token=train_token).result()
+    t_submit = time.time()
+    # on the home worker, the same every run: its compiled steps and graphs stay warm
+    trained = cached(T.train_model, cache)(embedded, model_folder, epochs, batch_size, seed, threads,
+                                           [sp.recording for sp in specs], train_precision=train_precision,
+                                           compile=compile_steps, cache_token=train_token)
+    detail = {"train": _task_overhead(t_submit, trained)}
     if cache:  # the cached model lives in the cache; the run's outputs get a copy
         for name in ("model.pt", "model.json", "validation_beats.npy"):
             shutil.copy(Path(model_folder) / name, work / name)
@@ -266,9 +270,9 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     # workers build the engine and score (the report task then renders only the rest)
     early = _draw_early_figures(figures, fs, s, plan, trained)
 
-    with on_home_worker():
-        engine = T.build_engine.submit(trained["model"], trained["validation"], threads, device, engine_backend,
-                                       precision).result()
+    t_submit = time.time()
+    engine = T.build_engine(trained["model"], trained["validation"], threads, device, engine_backend, precision)
+    detail["engine"] = {**_task_overhead(t_submit, engine), **(engine.get("phases_s") or {})}
     shutil.copy(engine["path"], work / ("engine" + Path(engine["path"]).suffix))  # the run keeps its engine
     sw.lap("engine")
 
@@ -328,6 +332,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
                                             if "numba_memory_manager" in v],
     }
     summary["timings_s"] = sw.total()
+    summary["timings_detail_s"] = detail
     (work / "summary.json").write_text(json.dumps(summary, indent=2))
     for name in ("validation_beats.npy",):
         (work / name).unlink(missing_ok=True)
@@ -438,6 +443,18 @@ def _lower_priority(processes: dict) -> None:
             os.setpriority(os.PRIO_PROCESS, pid, 10)
         except (AttributeError, OSError):  # not on this platform, or already gone
             pass
+
+
+def _task_overhead(t_submit: float, result: dict) -> dict:
+    """Seconds of a task on a worker outside its own work: from submitting it to its start there
+    (``dispatch``) and from its end to its result here (``return``), from the ``task_span`` the task
+    put in its result (wall clocks: exact on one host, approximate across hosts)."""
+    span = result.get("task_span") if isinstance(result, dict) else None
+    if not span or span[0] < t_submit - 1.0:  # none, or a result from the cache of an earlier run
+        return {}
+    now = time.time()
+    return {"dispatch": round(span[0] - t_submit, 4), "work": round(span[1] - span[0], 4),
+            "return": round(now - span[1], 4)}
 
 
 def _draw_early_figures(figures: FigurePool, fs, s, plan, trained) -> dict:

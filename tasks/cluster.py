@@ -293,13 +293,19 @@ def on_home_worker():
     """
     import dask
 
-    client = flow_client()
-    workers = sorted(client.scheduler_info().get("workers", {})) if client is not None else []
-    if not workers:
+    home = home_worker(flow_client())
+    if home is None:
         yield None
         return
-    with dask.annotate(workers=[workers[0]], allow_other_workers=True):
-        yield workers[0]
+    with dask.annotate(workers=[home], allow_other_workers=True):
+        yield home
+
+
+def home_worker(client) -> str | None:
+    """The cluster's home worker: the first by address (None without a client or workers); see
+    :func:`on_home_worker`."""
+    workers = sorted(client.scheduler_info().get("workers", {})) if client is not None else []
+    return workers[0] if workers else None
 
 
 def wait_for_workers(n: int, timeout: float = 120.0) -> None:

@@ -209,24 +209,24 @@ def context_snippets(parts: list, lefts: list, rights: list, firsts: list, windo
     return gather(map_partitions(partition_snippets, parts, lefts, rights, firsts, windows, name="context-snippets"))
 
 
-@partition_task(name="train-vae")
-def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: int, threads: int,
-                recordings: list[int] | None = None, n_rows_sample: int = 40, train_precision: str = "auto",
-                compile: bool = False, cache_token: str | None = None) -> dict:
+def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: int, threads: int,
+              recordings: list[int] | None = None, n_rows_sample: int = 40, train_precision: str = "auto",
+              compile: bool = False, topic: str | None = None) -> dict:
     """Gather the beat matrix (once), scale it, subtract each recording's dominant beat, train the
-    LightVAE on those residuals; save weights and a validation set.
+    LightVAE on those residuals; save weights and a validation set. A plain function, run on the
+    cluster's home worker by :func:`train_model`; each epoch is also sent as a Dask event on
+    ``topic`` (the flow's process logs it and moves the progress artifact).
 
     ``recordings[k]`` is the recording of partition ``k`` (default: all one recording).
     Returns small things only: paths, losses, the test split, the dominant beats (one row per
-    recording), a few rows for the report.
+    recording), a few rows for the report, the epochs' ``(epoch, loss, seconds)``.
     """
+    t_start = time.time()
     import torch
-    from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     from beatflow.beats import MODEL_INPUT, dominant_beat, residual_rows
     from beatflow.model import save_model, train_vae, training_precision
 
-    log = get_run_logger()
     torch.set_num_threads(max(1, threads))
     rows = [r for r, _ in embedded]
     xp = namespace(_device_of(rows[0])) if rows else np
@@ -253,16 +253,12 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
         dom = dominant_beat(beats[lo:hi])
         dominant[r] = to_host(dom)
         beats[lo:hi] = residual_rows(beats[lo:hi], dom)
-    progress = create_progress_artifact(progress=0.0, description="VAE training (epochs done, %)")
-    shown = [time.monotonic()]
+    emit = _event_sender(topic)
+    done: list = []
 
     def on_epoch(epoch: int, loss: float, elapsed: float) -> None:
-        log.info("epoch %d/%d  train loss per row %.5f  (%.1f s)", epoch, epochs, loss, elapsed)
-        # the artifact at most twice a second, and at the end: each update is a call to the Prefect
-        # API (10-20 ms), as long as a whole epoch of a warm GPU run
-        if epoch == epochs or time.monotonic() - shown[0] >= PROGRESS_EVERY_S:
-            update_progress_artifact(progress, progress=100.0 * epoch / epochs)
-            shown[0] = time.monotonic()
+        done.append((int(epoch), float(loss), float(elapsed)))
+        emit(done[-1])
 
     device = "cuda" if _device_of(beats) == "gpu" else "cpu"
     if device == "cuda":  # compiled steps captured in graphs under RMM need it (the load task installed it
@@ -290,22 +286,128 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
         "model": model_path, "validation": val_path, "scale": scale, "train_loss": res.train_loss,
         "test_loss": res.test_loss, "test_index": res.test_index, "seconds": res.seconds,
         "sample_rows": raw_rows, "rows": int(beats.shape[0]), "dominant": dominant, "precision": precision,
-        "compiled": res.compiled, "cuda_graphs": res.cudagraphs,
+        "compiled": res.compiled, "cuda_graphs": res.cudagraphs, "epochs_done": done,
+        "task_span": (t_start, time.time()),
     }
+
+
+@partition_task(name="train-vae")
+def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: int, threads: int,
+                recordings: list[int] | None = None, n_rows_sample: int = 40, train_precision: str = "auto",
+                compile: bool = False, cache_token: str | None = None) -> dict:
+    """Training (:func:`fit_model`) on the cluster's home worker, followed from the flow's process:
+    each epoch logged and the progress artifact moved as the worker reports it (a Dask event). A
+    Prefect task run on the worker itself cost ~0.2-0.3 s of API round trips before it started."""
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    log = get_run_logger()
+    progress = create_progress_artifact(progress=0.0, description="VAE training (epochs done, %)")
+    shown = {"epoch": 0, "at": time.monotonic()}
+
+    def show(event) -> None:
+        epoch, loss, elapsed = event
+        if epoch <= shown["epoch"]:
+            return
+        shown["epoch"] = epoch
+        log.info("epoch %d/%d  train loss per row %.5f  (%.1f s)", epoch, epochs, loss, elapsed)
+        # the artifact at most twice a second, and at the end: each update is a call to the Prefect
+        # API (10-20 ms), as long as a whole epoch of a warm GPU run
+        if epoch == epochs or time.monotonic() - shown["at"] >= PROGRESS_EVERY_S:
+            update_progress_artifact(progress, progress=100.0 * epoch / epochs)
+            shown["at"] = time.monotonic()
+
+    topic = f"beatflow-train-{uuid.uuid4().hex[:12]}"
+    out = _follow(topic, show, fit_model, embedded, folder, epochs, batch_size, seed, threads, recordings,
+                  n_rows_sample, train_precision, compile, topic=topic, name="train-vae")
+    for event in out.pop("epochs_done"):  # any the events did not bring before the result
+        show(event)
+    return out
+
+
+def engine_for(model_path: str, validation_path: str, threads: int, device: str = "cpu",
+               backend: str = "auto", precision: str = "fp32") -> dict:
+    """The validated inference engine for the trained model, from the engine cache or built and
+    cached (a plain function, run on the home worker by :func:`build_engine`); the cache's warnings
+    come back in ``warnings``."""
+    import warnings
+
+    from beatflow.engines import EngineCacheWarning, build_or_load_engine
+
+    t_start = time.time()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", EngineCacheWarning)
+        _, info = build_or_load_engine(model_path, np.load(validation_path), backend=backend, precision=precision,
+                                       device=device, threads=threads)
+    for w in caught:  # the others as they would have been shown
+        if not issubclass(w.category, EngineCacheWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return {**info, "warnings": [str(w.message) for w in caught if issubclass(w.category, EngineCacheWarning)],
+            "task_span": (t_start, time.time())}
 
 
 @partition_task(name="build-engine")
 def build_engine(model_path: str, validation_path: str, threads: int, device: str = "cpu",
                  backend: str = "auto", precision: str = "fp32") -> dict:
-    """The validated inference engine for the trained model, from the engine cache or built and cached."""
-    from beatflow.engines import build_or_load_engine
-
-    _, info = build_or_load_engine(model_path, np.load(validation_path), backend=backend, precision=precision,
-                                   device=device, threads=threads)
-    get_run_logger().info("engine %s %s on %s: %s, max abs err %.2e vs PyTorch, %.0f beats/s", info["backend"],
-                          info["precision"], info["device"], info["cache"], info["max_abs_err"],
-                          info["throughput_beats_per_s"])
+    """The validated inference engine (:func:`engine_for`, on the home worker, where the engines it
+    loaded before stay warm)."""
+    info = _follow(None, None, engine_for, model_path, validation_path, threads, device, backend, precision,
+                   name="build-engine")
+    log = get_run_logger()
+    for msg in info.get("warnings", []):
+        log.warning("%s", msg)
+    log.info("engine %s %s on %s: %s, max abs err %.2e vs PyTorch, %.0f beats/s", info["backend"],
+             info["precision"], info["device"], info["cache"], info["max_abs_err"], info["throughput_beats_per_s"])
     return info
+
+
+def _event_sender(topic: str | None):
+    """On a Dask worker, a function that sends a message on ``topic`` (a Dask event the flow's
+    process subscribed to); elsewhere, or without a topic, one that drops it."""
+    if topic:
+        try:
+            from distributed import get_worker
+
+            worker = get_worker()
+            return lambda msg: worker.log_event(topic, msg)
+        except ValueError:  # not in a worker
+            pass
+    return lambda msg: None
+
+
+def _follow(events: str | None, handle, fn, *args, name: str, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on the cluster's home worker (another if it is gone) and return its
+    result; meanwhile hand each message it sends on the topic ``events`` to ``handle``, in this thread."""
+    import queue
+
+    from distributed import wait
+
+    from tasks.cluster import home_worker
+
+    client = _client()
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    if events:
+        client.subscribe_topic(events, lambda event: inbox.put(event[1]))
+    try:
+        home = home_worker(client)
+        future = client.submit(fn, *args, key=f"{name}-{uuid.uuid4().hex[:8]}", pure=False,
+                               workers=[home] if home else None, allow_other_workers=True, **kwargs)
+        while True:
+            try:
+                with client.as_current():  # (this thread has no default client)
+                    wait([future], timeout=0.25)
+                finished = True
+            except TimeoutError:
+                finished = False
+            while handle is not None:
+                try:
+                    handle(inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if finished:
+                return future.result()  # the task's own exception, if it failed
+    finally:
+        if events:
+            client.unsubscribe_topic(events)
 
 
 @functools.lru_cache(maxsize=4)

@@ -232,6 +232,46 @@ def test_training_goes_to_the_home_worker_even_where_its_data_is_elsewhere(monke
             assert run_where() == other  # the home worker is gone
 
 
+def _chatty(n, topic, fail=False):
+    """Sends ``n`` events on ``topic`` from its worker, then returns where it ran (or fails)."""
+    import time
+
+    from distributed import get_worker
+
+    from tasks.stages import _event_sender
+
+    send = _event_sender(topic)
+    for k in range(n):
+        send((k, get_worker().address))
+        time.sleep(0.15)
+    if fail:
+        raise ValueError("bad beats")
+    return get_worker().address
+
+
+def test_training_and_engine_run_on_the_home_worker_and_report_as_they_go(monkeypatch):
+    """``tasks.stages._follow`` (how training and the engine build run): the function runs on the home
+    worker, the messages it sends arrive in order while it runs, its result or its own exception comes
+    back, and the subscription is gone afterwards."""
+    from distributed import Client, LocalCluster
+
+    import tasks.cluster as C
+    import tasks.stages as S
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        monkeypatch.setattr(C, "flow_client", lambda: client)
+        home = sorted(client.scheduler_info()["workers"])[0]
+        got = []
+        assert S._follow("t1", got.append, _chatty, 6, "t1", name="chatty") == home
+        assert len(got) >= 4 and [k for k, _ in got] == list(range(len(got)))  # (the last may come after)
+        assert {w for _, w in got} == {home}
+        with pytest.raises(ValueError, match="bad beats"):
+            S._follow("t2", got.append, _chatty, 1, "t2", fail=True, name="chatty")
+        assert S._follow(None, None, _chatty, 2, None, name="quiet") == home
+        assert S._event_sender(None)("dropped") is None and S._event_sender("x")("no worker here") is None
+
+
 @pytest.mark.skipif(not __import__("beatflow.backend", fromlist=["x"]).cupy_available(), reason="needs a CUDA GPU")
 def test_a_pool_too_small_is_a_clear_error_from_every_library():
     """On a GPU (fresh process): a worker's pool of 64 MB is a limit; 100 MB from CuPy, PyTorch or
