@@ -4,8 +4,10 @@ Each stage (load, segment, embed, score, context snippets) is one Prefect task, 
 process: it maps a plain function over the partitions with the flow's Dask client, so each
 partition's work runs on the worker that holds its arrays (on its GPU on the GPU path), and waits
 for it. The partition arrays stay there, as Dask futures the flow hands from stage to stage; what a
-stage returns to the flow is small (edges, peaks, scores). Training, the engine build and the
-synthetic ECG are Prefect tasks run on a worker.
+stage returns to the flow is small (edges, peaks, scores). Training and the engine build are
+Prefect tasks run in the flow's process too, each following one plain Dask task on the cluster's
+home worker (:func:`_follow`; training's epochs come back as Dask events, logged and shown as
+progress as they arrive); the synthetic ECG is made (or copied from its cache) in the flow's process.
 
 Why not one Prefect task per partition (the first design): a Prefect task run on a Dask worker
 re-creates its settings and API client from the serialized context, about 0.1-0.2 s per run
