@@ -46,6 +46,13 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     assert saved["engine"]["clock"] == "monotonic" and 0 < saved["engine"]["latency_batch1_us"]["p50"] < 1e5
     assert set(saved["engine"]["throughput_by_batch"]) == {"1", "32", "256", "1024", "8192"}
     assert {"load", "segment", "embed", "train", "engine", "score", "report", "total"} <= set(saved["timings_s"])
+    # training and the engine ran on a worker as Dask tasks followed from here: their span and the
+    # engine's phases are reported (a fresh engine: built, its reference computed)
+    detail = saved["timings_detail_s"]
+    for stage in ("train", "engine"):
+        assert detail[stage]["dispatch"] >= 0 and detail[stage]["work"] > 0 and detail[stage]["return"] >= 0
+        assert detail[stage]["work"] <= saved["timings_s"][stage] + 0.01
+    assert detail["engine"]["build"] > 0 and detail["engine"]["reference"] == "computed"
     table = pd.read_parquet(out / "anomalies.parquet")
     assert len(table) == saved["beats_kept"] and table["flagged"].sum() == saved["anomalies_flagged"]
     assert list(table.columns) == ["beat", "recording", "start", "peak", "time_s", "length", "score", "flagged", "rank"]
