@@ -280,30 +280,16 @@ def prepare_gpu_workers(pool_size=None, allocator: str = "async") -> dict:
     return client.run(gpu_memory_state)
 
 
-@contextlib.contextmanager
-def on_home_worker():
-    """Tasks submitted inside go to the cluster's home worker (the first by address) when it can take
-    them, elsewhere if it is gone (``allow_other_workers``).
-
-    Training and the engine build prepare per process what makes them fast (compiled steps, CUDA
-    graphs, the engine's captured batch sizes); on a standing cluster they stay warm only if each run
-    sends them to the same worker. Left to Dask, the worker with most of the gathered rows got them,
-    and with two workers holding half each, run 2 went to the other worker and compiled again (H200:
-    training 16.1 s instead of 0.9 s).
-    """
-    import dask
-
-    home = home_worker(flow_client())
-    if home is None:
-        yield None
-        return
-    with dask.annotate(workers=[home], allow_other_workers=True):
-        yield home
-
-
 def home_worker(client) -> str | None:
-    """The cluster's home worker: the first by address (None without a client or workers); see
-    :func:`on_home_worker`."""
+    """The cluster's home worker: the first by address (None without a client or workers).
+
+    Training and the engine build go there (``tasks.stages._follow``; elsewhere if it is gone): they
+    prepare per process what makes them fast (compiled steps, CUDA graphs, the engine's captured
+    batch sizes, the engines loaded), and on a standing cluster that stays warm only if each run sends
+    them to the same worker. Left to Dask, the worker with most of the gathered rows got them, and with
+    two workers holding half each, run 2 went to the other worker and compiled again (H200: training
+    16.1 s instead of 0.9 s).
+    """
     workers = sorted(client.scheduler_info().get("workers", {})) if client is not None else []
     return workers[0] if workers else None
 

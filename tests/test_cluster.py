@@ -197,14 +197,16 @@ print(json.dumps({"too_big": too_big, "first": first, "again": again, "cupy": b1
 
 
 def test_training_goes_to_the_home_worker_even_where_its_data_is_elsewhere(monkeypatch):
-    """Tasks submitted in ``on_home_worker`` run on the first worker by address although their input
-    lives on another (Dask alone would follow the data), and on another worker once that one is gone."""
+    """What ``tasks.stages._follow`` submits (training, the engine build) runs on the first worker by
+    address although its input lives on another (Dask alone would follow the data), and on another
+    worker once that one is gone."""
     import uuid
 
     import numpy as np
     from distributed import Client, LocalCluster, get_worker
 
     import tasks.cluster as C
+    import tasks.stages as S
 
     def where(x):
         return get_worker().address
@@ -213,23 +215,21 @@ def test_training_goes_to_the_home_worker_even_where_its_data_is_elsewhere(monke
             Client(cluster) as client:
         monkeypatch.setattr(C, "flow_client", lambda: client)
         home, other = sorted(client.scheduler_info()["workers"])
+        assert C.home_worker(client) == home and C.home_worker(None) is None
         held = []
 
-        def run_where():
-            """Where a task runs whose input is new data on the other worker (not hashed: scattering equal
-            arrays gives one key, which an earlier task on the home worker has copied there), in a task
-            group of its own (a large group of small tasks is "root-ish": placed without regard to data)."""
+        def new_data():
+            """New data on the other worker (not hashed: scattering equal arrays gives one key, which an
+            earlier task on the home worker has copied there)."""
             held.append(client.scatter(np.zeros(4_000_000), workers=[other], hash=False))
-            return client.submit(where, held[-1], key=f"where{len(held)}x-{uuid.uuid4().hex}").result()
+            return held[-1]
 
-        assert run_where() == other  # follows the data
-        with C.on_home_worker() as w:
-            assert w == home
-            assert run_where() == home
-        assert run_where() == other  # only inside
-        with C.on_home_worker():
-            client.retire_workers([home])
-            assert run_where() == other  # the home worker is gone
+        # in a task group of its own each time (a large group of small tasks is "root-ish": placed
+        # without regard to data)
+        assert client.submit(where, new_data(), key=f"where-{uuid.uuid4().hex}").result() == other  # follows the data
+        assert S._follow(None, None, where, new_data(), name=f"where{len(held)}x") == home
+        client.retire_workers([home])
+        assert S._follow(None, None, where, new_data(), name=f"where{len(held)}x") == other  # the home worker is gone
 
 
 def _chatty(n, topic, fail=False):
