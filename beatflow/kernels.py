@@ -825,6 +825,14 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     f64, i32 = _F64, np.int32
     u32 = np.uint32  # unsigned shared-memory indices: no negative-index wraparound code
 
+    @cuda.jit(device=True)
+    def _double(src, dst, sh, m):
+        """One level of the window maxima by doubling: ``dst[t] = max(src[t], src[t + sh])``, t < m."""
+        for t in range(cuda.threadIdx.x, m, tpb):
+            p0 = src[u32(t)]
+            p1 = src[u32(t + sh)]
+            dst[u32(t)] = p1 if p1 > p0 else p0
+
     @_kernel("dense", sim)
     def dense(x, kr, first, b0, write_env, env_out, bmax, xmax, cap, tcount, tpos, theight, tvalley, info):
         """One tile of ``tile`` samples per block, everything in shared memory: 3-point median,
@@ -895,16 +903,48 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         # the NMS window's maxima by doubling (van Herk-style, exact): level l turns the maxima of
         # runs of 2**l envelope values into those of 2**(l+1), ping-ponging between the two free
         # buffers; then max(env[c .. c + 2*nms]) = max(mL[c], mL[c + W - L]), two loads per sample
-        # instead of a walk over the window (which a warp ran for as long as its longest lane)
-        for lev in range(LEVELS):
-            sh = 1 << lev
-            src = a if lev == 0 else (y2 if lev % 2 == 1 else part)
-            dst = y2 if lev % 2 == 0 else part
-            for t in range(tid, E - 2 * sh + 1, tpb):
-                p0 = src[u32(t)]
-                p1 = src[u32(t + sh)]
-                dst[u32(t)] = p1 if p1 > p0 else p0
-            _syncthreads()
+        # instead of a walk over the window (which a warp ran for as long as its longest lane).
+        # The levels are written out, each with its buffers fixed (a loop over the levels chose them
+        # at run time, which made every access a generic load or store with ~20 integer instructions
+        # around it); the branches on the constant LEVELS fold away.
+        if LEVELS <= _MAX_LEVELS:
+            if LEVELS > 0:
+                _double(a, y2, 1, E - 1)
+                _syncthreads()
+            if LEVELS > 1:
+                _double(y2, part, 2, E - 3)
+                _syncthreads()
+            if LEVELS > 2:
+                _double(part, y2, 4, E - 7)
+                _syncthreads()
+            if LEVELS > 3:
+                _double(y2, part, 8, E - 15)
+                _syncthreads()
+            if LEVELS > 4:
+                _double(part, y2, 16, E - 31)
+                _syncthreads()
+            if LEVELS > 5:
+                _double(y2, part, 32, E - 63)
+                _syncthreads()
+            if LEVELS > 6:
+                _double(part, y2, 64, E - 127)
+                _syncthreads()
+            if LEVELS > 7:
+                _double(y2, part, 128, E - 255)
+                _syncthreads()
+            if LEVELS > 8:
+                _double(part, y2, 256, E - 511)
+                _syncthreads()
+            if LEVELS > 9:
+                _double(y2, part, 512, E - 1023)
+                _syncthreads()
+        else:
+            for lev in range(LEVELS):
+                sh = 1 << lev
+                src = a if lev == 0 else (y2 if lev % 2 == 1 else part)
+                dst = y2 if lev % 2 == 0 else part
+                _double(src, dst, sh, E - 2 * sh + 1)
+                _syncthreads()
         mL = a if LEVELS == 0 else (y2 if LEVELS % 2 == 1 else part)
         xm = 0.0
         for r in range(R):
@@ -1333,6 +1373,9 @@ def _vf_build(W: int, HP: int, K: int, tpb: int):
 # the detection's launch shape: threads per tile and samples per tile (GPU; the simulator runs one
 # warp per tile)
 _DET_TPB, _DET_TILE = 256, 1024
+#: doubling levels of the NMS window maxima written out in the dense kernel (windows up to 2047
+#: samples; wider ones take a loop over the levels)
+_MAX_LEVELS = 10
 _SIM_DET_TPB, _SIM_DET_TILE = WARP, 4 * WARP
 
 
