@@ -381,9 +381,10 @@ def _fig_training(d: ReportData) -> str:
         if allv.size and allv.min() > 0 and allv.max() / allv.min() > 30:
             ax.set_yscale("log")
         if tl.size:
-            from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+            from matplotlib.ticker import MultipleLocator  # noqa: PLC0415
 
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.xaxis.set_major_locator(MultipleLocator(max(1, math.ceil(tl.size / 10))))  # whole epochs
+            ax.set_xlim(0.5, tl.size + 0.5)
     else:
         _no_data(ax)
     ax.set_xlabel("epoch", fontsize=9)
