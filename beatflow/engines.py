@@ -443,12 +443,13 @@ def _loaded_key(backend: str, path: Path, sha256: str, options: dict) -> tuple:
     return (backend, os.path.realpath(path), sha256, repr(sorted(options.items())))
 
 
-def _remember(key: tuple, engine: Engine) -> None:
+def _keep(store: collections.OrderedDict, key: tuple, value) -> None:
+    """``store[key] = value`` as its most recent entry, the oldest dropped past ``_LOADED_MAX``."""
     with _LOADED_LOCK:
-        _LOADED[key] = engine
-        _LOADED.move_to_end(key)
-        while len(_LOADED) > _LOADED_MAX:
-            _LOADED.popitem(last=False)
+        store[key] = value
+        store.move_to_end(key)
+        while len(store) > _LOADED_MAX:
+            store.popitem(last=False)
 
 
 def _forget(key: tuple) -> None:
@@ -468,7 +469,7 @@ def _load(backend: str, path: Path, options: dict, sha256: Optional[str] = None)
                 return engine
     engine = _engine_class(backend).load(path, **options)
     if key is not None:
-        _remember(key, engine)
+        _keep(_LOADED, key, engine)
     return engine
 
 
@@ -596,11 +597,7 @@ def _build_or_load(model_path, validation_beats, backend: str, precision: str, d
                                    mu_rtol=tol.mu_rtol, report=report, reference=reference)
         finally:  # (also when the engine fails: the reference is right either way)
             if "ref_score" in report:
-                with _LOADED_LOCK:
-                    _REFERENCES[ref_key] = (report["ref_score"], report["ref_mu"])
-                    _REFERENCES.move_to_end(ref_key)
-                    while len(_REFERENCES) > _LOADED_MAX:
-                        _REFERENCES.popitem(last=False)
+                _keep(_REFERENCES, ref_key, (report["ref_score"], report["ref_mu"]))
             phases["validate"] = time.perf_counter() - t
             phases["reference"] = "kept" if reference is not None else "computed"
 
@@ -645,7 +642,7 @@ def _build_or_load(model_path, validation_beats, backend: str, precision: str, d
                                "max_abs_err_mu": report.get("max_abs_err_mu"), "tolerance": tol.to_dict()},
             }
             _atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())  # the sidecar commits
-            _remember(_loaded_key(backend, engine_path, meta["sha256"], options), engine)
+            _keep(_LOADED, _loaded_key(backend, engine_path, meta["sha256"], options), engine)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     tput_batch = min(1024, profile.max)

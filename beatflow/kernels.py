@@ -906,45 +906,38 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         # instead of a walk over the window (which a warp ran for as long as its longest lane).
         # The levels are written out, each with its buffers fixed (a loop over the levels chose them
         # at run time, which made every access a generic load or store with ~20 integer instructions
-        # around it); the branches on the constant LEVELS fold away.
-        if LEVELS <= _MAX_LEVELS:
-            if LEVELS > 0:
-                _double(a, y2, 1, E - 1)
-                _syncthreads()
-            if LEVELS > 1:
-                _double(y2, part, 2, E - 3)
-                _syncthreads()
-            if LEVELS > 2:
-                _double(part, y2, 4, E - 7)
-                _syncthreads()
-            if LEVELS > 3:
-                _double(y2, part, 8, E - 15)
-                _syncthreads()
-            if LEVELS > 4:
-                _double(part, y2, 16, E - 31)
-                _syncthreads()
-            if LEVELS > 5:
-                _double(y2, part, 32, E - 63)
-                _syncthreads()
-            if LEVELS > 6:
-                _double(part, y2, 64, E - 127)
-                _syncthreads()
-            if LEVELS > 7:
-                _double(y2, part, 128, E - 255)
-                _syncthreads()
-            if LEVELS > 8:
-                _double(part, y2, 256, E - 511)
-                _syncthreads()
-            if LEVELS > 9:
-                _double(y2, part, 512, E - 1023)
-                _syncthreads()
-        else:
-            for lev in range(LEVELS):
-                sh = 1 << lev
-                src = a if lev == 0 else (y2 if lev % 2 == 1 else part)
-                dst = y2 if lev % 2 == 0 else part
-                _double(src, dst, sh, E - 2 * sh + 1)
-                _syncthreads()
+        # around it); the branches on the constant LEVELS fold away (_detect_plan keeps LEVELS within
+        # _MAX_LEVELS).
+        if LEVELS > 0:
+            _double(a, y2, 1, E - 1)
+            _syncthreads()
+        if LEVELS > 1:
+            _double(y2, part, 2, E - 3)
+            _syncthreads()
+        if LEVELS > 2:
+            _double(part, y2, 4, E - 7)
+            _syncthreads()
+        if LEVELS > 3:
+            _double(y2, part, 8, E - 15)
+            _syncthreads()
+        if LEVELS > 4:
+            _double(part, y2, 16, E - 31)
+            _syncthreads()
+        if LEVELS > 5:
+            _double(y2, part, 32, E - 63)
+            _syncthreads()
+        if LEVELS > 6:
+            _double(part, y2, 64, E - 127)
+            _syncthreads()
+        if LEVELS > 7:
+            _double(y2, part, 128, E - 255)
+            _syncthreads()
+        if LEVELS > 8:
+            _double(part, y2, 256, E - 511)
+            _syncthreads()
+        if LEVELS > 9:
+            _double(y2, part, 512, E - 1023)
+            _syncthreads()
         mL = a if LEVELS == 0 else (y2 if LEVELS % 2 == 1 else part)
         xm = 0.0
         for r in range(R):
@@ -1374,19 +1367,22 @@ def _vf_build(W: int, HP: int, K: int, tpb: int):
 # warp per tile)
 _DET_TPB, _DET_TILE = 256, 1024
 #: doubling levels of the NMS window maxima written out in the dense kernel (windows up to 2047
-#: samples; wider ones take a loop over the levels)
+#: samples; wider ones go to the array code, see _detect_plan)
 _MAX_LEVELS = 10
 _SIM_DET_TPB, _SIM_DET_TILE = WARP, 4 * WARP
 
 
 def _detect_plan(s, sim: bool):
     """``(kernels, tile, tpb)`` for these parameters, or None where the fused kernels cannot take
-    them (a level window wider than ``_MAX_WINDOW`` blocks, or windows so wide that even a tile of
-    one sample per thread would not fit in 48 KiB of shared memory): then the array code runs."""
+    them (a level window wider than ``_MAX_WINDOW`` blocks, an NMS window of more than
+    ``2**(_MAX_LEVELS + 1) - 1`` samples, or windows so wide that even a tile of one sample per thread
+    would not fit in 48 KiB of shared memory): then the array code runs."""
     tpb, tile = (_SIM_DET_TPB, _SIM_DET_TILE) if sim else (_DET_TPB, _DET_TILE)
     if 2 * s.blocks + 1 > _MAX_WINDOW:
         return None
     K, box, nms = int(s.kernel), int(s.box), int(s.nms)
+    if (2 * nms + 1).bit_length() - 1 > _MAX_LEVELS:  # more doubling levels than `dense` writes out
+        return None  # (a window that wide does not fit in shared memory either)
     while True:
         _, _, _, YL, XL, PL = _dense_tile(K, box, nms, tile)
         shared = 8 * (XL + YL + PL + tpb + tpb // WARP) + 4
