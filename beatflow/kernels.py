@@ -805,7 +805,8 @@ def _dense_tile(K: int, box: int, nms: int, tile: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, tile: int, tpb: int):
+def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, tile: int, tpb: int,
+                  taps: tuple, ftaps: tuple):
     """The detection kernels for one set of window sizes (their loops then have constant bounds,
     which NVVM unrolls: a fused stage whose every bound was a runtime value issued ~4x the
     instructions). Cached per parameter set; compiled by Numba on first launch."""
@@ -815,6 +816,9 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     g, groups, E, YL, XL, PL = _dense_tile(K, box, nms, tile)
     R = tile // tpb
     NW = tpb // WARP
+    NXL, NYL, NPL, NE = (-(-m // tpb) for m in (XL, YL, PL, E))  # rounds of the block-stride loops
+    TAPS = np.array(taps, dtype=np.float64)
+    FTAPS = np.array(ftaps, dtype=np.float64)
     fkh = KF // 2
     SP = 2 * shalf + 1  # positions of a candidate's steepest-slope window
     SW = SP + 2 * fkh  # the despiked samples they read
@@ -823,18 +827,27 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     LEVELS = W.bit_length() - 1
     L = 1 << LEVELS
     f64, i32 = _F64, np.int32
-    u32 = np.uint32  # unsigned shared-memory indices: no negative-index wraparound code
+    u32, u64 = np.uint32, np.uint64  # unsigned indices: no negative-index wraparound code
+    # The block-stride loops over a stage's m items run a constant number of rounds (m // tpb full
+    # ones and a last partial one), which NVVM unrolls: the items' addresses become one base plus
+    # constant offsets, and only the last round tests its bound. (``for t in range(tid, m, tpb)``
+    # has a trip count that depends on the thread: a rolled loop with ~20 integer instructions per
+    # item around two loads and a store, most of the dense kernel's time on the H200.)
+    # The slope taps are constants of the kernel (immediate operands, no loads).
 
     @cuda.jit(device=True)
     def _double(src, dst, sh, m):
         """One level of the window maxima by doubling: ``dst[t] = max(src[t], src[t + sh])``, t < m."""
-        for t in range(cuda.threadIdx.x, m, tpb):
-            p0 = src[u32(t)]
-            p1 = src[u32(t + sh)]
-            dst[u32(t)] = p1 if p1 > p0 else p0
+        tid = cuda.threadIdx.x
+        for k in range((m + tpb - 1) // tpb):
+            t = tid + k * tpb
+            if k < m // tpb or t < m:
+                p0 = src[u64(t)]
+                p1 = src[u64(t + sh)]
+                dst[u64(t)] = p1 if p1 > p0 else p0
 
     @_kernel("dense", sim)
-    def dense(x, kr, first, b0, write_env, env_out, bmax, xmax, cap, tcount, tpos, theight, tvalley, info):
+    def dense(x, first, b0, write_env, env_out, bmax, xmax, cap, tcount, tpos, theight, tvalley, info):
         """One tile of ``tile`` samples per block, everything in shared memory: 3-point median,
         derivative-of-Gaussian slope, RMS over ``box`` (the sums of ``cpu_kernels.envelope_cpu``
         in its order), then for the tile's own samples the NMS over ±nms (the candidates, in
@@ -848,6 +861,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         red = cuda.shared.array(tpb, f64)
         redx = cuda.shared.array(NW, f64)
         cnt = cuda.shared.array(1, i32)
+        kr = cuda.const.array_like(TAPS)
         n = x.shape[0]
         tid = cuda.threadIdx.x
         lane = tid % WARP
@@ -857,48 +871,61 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         xlo = base - nms - bh - kh
         if tid == 0:
             cnt[0] = 0
-        if xlo >= 1 and xlo + XL + 1 <= n:  # (uniform over the block) no end of the stream in reach
-            xv = x[xlo - 1:xlo + XL + 1]
-            for t in range(tid, XL, tpb):
-                w3 = xv[t:t + 3]  # a view: constant offsets, no clipping
-                p0 = np.float64(w3[0])
-                p1 = np.float64(w3[1])
-                p2 = np.float64(w3[2])
-                a[t] = max(min(p0, p1), min(max(p0, p1), p2))
+        inner = xlo >= 1 and xlo + XL + 1 <= n  # (uniform over the block) no end of the stream in reach
+        xm = 0.0  # the largest |x|
+        if inner:
+            for k in range(NXL):
+                t = tid + k * tpb
+                if k < XL // tpb or t < XL:
+                    j = u64(xlo - 1 + t)
+                    p0 = np.float64(x[j])
+                    p1 = np.float64(x[j + u64(1)])
+                    p2 = np.float64(x[j + u64(2)])
+                    a[u64(t)] = max(min(p0, p1), min(max(p0, p1), p2))
+                    xm = max(xm, abs(p1))  # (samples of the stream: the halo's count as well)
         else:
             for t in range(tid, XL, tpb):
                 a[t] = _despiked(x, _clip(xlo + t, n), n)
         _syncthreads()
         ylo = base - nms - bh
-        for t in range(tid, YL, tpb):  # slope at clip(ylo + t): the envelope repeats the edge values
-            off = _clip(ylo + t, n) - kh - xlo
-            win = a[off:off + K]  # a view: the taps' offsets become constants in the addresses
-            acc = 0.0
-            for i in range(K):
-                acc += win[i] * kr[i]
-            y2[t] = acc * acc
+        if inner:  # the slope at ylo + t reads the despiked a[t .. t + K - 1]
+            for k in range(NYL):
+                t = tid + k * tpb
+                if k < YL // tpb or t < YL:
+                    acc = 0.0
+                    for i in range(K):
+                        acc += a[u64(t) + u64(i)] * kr[i]
+                    y2[u64(t)] = acc * acc
+        else:
+            for t in range(tid, YL, tpb):  # slope at clip(ylo + t): the envelope repeats the edge values
+                off = _clip(ylo + t, n) - kh - xlo
+                acc = 0.0
+                for i in range(K):
+                    acc += a[u64(off) + u64(i)] * kr[i]
+                y2[t] = acc * acc
         _syncthreads()
-        for t in range(tid, PL, tpb):
-            win = y2[t:t + g]
-            p = win[0]
-            for i in range(1, g):
-                p += win[i]
-            part[t] = p
+        for k in range(NPL):
+            t = tid + k * tpb
+            if k < PL // tpb or t < PL:
+                p = y2[u64(t)]
+                for i in range(1, g):
+                    p += y2[u64(t) + u64(i)]
+                part[u64(t)] = p
         _syncthreads()
         elo = base - nms
-        for t in range(tid, E, tpb):  # outside the stream: -inf, never larger (the NMS window is clipped)
-            pos = elo + t
-            v = -_INF
-            if pos >= 0 and pos < n:
-                pw = part[t:t + groups * g]
-                acc = pw[0]
-                for q in range(1, groups):
-                    acc += pw[q * g]
-                yw = y2[t:t + box]
-                for i in range(groups * g, box):
-                    acc += yw[i]
-                v = math.sqrt(max(acc / box, 0.0))
-            a[t] = v
+        for k in range(NE):  # outside the stream: -inf, never larger (the NMS window is clipped)
+            t = tid + k * tpb
+            if k < E // tpb or t < E:
+                pos = elo + t
+                v = -_INF
+                if inner or (pos >= 0 and pos < n):
+                    acc = part[u64(t)]
+                    for q in range(1, groups):
+                        acc += part[u64(t) + u64(q * g)]
+                    for i in range(groups * g, box):
+                        acc += y2[u64(t) + u64(i)]
+                    v = math.sqrt(max(acc / box, 0.0))
+                a[u64(t)] = v
         _syncthreads()
         # the NMS window's maxima by doubling (van Herk-style, exact): level l turns the maxima of
         # runs of 2**l envelope values into those of 2**(l+1), ping-ponging between the two free
@@ -939,14 +966,13 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
             _double(y2, part, 512, E - 1023)
             _syncthreads()
         mL = a if LEVELS == 0 else (y2 if LEVELS % 2 == 1 else part)
-        xm = 0.0
         for r in range(R):
             c = r * tpb + tid
             pos = base + c
             if pos < n:
-                v = a[u32(c + nms)]
-                w0 = mL[u32(c)]
-                w1 = mL[u32(c + W - L)]
+                v = a[u64(c + nms)]
+                w0 = mL[u64(c)]
+                w1 = mL[u64(c + W - L)]
                 if v > 0 and not (w0 > v or w1 > v):  # _nms_keep(a[c:c + W], nms)
                     k = cuda.atomic.add(cnt, 0, 1)
                     if k < cap:
@@ -954,27 +980,25 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                         theight[ti * cap + k] = v
                 if write_env:
                     env_out[pos] = v
-                xm = max(xm, abs(np.float64(x[pos])))
+                if not inner:
+                    xm = max(xm, abs(np.float64(x[pos])))
         _syncthreads()  # the tile's candidates are in (global writes are visible to the block now)
-        # the lowest envelope of each candidate's window in the stream (segment.valley_at): one
-        # warp per candidate, each lane a stride of the window, a butterfly min (one lane walking
-        # the 2*nms + 1 values per candidate cost a third of the kernel)
+        # the lowest envelope of each candidate's window in the stream (segment.valley_at): a thread
+        # per candidate (about one per 60 samples: mostly one warp per tile) walks the window, a
+        # loop of constant length (the -inf outside the stream only in the edge tiles)
         nc = min(cnt[0], cap)
-        for k in range(w, nc, NW):  # uniform over the warp
-            c = tpos[ti * cap + k] - base
+        for k in range(tid, nc, tpb):
+            c = u64(tpos[ti * cap + k] - base)
             m = theight[ti * cap + k]
-            for q in range(lane, W, WARP):
-                u = a[u32(c + q)]
-                if u > -_INF and u < m:
-                    m = u
-            off = WARP // 2
-            while off > 0:
-                o = _shfl_xor(_FULL_MASK, m, off)
-                if o < m:
-                    m = o
-                off //= 2
-            if lane == 0:
-                tvalley[ti * cap + k] = m
+            if inner:
+                for q in range(W):
+                    m = min(m, a[c + u64(q)])
+            else:
+                for q in range(W):
+                    u = a[c + u64(q)]
+                    if u > -_INF and u < m:
+                        m = u
+            tvalley[ti * cap + k] = m
         # block maxima: warp w takes the stream blocks jb = w, w + NW, ... that meet this tile
         end = min(base + tile, n)
         gb0 = (base + first) // block
@@ -986,7 +1010,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                 lo = max((gb0 + jb) * block - first, base)
                 hi = min((gb0 + jb + 1) * block - first, end)
                 for p in range(lo + lane, hi, WARP):
-                    m = max(m, a[u32(p - elo)])
+                    m = max(m, a[u64(p - elo)])
             red[tid] = m
             _syncthreads()
             if lane == 0 and jb < nj:
@@ -1012,7 +1036,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
             tcount[ti] = c
 
     @_kernel("cand_eval", sim)
-    def cand_eval(x, tcount, offsets, cap, tpos, theight, tvalley, amp, b0, first, edge, weak_ratio, ratio, xmax, kf,
+    def cand_eval(x, tcount, offsets, cap, tpos, theight, tvalley, amp, b0, first, edge, weak_ratio, ratio, xmax,
                   noise_valley, noise_slope, noise_level, cand, height, slope, state):
         """One warp per candidate slot (grid-stride; a warp whose slot is empty moves on): the
         candidate goes to ``offsets[tile] + rank`` (rank by position within the tile, so the list
@@ -1023,6 +1047,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         the warp despikes the samples around the candidate once into shared memory, each lane takes
         positions of the ``±slope_half`` window, a butterfly max joins them)."""
         dls = cuda.shared.array((CWB, SW), f64)
+        kfc = cuda.const.array_like(FTAPS)
         n = x.shape[0]
         lane = cuda.threadIdx.x % WARP
         warp = cuda.grid(1) // WARP
@@ -1055,7 +1080,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                         if u < SP and q >= 0 and q < n:
                             d = 0.0
                             for jj in range(KF):  # the order of segment.steepest_at's sums
-                                d += dl[u + 2 * fkh - jj] * kf[jj]
+                                d += dl[u + 2 * fkh - jj] * kfc[jj]
                             d = abs(d)
                             if d > best:
                                 best = d
@@ -1070,11 +1095,19 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                     if (tvalley[s0 + t] > noise_valley * h and best > noise_slope * h
                             and h < noise_level * level):
                         st = 0
+            # rank within the tile (the slots hold arrival order): each lane compares one slot's
+            # position (a tile has at most cap <= 32 slots here, else the lanes take strides), a
+            # butterfly sum
+            r = 0
+            for u in range(lane, num, WARP):
+                if tpos[s0 + u] < c:
+                    r += 1
+            off = WARP // 2
+            while off > 0:
+                r += _shfl_xor(_FULL_MASK, r, off)
+                off //= 2
             if lane == 0:
-                j = offsets[ti]
-                for u in range(num):  # rank within the tile (the slots hold arrival order)
-                    if tpos[s0 + u] < c:
-                        j += 1
+                j = offsets[ti] + r
                 cand[j] = c
                 height[j] = h
                 slope[j] = best
@@ -1124,7 +1157,7 @@ _VF_TILE = 8
 
 
 @functools.lru_cache(maxsize=None)
-def _vf_build(W: int, HP: int, K: int, tpb: int):
+def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
     """The flutter rule's kernels (:mod:`beatflow.rhythm` on the GPU) for one window length ``W``,
     high-pass length ``HP`` and slope kernel ``K`` (constant loop bounds, as in :func:`_detect_build`).
 
@@ -1145,15 +1178,30 @@ def _vf_build(W: int, HP: int, K: int, tpb: int):
     # (an even stride of 16 doubles put all of them in one bank: 16-way conflicts, 2.1 ms on the H200)
     XT = TW * W + 2 * R  # the despiked samples a tile of windows reads
     f64 = _F64
+    u64 = np.uint64
     half = (W - 1) // 2
+    TAPS = np.array(taps, dtype=np.float64)  # the slope taps reversed: constants of the kernel
 
     @cuda.jit(device=True)
     def _load(x, P0, xs, m):
         """``xs[u]`` = the despiked sample at ``clip(P0 - R + u)`` for ``u < m`` (``P0``: the first
-        sample of the window or tile, local; may lie outside the array)."""
+        sample of the window or tile, local; may lie outside the array). Away from the ends a
+        constant number of rounds (``_detect_build``'s block-stride loops) with the three samples
+        read directly."""
         n = x.shape[0]
-        for u in range(cuda.threadIdx.x, m, cuda.blockDim.x):
-            xs[u] = _despiked(x, _clip(P0 - R + u, n), n)
+        tid = cuda.threadIdx.x
+        if P0 - R >= 1 and P0 - R + m + 1 <= n:  # (uniform over the block)
+            for k in range((m + tpb - 1) // tpb):
+                u = tid + k * tpb
+                if k < m // tpb or u < m:
+                    j = u64(P0 - R - 1 + u)
+                    a = np.float64(x[j])
+                    b = np.float64(x[j + u64(1)])
+                    c = np.float64(x[j + u64(2)])
+                    xs[u64(u)] = max(min(a, b), min(max(a, b), c))
+        else:
+            for u in range(tid, m, tpb):
+                xs[u] = _despiked(x, _clip(P0 - R + u, n), n)
 
     @cuda.jit(device=True)
     def _high(xs, c):
@@ -1165,10 +1213,10 @@ def _vf_build(W: int, HP: int, K: int, tpb: int):
 
     @cuda.jit(device=True)
     def _slope_at(xs, c, kr):
-        win = xs[c - kh:c - kh + K]
+        j = u64(c) - u64(kh)  # (c >= kh)
         d = 0.0
         for i in range(K):
-            d += win[i] * kr[i]
+            d += xs[j + u64(i)] * kr[i]
         return d
 
     @cuda.jit(device=True)
@@ -1198,13 +1246,14 @@ def _vf_build(W: int, HP: int, K: int, tpb: int):
         return v
 
     @_kernel("vf_energy", sim)
-    def vf_energy(x, kr, first, w0, e_sig, e_slope):
+    def vf_energy(x, first, w0, e_sig, e_slope):
         """Per window: the energies of the high-passed signal and of its slope (the slope taps
         ``kr`` reversed, summed as the dense kernel sums them). A tile of ``TW`` windows per block
         in shared memory; each thread a chunk of ``C`` consecutive samples of one window, its moving
         mean carried along the chunk (one sample in, one out) where the chunk lies inside the array,
         summed afresh per sample at its ends (whose values repeat the end samples')."""
         xs = cuda.shared.array(XT, f64)
+        kr = cuda.const.array_like(TAPS)
         n = x.shape[0]
         nw = e_sig.shape[0]
         tid = cuda.threadIdx.x
@@ -1220,18 +1269,18 @@ def _vf_build(W: int, HP: int, K: int, tpb: int):
             Pk = P0 + wi * W  # this thread's window
             if k0 + wi < nw and t0 < t1:
                 if Pk + t0 >= 0 and Pk + t1 <= n:  # inside the array: slide the moving sum
-                    c = wi * W + t0 + R
+                    c = u64(wi * W + t0 + R)  # (>= R: the indices below are never negative)
                     acc = 0.0
                     for i in range(HP):
-                        acc += xs[c - hh + i]
+                        acc += xs[c - u64(hh) + u64(i)]
                     for t in range(t0, t1):
                         if t > t0:
-                            acc += xs[c + hh] - xs[c - hh - 1]
+                            acc += xs[c + u64(hh)] - xs[c - u64(hh + 1)]
                         h = xs[c] - acc / HP
                         d = _slope_at(xs, c, kr)
                         ss += h * h
                         sd += d * d
-                        c += 1
+                        c += u64(1)
                 else:
                     for t in range(t0, t1):
                         c = _clip(Pk + t, n) - P0 + R
@@ -1391,24 +1440,23 @@ def _detect_plan(s, sim: bool):
         if tile == tpb:
             return None
         tile //= 2
-    return _detect_build(K, box, nms, int(s.block), int(s.fine_kernel), int(s.slope_half), tile, tpb), tile, tpb
+    return _detect_build(K, box, nms, int(s.block), int(s.fine_kernel), int(s.slope_half), tile, tpb,
+                         _slope_taps(K, float(s.a)), _fine_taps(int(s.fine_kernel), float(s.fine_a))), tile, tpb
 
 
-_COEFFS: dict = {}
-
-
-def _coeffs(ctx, kind: str, size: int, a: float):
-    """The derivative-of-Gaussian taps as a device array, made once per device (the detection's
-    slope taps reversed, its fine-slope taps as they are)."""
+def _slope_taps(size: int, a: float) -> tuple:
+    """The detection's slope taps, reversed (a correlation), as constants of the dense and flutter
+    kernels (compiled per parameter set: immediate operands, no loads)."""
     from .segment import gaussian_derivative
 
-    dev = 0 if ctx.sim else ctx.xp.cuda.runtime.getDevice()
-    key = (kind, int(size), float(a), ctx.sim, dev)
-    out = _COEFFS.get(key)
-    if out is None:
-        taps = gaussian_derivative(size, a)
-        out = _COEFFS[key] = ctx.xp.asarray(taps[::-1].copy() if kind == "slope" else taps)
-    return out
+    return tuple(float(v) for v in gaussian_derivative(size, a)[::-1])
+
+
+def _fine_taps(size: int, a: float) -> tuple:
+    """The fine-slope taps of ``cand_eval`` (segment.steepest_at), as its constants."""
+    from .segment import gaussian_derivative
+
+    return tuple(float(v) for v in gaussian_derivative(size, a))
 
 
 def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
@@ -1430,9 +1478,8 @@ def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
         # whose near-median fraction the flutter rule computed]
         "env": xp.empty(n if write_env else 1, dtype=xp.float64),
     }
-    kr = _coeffs(ctx, "slope", s.kernel, s.a)
     a = ctx.arg
-    ctx.launch(kern["dense"], nt, tpb, 0, a(x), a(kr), first, b0, bool(write_env), a(out["env"]), a(out["bmax"]),
+    ctx.launch(kern["dense"], nt, tpb, 0, a(x), first, b0, bool(write_env), a(out["env"]), a(out["bmax"]),
                a(out["xmax"]), cap, a(out["tcount"]), a(out["tpos"]), a(out["theight"]), a(out["tvalley"]),
                a(out["info"]))
     out.update(nt=nt, b0=b0, tile=tile, tpb=tpb)
@@ -1503,7 +1550,7 @@ def _flutter_pass(ctx, x, s, first: int, lo: int, hi: int, info):
     nw = -(-(first - w0 * W + n) // W)
     L = max(1, int(s.vf_runs))
     tpb = WARP if ctx.sim else _VF_CHUNKS * _VF_TILE
-    kern = _vf_build(W, int(s.vf_highpass), int(s.kernel), tpb)
+    kern = _vf_build(W, int(s.vf_highpass), int(s.kernel), tpb, _slope_taps(int(s.kernel), float(s.a)))
     e_sig = xp.empty(nw, dtype=xp.float64)
     e_slope = xp.empty(nw, dtype=xp.float64)
     near = xp.empty(nw, dtype=xp.float64)  # read only where computed (vf_need's list)
@@ -1515,7 +1562,7 @@ def _flutter_pass(ctx, x, s, first: int, lo: int, hi: int, info):
     tw = tpb // _VF_CHUNKS
     per_window = WARP if ctx.sim else _CAND_TPB
     wblocks = ctx.blocks(-(-nw // per_window))
-    ctx.launch(kern["vf_energy"], ctx.blocks(-(-nw // tw)), tpb, 0, a(x), a(_coeffs(ctx, "slope", s.kernel, s.a)),
+    ctx.launch(kern["vf_energy"], ctx.blocks(-(-nw // tw)), tpb, 0, a(x),
                first, w0, a(e_sig), a(e_slope))
     ctx.launch(kern["vf_need"], wblocks, per_window, 0, a(e_sig), a(e_slope), c, omega2, a(todo), a(info))
     ctx.launch(kern["vf_near"], ctx.blocks(min(nw, _VF_NEAR_BLOCKS)), tpb, 0, a(x), first, w0, a(todo), a(info),
@@ -1558,14 +1605,13 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool):
     slope = xp.empty(mcap, dtype=xp.float64)
     st_a = xp.empty(mcap, dtype=xp.int8)
     st_b = xp.empty(mcap, dtype=xp.int8)
-    kf = _coeffs(ctx, "fine", s.fine_kernel, s.fine_a)
     ac, ah, asl, sa, sb = a(cand), a(height), a(slope), a(st_a), a(st_b)
     blocks, threads = ctx.blocks(-(-mcap // _CAND_TPB)), WARP if ctx.sim else _CAND_TPB
     amp = _block_levels(ctx, d["bmax"], s)  # 3. the level of every block, then the candidates
     warps = 1 if ctx.sim else _CAND_TPB // WARP  # simulator: one-warp blocks (shuffle emulation)
     ctx.launch(kern["cand_eval"], ctx.blocks(-(-mcap // warps)), warps * WARP, 0, a(x), a(d["tcount"]), a(offsets),
                cap, a(d["tpos"]), a(d["theight"]), a(d["tvalley"]), a(amp), d["b0"], first, int(s.edge),
-               float(s.weak_ratio), float(s.ratio), a(d["xmax"]), a(kf), float(s.noise_valley),
+               float(s.weak_ratio), float(s.ratio), a(d["xmax"]), float(s.noise_valley),
                float(s.noise_slope), float(s.noise_level), ac, ah, asl, sa)
     ctx.launch(kernels["cand_twave"], blocks, threads, 0, ac, mcount, sa, asl, int(s.twave), float(s.twave_slope),
                sb)  # 4.

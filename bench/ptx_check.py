@@ -70,22 +70,24 @@ def main():
     os.makedirs(out, exist_ok=True)
     s = SegmentParams().samples(250.0)
     det = K._detect_build(int(s.kernel), int(s.box), int(s.nms), int(s.block), int(s.fine_kernel),
-                          int(s.slope_half), K._DET_TILE, K._DET_TPB)
+                          int(s.slope_half), K._DET_TILE, K._DET_TPB, K._slope_taps(int(s.kernel), float(s.a)),
+                          K._fine_taps(int(s.fine_kernel), float(s.fine_a)))
     base, _ = K._build()
-    vf = K._vf_build(int(s.vf_window), int(s.vf_highpass), int(s.kernel), K._VF_CHUNKS * K._VF_TILE)
+    vf = K._vf_build(int(s.vf_window), int(s.vf_highpass), int(s.kernel), K._VF_CHUNKS * K._VF_TILE,
+                     K._slope_taps(int(s.kernel), float(s.a)))
     A = lambda t: t[::1]  # noqa: E731
     todo = [
-        ("dense", det["dense"], (A(float32), A(float64), int64, int64, boolean, A(float64), A(float64), A(float64),
+        ("dense", det["dense"], (A(float32), int64, int64, boolean, A(float64), A(float64), A(float64),
                                  int64, A(int64), A(int64), A(float64), A(float64), A(int64))),
         ("cand_eval", det["cand_eval"], (A(float32), A(int64), A(int64), int64, A(int64), A(float64), A(float64),
-                                         A(float64), int64, int64, int64, float64, float64, A(float64), A(float64),
+                                         A(float64), int64, int64, int64, float64, float64, A(float64),
                                          float64, float64, float64,
                                          A(int64), A(float64), A(float64), A(int8))),
         ("emit_count", det["emit_count"], (A(int64), A(int64), A(int8), int64, int64, int64, A(int8), int64, int64,
                                            A(int64))),
         ("emit", det["emit"], (A(int64), A(int64), A(int8), int64, int64, int64, A(int8), int64, int64, A(int64),
                                A(int64))),
-        ("vf_energy", vf["vf_energy"], (A(float32), A(float64), int64, int64, A(float64), A(float64))),
+        ("vf_energy", vf["vf_energy"], (A(float32), int64, int64, A(float64), A(float64))),
         ("vf_need", vf["vf_need"], (A(float64), A(float64), int64, float64, A(int64), A(int64))),
         ("vf_near", vf["vf_near"], (A(float32), int64, int64, A(int64), A(int64), float64, A(float64))),
         ("vf_episodes", vf["vf_episodes"], (A(float64), A(float64), A(float64), int64, float64, float64, int64, int64,
