@@ -1038,8 +1038,9 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     @_kernel("cand_eval", sim)
     def cand_eval(x, tcount, offsets, cap, tpos, theight, tvalley, amp, b0, first, edge, weak_ratio, ratio, xmax,
                   noise_valley, noise_slope, noise_level, cand, height, slope, state):
-        """One warp per candidate slot (grid-stride; a warp whose slot is empty moves on): the
-        candidate goes to ``offsets[tile] + rank`` (rank by position within the tile, so the list
+        """One warp per tile (grid-stride), its candidates one after the other (a warp per slot, most
+        of them empty, took 181 us on the H200, this 83): each candidate goes to
+        ``offsets[tile] + rank`` (rank by position within the tile, so the list
         is sorted), with its height, class (0 dropped:
         edge, below the weak threshold or the flat-line floor, or a peak of a noise burst
         (segment.noise_mask); 1 weak; 2 strong, against ``amp``, the
@@ -1053,65 +1054,61 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         warp = cuda.grid(1) // WARP
         n_warps = cuda.gridsize(1) // WARP
         floor = 1e-7 * np.float64(xmax[0])
-        for g in range(warp, tcount.shape[0] * cap, n_warps):  # uniform over the warp
-            ti = g // cap
-            t = g - ti * cap
+        for ti in range(warp, tcount.shape[0], n_warps):  # uniform over the warp
             num = tcount[ti]
-            if t >= num:
-                continue
             s0 = ti * cap
-            c = tpos[s0 + t]
-            h = theight[s0 + t]
-            best = 0.0
-            st = 0
-            if c >= edge and c < n - edge:
-                level = amp[(c + first) // block - b0]
-                if h > weak_ratio * level and h > floor:
-                    st = 2 if h > ratio * level else 1
-                    dl = dls[cuda.threadIdx.x // WARP]  # this warp's despiked samples around c, once
-                    for v0 in range(0, SW, WARP):
-                        v = v0 + lane
-                        if v < SW:
-                            dl[v] = _despiked(x, _clip(c - shalf - fkh + v, n), n)
-                    _syncwarp()
-                    for u0 in range(0, SP, WARP):
-                        u = u0 + lane
-                        q = c - shalf + u
-                        if u < SP and q >= 0 and q < n:
-                            d = 0.0
-                            for jj in range(KF):  # the order of segment.steepest_at's sums
-                                d += dl[u + 2 * fkh - jj] * kfc[jj]
-                            d = abs(d)
-                            if d > best:
-                                best = d
-                    _syncwarp()  # read before the warp's next candidate writes
-                    off = WARP // 2
-                    while off > 0:
-                        o = _shfl_xor(_FULL_MASK, best, off)
-                        if o > best:
-                            best = o
-                        off //= 2
-                    # segment.noise_mask: a peak of a noise burst is no candidate
-                    if (tvalley[s0 + t] > noise_valley * h and best > noise_slope * h
-                            and h < noise_level * level):
-                        st = 0
-            # rank within the tile (the slots hold arrival order): each lane compares one slot's
-            # position (a tile has at most cap <= 32 slots here, else the lanes take strides), a
-            # butterfly sum
-            r = 0
-            for u in range(lane, num, WARP):
-                if tpos[s0 + u] < c:
-                    r += 1
-            off = WARP // 2
-            while off > 0:
-                r += _shfl_xor(_FULL_MASK, r, off)
-                off //= 2
-            if lane == 0:
-                j = offsets[ti] + r
-                cand[j] = c
-                height[j] = h
-                slope[j] = best
-                state[j] = st
+            for t in range(num):
+                c = tpos[s0 + t]
+                h = theight[s0 + t]
+                best = 0.0
+                st = 0
+                if c >= edge and c < n - edge:
+                    level = amp[(c + first) // block - b0]
+                    if h > weak_ratio * level and h > floor:
+                        st = 2 if h > ratio * level else 1
+                        dl = dls[cuda.threadIdx.x // WARP]  # this warp's despiked samples around c, once
+                        for v0 in range(0, SW, WARP):
+                            v = v0 + lane
+                            if v < SW:
+                                dl[v] = _despiked(x, _clip(c - shalf - fkh + v, n), n)
+                        _syncwarp()
+                        for u0 in range(0, SP, WARP):
+                            u = u0 + lane
+                            q = c - shalf + u
+                            if u < SP and q >= 0 and q < n:
+                                d = 0.0
+                                for jj in range(KF):  # the order of segment.steepest_at's sums
+                                    d += dl[u + 2 * fkh - jj] * kfc[jj]
+                                d = abs(d)
+                                if d > best:
+                                    best = d
+                        _syncwarp()  # read before the warp's next candidate writes
+                        off = WARP // 2
+                        while off > 0:
+                            o = _shfl_xor(_FULL_MASK, best, off)
+                            if o > best:
+                                best = o
+                            off //= 2
+                        # segment.noise_mask: a peak of a noise burst is no candidate
+                        if (tvalley[s0 + t] > noise_valley * h and best > noise_slope * h
+                                and h < noise_level * level):
+                            st = 0
+                # rank within the tile (the slots hold arrival order): each lane compares one slot's
+                # position (the lanes take strides when a tile has more than 32 slots), a butterfly sum
+                r = 0
+                for u in range(lane, num, WARP):
+                    if tpos[s0 + u] < c:
+                        r += 1
+                off = WARP // 2
+                while off > 0:
+                    r += _shfl_xor(_FULL_MASK, r, off)
+                    off //= 2
+                if lane == 0:
+                    j = offsets[ti] + r
+                    cand[j] = c
+                    height[j] = h
+                    slope[j] = best
+                    state[j] = st
 
     @cuda.jit(device=True)
     def _beat(p, st, lo, hi, episode, w0, vw):
@@ -1220,6 +1217,32 @@ def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
         return d
 
     @cuda.jit(device=True)
+    def _slopes2(xs, c, kr):
+        """:func:`_slope_at` at ``c`` and ``c + 1`` (each summed in its order), each of the ``K + 1``
+        samples loaded once (constant bounds, no branches: NVVM unrolls the loop)."""
+        j = u64(c) - u64(kh)
+        v = xs[j]
+        d0 = v * kr[0]
+        v = xs[j + u64(1)]
+        d1 = v * kr[0]
+        d0 += v * kr[1]
+        for i in range(2, K):
+            v = xs[j + u64(i)]
+            d0 += v * kr[i]
+            d1 += v * kr[i - 1]
+        d1 += xs[j + u64(K)] * kr[K - 1]
+        return d0, d1
+
+    @cuda.jit(device=True)
+    def _step(xs, c, acc, ss, sd, d, slide):
+        """One sample of a chunk: the moving sum slid to ``c`` (when ``slide``), the energies with
+        the high-passed sample at ``c`` and the slope ``d`` added."""
+        if slide:
+            acc += xs[c + u64(hh)] - xs[c - u64(hh + 1)]
+        h = xs[c] - acc / HP
+        return acc, ss + h * h, sd + d * d
+
+    @cuda.jit(device=True)
     def _block_sum(v, red):
         """The sum of ``v`` over the block (a butterfly per warp, then the warps' sums in order), in
         every thread; ``red`` holds ``NW`` values."""
@@ -1273,14 +1296,14 @@ def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
                     acc = 0.0
                     for i in range(HP):
                         acc += xs[c - u64(hh) + u64(i)]
-                    for t in range(t0, t1):
-                        if t > t0:
-                            acc += xs[c + u64(hh)] - xs[c - u64(hh + 1)]
-                        h = xs[c] - acc / HP
-                        d = _slope_at(xs, c, kr)
-                        ss += h * h
-                        sd += d * d
-                        c += u64(1)
+                    m = t1 - t0  # two samples at a time: their slopes load each sample once
+                    for qd in range(m // 2):  # (K + 1 loads, not 2 K)
+                        d0, d1 = _slopes2(xs, c, kr)
+                        acc, ss, sd = _step(xs, c, acc, ss, sd, d0, qd > 0)
+                        acc, ss, sd = _step(xs, c + u64(1), acc, ss, sd, d1, True)
+                        c += u64(2)
+                    if m % 2:
+                        acc, ss, sd = _step(xs, c, acc, ss, sd, _slope_at(xs, c, kr), m > 1)
                 else:
                     for t in range(t0, t1):
                         c = _clip(Pk + t, n) - P0 + R
@@ -1413,8 +1436,9 @@ def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
 
 
 # the detection's launch shape: threads per tile and samples per tile (GPU; the simulator runs one
-# warp per tile)
-_DET_TPB, _DET_TILE = 256, 1024
+# warp per tile). H200, session 13 (bench/gpu_segment.py): the detection 0.84 ms with 128 threads, 0.91
+# with 256, 0.93 with 256 on 2048 samples, 0.99 with 128 on 512, 1.25 with 512 on 2048 or 4096.
+_DET_TPB, _DET_TILE = 128, 1024
 #: doubling levels of the NMS window maxima written out in the dense kernel (windows up to 2047
 #: samples; wider ones go to the array code, see _detect_plan)
 _MAX_LEVELS = 10
@@ -1500,8 +1524,8 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
        envelope of their window, the maxima per 1 s block and of |x|;
     2. a scan of the slot counts: where each tile's candidates go in the sorted candidate list;
     3. ``block_median``: the local level of every block (the median of the block maxima around it);
-       ``cand_eval`` (one warp per candidate): each candidate at its sorted place, with its height,
-       weak/strong class, steepest slope, and the noise-burst test;
+       ``cand_eval`` (one warp per tile, its candidates in turn): each candidate at its sorted
+       place, with its height, weak/strong class, steepest slope, and the noise-burst test;
     4. ``cand_twave``, ``cand_refractory``: the strong candidates' T-wave test and refractory period;
     5. ``cand_search_back``, ``cand_refractory``: the weak candidates that fill a gap (the stream's
        ends bound one), and their refractory period;
@@ -1609,7 +1633,7 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool):
     blocks, threads = ctx.blocks(-(-mcap // _CAND_TPB)), WARP if ctx.sim else _CAND_TPB
     amp = _block_levels(ctx, d["bmax"], s)  # 3. the level of every block, then the candidates
     warps = 1 if ctx.sim else _CAND_TPB // WARP  # simulator: one-warp blocks (shuffle emulation)
-    ctx.launch(kern["cand_eval"], ctx.blocks(-(-mcap // warps)), warps * WARP, 0, a(x), a(d["tcount"]), a(offsets),
+    ctx.launch(kern["cand_eval"], ctx.blocks(-(-nt // warps)), warps * WARP, 0, a(x), a(d["tcount"]), a(offsets),
                cap, a(d["tpos"]), a(d["theight"]), a(d["tvalley"]), a(amp), d["b0"], first, int(s.edge),
                float(s.weak_ratio), float(s.ratio), a(d["xmax"]), float(s.noise_valley),
                float(s.noise_slope), float(s.noise_level), ac, ah, asl, sa)

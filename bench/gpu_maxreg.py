@@ -9,6 +9,7 @@ embedding. Run on the GPU machine from the repository root::
 
     python3 bench/gpu_maxreg.py                       # the default list of variants
     VARIANTS="none;default;dense=48" python3 bench/gpu_maxreg.py
+    VARIANTS="default;tpb=256,dense=40" python3 bench/gpu_maxreg.py   # with another launch shape
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ def child(spec: str):
     from beatflow import kernels as K
     from gpu_seg_embed import kept_bounds, setup
 
+    for item in spec.split(","):  # "tpb=128" / "tile=2048": the detection's launch shape
+        if item.startswith(("tpb=", "tile=")):
+            name, value = item.split("=")
+            setattr(K, "_DET_TPB" if name == "tpb" else "_DET_TILE", int(value))
     s, x, xg, seg_embed = setup(cache=os.path.join(CACHE, "x.npy"))
     t = time.perf_counter()
     peaks = K.detect_beats_gpu(xg, s)[0]
