@@ -278,65 +278,6 @@ def _build():
                         break
             gate[i] = 1 if keep else 0
 
-    @_kernel("embed_warp", sim)
-    def embed_warp(x, start, length, first, width, baseline, rows, p2p, counter, claim):
-        """Warps claim beats and write each beat's row in beat order (row = beat index).
-
-        The warp's first lane claims the next ``claim`` output rows with one atomic add on
-        ``counter`` and broadcasts the first with shfl_sync; the warp then embeds those beats one
-        after the other, until the claims pass the last beat. (The seed's kernel claimed one row
-        per beat and wrote rows in claim order, which then needed a scatter of every row back to
-        beat order: one atomic per beat on one address cost about half the kernel's time on the
-        H200, and the scatter as much again. Claiming rows in order keeps the claim and makes the
-        scatter unnecessary; ``claim`` > 1 divides the atomics.) A beat with a bad length (not
-        ``0 < length <= width``) gets a zero row and p2p 0. The baseline (mean of the first
-        ``baseline`` samples of the beat's window) is a shfl_xor_sync butterfly sum, the row is
-        written (samples minus baseline, then zeros) in a warp-stride loop that also tracks the
-        lane's min/max of the valid samples, reduced with shfl_down_sync.
-        """
-        n_beats = start.shape[0]
-        nx = x.shape[0]
-        lane = cuda.threadIdx.x % WARP
-        while True:  # uniform over the warp: the claim is broadcast
-            first_row = np.int32(0)
-            if lane == 0:
-                first_row = cuda.atomic.add(counter, 0, claim)
-            first_row = _shfl_idx(_FULL_MASK, first_row, 0)
-            if first_row >= n_beats:
-                break
-            for row in range(first_row, min(first_row + claim, n_beats)):
-                ln = length[row]
-                if ln <= 0 or ln > width:
-                    ln = 0  # skipped: a zero row
-                s = start[row] - first
-                base = np.float32(0.0)
-                if baseline > 0 and ln > 0:
-                    nb = min(baseline, width)
-                    acc = 0.0
-                    for j in range(lane, nb, WARP):
-                        acc += np.float32(x[min(max(s + j, 0), nx - 1)])
-                    off = WARP // 2
-                    while off > 0:
-                        acc += _shfl_xor(_FULL_MASK, acc, off)
-                        off //= 2
-                    base = np.float32(acc / nb)
-                lo = np.float32(_INF)  # float32 keeps each shuffle one 32-bit shfl
-                hi = np.float32(-_INF)
-                for j in range(lane, width, WARP):
-                    v = np.float32(0.0)
-                    if j < ln:
-                        v = np.float32(x[min(max(s + j, 0), nx - 1)]) - base
-                        lo = min(lo, v)
-                        hi = max(hi, v)
-                    rows[row, j] = v
-                off = WARP // 2
-                while off > 0:
-                    lo = min(lo, _shfl_down(_FULL_MASK, lo, off))
-                    hi = max(hi, _shfl_down(_FULL_MASK, hi, off))
-                    off //= 2
-                if lane == 0:
-                    p2p[row] = hi - lo if ln > 0 else np.float32(0.0)
-
     # --- detection (segment.detect_peaks on the GPU): the dense stages are built per parameter set
     # by _detect_build (their loop bounds are compile-time constants); the decisions over the sparse
     # candidates are one thread per candidate walking to its neighbours ---
@@ -486,7 +427,7 @@ def _build():
                     and slope[j] >= tw_ratio * prev_slope):
                 out[j] = 4
 
-    return {"nms_tiled": nms_tiled, "nms_global": nms_global, "embed_warp": embed_warp,
+    return {"nms_tiled": nms_tiled, "nms_global": nms_global,
             "block_median": block_median, "cand_twave": cand_twave, "cand_refractory": cand_refractory,
             "cand_search_back": cand_search_back, "_clip": _clip, "_despiked": _despiked,
             "_window_median": _window_median, "_nms_keep": _nms_keep}, sim
@@ -726,6 +667,91 @@ def local_maxima_gpu(env, half_window: int, *, tiled: bool | None = None):
     return xp.asnumpy(out) if host_in else out
 
 
+@functools.lru_cache(maxsize=None)
+def _embed_build(width: int):
+    """The embedding kernel for rows of ``width`` samples (its loops over a row have constant bounds)."""
+    kernels, sim = _build()
+    NJ = -(-width // WARP)  # a lane's samples of a row
+    f32 = np.float32
+
+    @_kernel("embed_warp", sim)
+    def embed_warp(x, start, length, first, baseline, rows, p2p, counter, claim):
+        """Warps claim beats and write each beat's row in beat order (row = beat index).
+
+        The warp's first lane claims the next ``claim`` output rows with one atomic add on
+        ``counter`` and broadcasts the first with shfl_sync; the warp then embeds those beats one
+        after the other, until the claims pass the last beat. (The seed's kernel claimed one row
+        per beat and wrote rows in claim order, which then needed a scatter of every row back to
+        beat order: one atomic per beat on one address cost about half the kernel's time on the
+        H200, and the scatter as much again. Claiming rows in order keeps the claim and makes the
+        scatter unnecessary; ``claim`` > 1 divides the atomics.) A beat with a bad length (not
+        ``0 < length <= width``) gets a zero row and p2p 0. The baseline (mean of the first
+        ``baseline`` samples of the beat's window) is a shfl_xor_sync butterfly sum, the row is
+        written (samples minus baseline, then zeros) in a warp-stride loop that also tracks the
+        lane's min/max of the valid samples, reduced with shfl_down_sync. Built per row width: the
+        row's ``ceil(width / 32)`` loads per lane are one unrolled loop, all in flight at once (with
+        the baseline's samples among them), before anything is written.
+        """
+        n_beats = start.shape[0]
+        nx = x.shape[0]
+        lane = cuda.threadIdx.x % WARP
+        raw = cuda.local.array(NJ, f32)  # registers: constant indices once the loops are unrolled
+        while True:  # uniform over the warp: the claim is broadcast
+            first_row = np.int32(0)
+            if lane == 0:
+                first_row = cuda.atomic.add(counter, 0, claim)
+            first_row = _shfl_idx(_FULL_MASK, first_row, 0)
+            if first_row >= n_beats:
+                break
+            for row in range(first_row, min(first_row + claim, n_beats)):
+                ln = length[row]
+                if ln <= 0 or ln > width:
+                    ln = 0  # skipped: a zero row
+                s = start[row] - first
+                nb = min(baseline, width) if baseline > 0 and ln > 0 else 0
+                reach = max(ln, nb) if nb <= WARP else ln  # the samples read now
+                for k in range(NJ):
+                    j = lane + k * WARP
+                    v = f32(0.0)
+                    if j < reach:
+                        v = f32(x[min(max(s + j, 0), nx - 1)])
+                    raw[k] = v
+                base = f32(0.0)
+                if nb > 0:
+                    acc = 0.0
+                    if nb <= WARP:  # the baseline's samples are the lanes' first ones
+                        if lane < nb:
+                            acc += raw[0]
+                    else:
+                        for j in range(lane, nb, WARP):
+                            acc += f32(x[min(max(s + j, 0), nx - 1)])
+                    off = WARP // 2
+                    while off > 0:
+                        acc += _shfl_xor(_FULL_MASK, acc, off)
+                        off //= 2
+                    base = f32(acc / nb)
+                lo = f32(_INF)  # float32 keeps each shuffle one 32-bit shfl
+                hi = f32(-_INF)
+                for k in range(NJ):
+                    j = lane + k * WARP
+                    if j < width:
+                        v = f32(0.0)
+                        if j < ln:
+                            v = raw[k] - base
+                            lo = min(lo, v)
+                            hi = max(hi, v)
+                        rows[row, j] = v
+                off = WARP // 2
+                while off > 0:
+                    lo = min(lo, _shfl_down(_FULL_MASK, lo, off))
+                    hi = max(hi, _shfl_down(_FULL_MASK, hi, off))
+                    off //= 2
+                if lane == 0:
+                    p2p[row] = hi - lo if ln > 0 else f32(0.0)
+
+    return embed_warp
+
+
 def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples: int = 0,
               claim: int = _EMBED_CLAIM):
     """Each beat in a row of a zero-padded ``(n, width)`` float32 matrix, and its peak-to-peak.
@@ -784,8 +810,8 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
         p2p = xp.empty(n, dtype=xp.float32)
         counter = xp.zeros(1, dtype=xp.int32)
         warps = 1 if ctx.sim else _EMBED_WARPS  # simulator: a block is one warp (shuffle emulation)
-        ctx.launch(kernels["embed_warp"], ctx.blocks(-(-n // (warps * claim))), warps * WARP, 0,
-                   ctx.arg(x), ctx.arg(start), ctx.arg(length), int(first), width, max(0, int(baseline_samples)),
+        ctx.launch(_embed_build(width), ctx.blocks(-(-n // (warps * claim))), warps * WARP, 0,
+                   ctx.arg(x), ctx.arg(start), ctx.arg(length), int(first), max(0, int(baseline_samples)),
                    ctx.arg(rows), ctx.arg(p2p), ctx.arg(counter), int(claim))
     if host_in:
         return xp.asnumpy(rows), xp.asnumpy(p2p)
