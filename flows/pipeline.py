@@ -15,6 +15,7 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -294,8 +295,15 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     log.info("scoring: %d of %d beats flagged (threshold %.4g)", flagged, len(table), threshold)
     sw.lap("score")
 
-    # report: whole-stream picture per partition, context of the top anomalies
-    overview = T.gather(overview_futures)
+    # report: the figures that need the scores start now, in the figure processes, while the flow
+    # fetches the top anomalies' context and writes the summary; then the top anomalies' figure
+    truth = None
+    if truth_path:  # the check against the synthetic truth
+        truth = T.evaluate_truth(truth_path, np.concatenate(peaks), plan.peak[kb], scores, fs)
+        log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
+    view = _scored_view(fs, total, plan, trained, scores, mu, threshold, table, T.gather(overview_futures), truth,
+                        kb, rec_offset)
+    late = figures.draw(SimpleNamespace(**{k: v for k, v in view.items() if not k.startswith("_")}), LATE_FIGURES)
     top = table.nsmallest(N_TOP, "rank")
     windows = {k: [] for k in range(len(specs))}
     for _, row in top.iterrows():
@@ -303,22 +311,17 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         pad = int(fs)
         windows[int(plan.owner[b])].append((int(row["start"]) - pad, int(row["start"]) + int(row["length"]) + pad))
     ctx = dict(enumerate(T.context_snippets(parts, lefts, rights, firsts, [windows[k] for k in range(len(specs))])))
-    truth = None
-    if truth_path:  # the check against the synthetic truth
-        truth = T.evaluate_truth(truth_path, np.concatenate(peaks), plan.peak[kb], scores, fs)
-        log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
     summary = _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers,
                        specs, truth, episodes)
     if gpu_workers:
         summary["gpu_workers"] = gpu_workers
     if truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end
         summary["input"] = f"synthetic ECG ({hours:g} h, seed {seed}): input.npy, truth.npz"
-    data = _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, table, top, ctx, overview,
-                        summary, truth, kb, rec_offset)
+    data = _report_data(source, fs, s, plan, trained, top, ctx, summary, truth, kb, view)
     from beatflow.report import FIGURES
 
-    late = figures.draw(data, [name for name in FIGURES if name not in early])  # the rest, at once
-    T.write_report(str(work / "report.html"), data, figures.collect({**early, **late}))
+    last = figures.draw(data, [name for name in FIGURES if name not in early and name not in late])  # the rest
+    T.write_report(str(work / "report.html"), data, figures.collect({**early, **late, **last}))
     sw.lap("report")
 
     stats = run_on_workers(transfer_stats, flow_run.id)  # this run's counts (workers may serve many runs)
@@ -461,8 +464,6 @@ def _draw_early_figures(figures: FigurePool, fs, s, plan, trained) -> dict:
     """Futures of the report's early figures (``beatflow.report.EARLY_FIGURES``): they need only
     what is known once the model is trained, and are drawn while the workers build the engine and
     score."""
-    from types import SimpleNamespace
-
     from beatflow.report import EARLY_FIGURES
 
     counts, edges_ = _length_histogram(plan, s)
@@ -472,21 +473,39 @@ def _draw_early_figures(figures: FigurePool, fs, s, plan, trained) -> dict:
     return figures.draw(d, EARLY_FIGURES)
 
 
-def _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, table, top, ctx, overview, summary,
-                 truth, kb, rec_offset):
-    from beatflow.report import ReportData, combine_minmax
+#: the report's figures drawn as soon as the scores are known (``beatflow.report.FIGURES``)
+LATE_FIGURES = ("stream", "scores", "latent")
+
+
+def _scored_view(fs, total, plan, trained, scores, mu, threshold, table, overview, truth, kb, rec_offset) -> dict:
+    """The report's fields that the scores decide (what :data:`LATE_FIGURES` draw): the stream's
+    picture with the flagged beats' times, every score, and a sample of at most 20 000 test beats'
+    latent means with their scores (and truth labels)."""
+    from beatflow.report import combine_minmax
 
     smin, smax = combine_minmax(overview, N_COLUMNS)
-    counts, edges_ = _length_histogram(plan, s)
     test_idx = np.asarray(trained["test_index"])
     rng = np.random.default_rng(0)
     sub = np.sort(rng.choice(test_idx, size=min(20000, len(test_idx)), replace=False))
-    truth_labels = None
+    per_kept = truth_labels = None
     if truth is not None:
         m, labels = truth["_matched_labels"]
         per_kept = np.zeros(len(kb), np.int64)
         per_kept[m[m >= 0]] = labels[m >= 0]
         truth_labels = per_kept[sub]
+    flagged_rows = table[table["flagged"]]
+    times = (flagged_rows["start"].to_numpy() + np.asarray([rec_offset[int(plan.recording[b])]
+                                                             for b in flagged_rows["beat"]], dtype=np.int64)) / fs
+    return dict(fs=fs, total_samples=int(total), stream_min=smin, stream_max=smax, latent_mu=mu[sub],
+                latent_score=scores[sub], threshold=threshold, score_all=scores, anomaly_times_s=times,
+                truth_labels=truth_labels, _per_kept=per_kept)
+
+
+def _report_data(source, fs, s, plan, trained, top, ctx, summary, truth, kb, view: dict):
+    from beatflow.report import ReportData
+
+    counts, edges_ = _length_histogram(plan, s)
+    per_kept = view["_per_kept"]
     top_list = []
     names = [r.name for r in source.recordings]
     for _, row in top.iterrows():
@@ -495,21 +514,18 @@ def _report_data(source, fs, total, s, plan, trained, scores, mu, threshold, tab
         want = int(row["start"]) - int(fs)
         piece = min(pieces, key=lambda p: abs(p[0] - want))
         label = None
-        if truth_labels is not None:
+        if per_kept is not None:
             label = {0: "normal", 1: "pvc", 2: "artifact"}[int(per_kept[np.searchsorted(kb, b)])]
         top_list.append({"beat": b, "start": int(row["start"]), "time_s": float(row["time_s"]),
                          "length": int(row["length"]), "score": float(row["score"]), "context": piece[1],
                          "context_start": int(piece[0]),
                          "label": (f"{names[int(plan.recording[b])]} " if len(names) > 1 else "") + (label or "")})
-    flagged_rows = table[table["flagged"]]
-    times = (flagged_rows["start"].to_numpy() + np.asarray([rec_offset[int(plan.recording[b])]
-                                                             for b in flagged_rows["beat"]], dtype=np.int64)) / fs
+    fields = {k: v for k, v in view.items() if not k.startswith("_")}
     return ReportData(
-        title=f"beatflow: {Path(source.path).name if truth is None else 'synthetic ECG'}", summary=summary, fs=fs, total_samples=int(total),
-        stream_min=smin, stream_max=smax, length_hist_counts=counts, length_hist_edges=edges_,
-        length_bounds=(s.lower, s.upper), aligned_beats=trained["sample_rows"], train_loss=trained["train_loss"],
-        test_loss=trained["test_loss"], latent_mu=mu[sub], latent_score=scores[sub], threshold=threshold,
-        score_all=scores, top=top_list, anomaly_times_s=times, truth_labels=truth_labels)
+        title=f"beatflow: {Path(source.path).name if truth is None else 'synthetic ECG'}", summary=summary,
+        length_hist_counts=counts, length_hist_edges=edges_, length_bounds=(s.lower, s.upper),
+        aligned_beats=trained["sample_rows"], train_loss=trained["train_loss"], test_loss=trained["test_loss"],
+        top=top_list, **fields)
 
 
 def _publish_artifacts(summary: dict, top) -> None:
