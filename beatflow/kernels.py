@@ -509,11 +509,15 @@ _FAST_LAUNCH = os.environ.get("BEATFLOW_FAST_LAUNCH", "1") not in ("0", "false",
 
 
 def _arg_key(a):
-    """What selects a kernel's compiled signature: (kind, dtype, ndim, C-contiguous) of an array, the
-    Python type of a scalar."""
+    """What selects a kernel's compiled signature: (dtype, ndim, C-contiguous) of an array, the
+    Python type of a scalar. (Read per argument on every launch: CuPy's ``_c_contiguous`` attribute,
+    not its ``flags`` object, which is built anew on each access.)"""
+    c = getattr(a, "_c_contiguous", None)
+    if c is not None:  # a CuPy array
+        return (a.dtype, a.ndim, c)
     if _is_device(a):
-        return ("a", a.dtype.str, a.ndim, bool(a.flags.c_contiguous))
-    return ("s", type(a))
+        return (a.dtype, a.ndim, bool(a.flags.c_contiguous))
+    return type(a)
 
 
 class _FastLaunch:
