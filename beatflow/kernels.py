@@ -1179,9 +1179,12 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
 
 
 #: the flutter rule's energy kernel: chunks per window (a window's lanes, a power of two that divides
-#: a warp) and the windows of a block (GPU; the simulator runs one warp per block)
-_VF_CHUNKS = 16
-_VF_TILE = 8
+#: a warp) and the windows of a block (GPU; the simulator runs one warp per block). Each chunk sums
+#: its first moving-mean window afresh (150 samples at 250 Hz): 16 chunks of 17 samples spent half
+#: of vf_energy's instructions on that (H200, session 13: 166 M warp instructions, issue slots 82 %
+#: busy), 8 chunks of 33 half as many.
+_VF_CHUNKS = 8
+_VF_TILE = 16
 
 
 @functools.lru_cache(maxsize=None)
