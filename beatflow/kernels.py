@@ -858,7 +858,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     LEVELS = W.bit_length() - 1
     L = 1 << LEVELS
     f64, i32 = _F64, np.int32
-    u32, u64 = np.uint32, np.uint64  # unsigned indices: no negative-index wraparound code
+    u64 = np.uint64  # unsigned indices: no negative-index wraparound code, no truncation
     # The block-stride loops over a stage's m items run a constant number of rounds (m // tpb full
     # ones and a last partial one), which NVVM unrolls: the items' addresses become one base plus
     # constant offsets, and only the last round tests its bound. (``for t in range(tid, m, tpb)``
