@@ -1253,7 +1253,8 @@ def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
     @cuda.jit(device=True)
     def _slopes2(xs, c, kr):
         """:func:`_slope_at` at ``c`` and ``c + 1`` (each summed in its order), each of the ``K + 1``
-        samples loaded once (constant bounds, no branches: NVVM unrolls the loop)."""
+        samples loaded once (constant bounds, no branches: NVVM unrolls the loop; K >= 9, see
+        ``SegmentParams.samples``)."""
         j = u64(c) - u64(kh)
         v = xs[j]
         d0 = v * kr[0]
