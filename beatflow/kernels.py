@@ -800,7 +800,6 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
     if claim <= 0:
         raise ValueError(f"claim must be positive, got {claim}")
     ctx, host_in = _ctx_for(x, start, length)
-    kernels, _ = _build()
     xp = ctx.xp
     x = ctx.array(x)
     start = ctx.array(start, dtype=np.int64).reshape(-1)
@@ -1305,8 +1304,8 @@ def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
 
     @_kernel("vf_energy", sim)
     def vf_energy(x, first, w0, e_sig, e_slope):
-        """Per window: the energies of the high-passed signal and of its slope (the slope taps
-        ``kr`` reversed, summed as the dense kernel sums them). A tile of ``TW`` windows per block
+        """Per window: the energies of the high-passed signal and of its slope (the reversed slope
+        taps ``TAPS``, summed as the dense kernel sums them). A tile of ``TW`` windows per block
         in shared memory; each thread a chunk of ``C`` consecutive samples of one window, its moving
         mean carried along the chunk (one sample in, one out) where the chunk lies inside the array,
         summed afresh per sample at its ends (whose values repeat the end samples')."""
@@ -1500,22 +1499,19 @@ def _detect_plan(s, sim: bool):
             return None
         tile //= 2
     return _detect_build(K, box, nms, int(s.block), int(s.fine_kernel), int(s.slope_half), tile, tpb,
-                         _slope_taps(K, float(s.a)), _fine_taps(int(s.fine_kernel), float(s.fine_a))), tile, tpb
+                         _taps(K, float(s.a), True), _taps(int(s.fine_kernel), float(s.fine_a))), tile, tpb
 
 
-def _slope_taps(size: int, a: float) -> tuple:
-    """The detection's slope taps, reversed (a correlation), as constants of the dense and flutter
-    kernels (compiled per parameter set: immediate operands, no loads)."""
+@functools.lru_cache(maxsize=None)
+def _taps(size: int, a: float, reverse: bool = False) -> tuple:
+    """Derivative-of-Gaussian taps (:func:`beatflow.segment.gaussian_derivative`) as constants of the
+    kernels, which are compiled per parameter set (immediate operands, no loads): reversed for the
+    detection's slope (a correlation: the dense and flutter kernels), as they are for ``cand_eval``'s
+    fine slope. Cached: every detection call asks for them."""
     from .segment import gaussian_derivative
 
-    return tuple(float(v) for v in gaussian_derivative(size, a)[::-1])
-
-
-def _fine_taps(size: int, a: float) -> tuple:
-    """The fine-slope taps of ``cand_eval`` (segment.steepest_at), as its constants."""
-    from .segment import gaussian_derivative
-
-    return tuple(float(v) for v in gaussian_derivative(size, a))
+    taps = gaussian_derivative(size, a)
+    return tuple(float(v) for v in (taps[::-1] if reverse else taps))
 
 
 def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
@@ -1609,7 +1605,7 @@ def _flutter_pass(ctx, x, s, first: int, lo: int, hi: int, info):
     nw = -(-(first - w0 * W + n) // W)
     L = max(1, int(s.vf_runs))
     tpb = WARP if ctx.sim else _VF_CHUNKS * _VF_TILE
-    kern = _vf_build(W, int(s.vf_highpass), int(s.kernel), tpb, _slope_taps(int(s.kernel), float(s.a)))
+    kern = _vf_build(W, int(s.vf_highpass), int(s.kernel), tpb, _taps(int(s.kernel), float(s.a), True))
     e_sig = xp.empty(nw, dtype=xp.float64)
     e_slope = xp.empty(nw, dtype=xp.float64)
     near = xp.empty(nw, dtype=xp.float64)  # read only where computed (vf_need's list)

@@ -70,11 +70,11 @@ def main():
     os.makedirs(out, exist_ok=True)
     s = SegmentParams().samples(250.0)
     det = K._detect_build(int(s.kernel), int(s.box), int(s.nms), int(s.block), int(s.fine_kernel),
-                          int(s.slope_half), K._DET_TILE, K._DET_TPB, K._slope_taps(int(s.kernel), float(s.a)),
-                          K._fine_taps(int(s.fine_kernel), float(s.fine_a)))
+                          int(s.slope_half), K._DET_TILE, K._DET_TPB, K._taps(int(s.kernel), float(s.a), True),
+                          K._taps(int(s.fine_kernel), float(s.fine_a)))
     base, _ = K._build()
     vf = K._vf_build(int(s.vf_window), int(s.vf_highpass), int(s.kernel), K._VF_CHUNKS * K._VF_TILE,
-                     K._slope_taps(int(s.kernel), float(s.a)))
+                     K._taps(int(s.kernel), float(s.a), True))
     A = lambda t: t[::1]  # noqa: E731
     todo = [
         ("dense", det["dense"], (A(float32), int64, int64, boolean, A(float64), A(float64), A(float64),

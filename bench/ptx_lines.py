@@ -22,7 +22,7 @@ from numba import boolean, cuda, float32, float64, int32, int64  # noqa: E402
 def kernel_and_signature(name: str):
     K, s = P.K, P.SegmentParams().samples(250.0)
     A = lambda t: t[::1]  # noqa: E731
-    taps = K._slope_taps(int(s.kernel), float(s.a))
+    taps = K._taps(int(s.kernel), float(s.a), True)
     if name == "vf_energy":
         vf = K._vf_build(int(s.vf_window), int(s.vf_highpass), int(s.kernel), K._VF_CHUNKS * K._VF_TILE, taps)
         return vf[name], (A(float32), int64, int64, A(float64), A(float64))
@@ -31,7 +31,7 @@ def kernel_and_signature(name: str):
                                      A(int32), int64)
     det = K._detect_build(int(s.kernel), int(s.box), int(s.nms), int(s.block), int(s.fine_kernel),
                           int(s.slope_half), K._DET_TILE, K._DET_TPB, taps,
-                          K._fine_taps(int(s.fine_kernel), float(s.fine_a)))
+                          K._taps(int(s.fine_kernel), float(s.fine_a)))
     sigs = {"dense": (A(float32), int64, int64, boolean, A(float64), A(float64), A(float64), int64, A(int64),
                       A(int64), A(float64), A(float64), A(int64)),
             "cand_eval": (A(float32), A(int64), A(int64), int64, A(int64), A(float64), A(float64), A(float64), int64,

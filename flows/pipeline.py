@@ -301,9 +301,9 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     if truth_path:  # the check against the synthetic truth
         truth = T.evaluate_truth(truth_path, np.concatenate(peaks), plan.peak[kb], scores, fs)
         log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
-    view = _scored_view(fs, total, plan, trained, scores, mu, threshold, table, T.gather(overview_futures), truth,
-                        kb, rec_offset)
-    late = figures.draw(SimpleNamespace(**{k: v for k, v in view.items() if not k.startswith("_")}), LATE_FIGURES)
+    view, per_kept = _scored_view(fs, total, plan, trained, scores, mu, threshold, table, T.gather(overview_futures),
+                                  truth, kb, rec_offset)
+    late = figures.draw(SimpleNamespace(**view), LATE_FIGURES)
     top = table.nsmallest(N_TOP, "rank")
     windows = {k: [] for k in range(len(specs))}
     for _, row in top.iterrows():
@@ -317,7 +317,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         summary["gpu_workers"] = gpu_workers
     if truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end
         summary["input"] = f"synthetic ECG ({hours:g} h, seed {seed}): input.npy, truth.npz"
-    data = _report_data(source, fs, s, plan, trained, top, ctx, summary, truth, kb, view)
+    data = _report_data(source, fs, s, plan, trained, top, ctx, summary, truth, kb, view, per_kept)
     from beatflow.report import FIGURES
 
     last = figures.draw(data, [name for name in FIGURES if name not in early and name not in late])  # the rest
@@ -477,10 +477,11 @@ def _draw_early_figures(figures: FigurePool, fs, s, plan, trained) -> dict:
 LATE_FIGURES = ("stream", "scores", "latent")
 
 
-def _scored_view(fs, total, plan, trained, scores, mu, threshold, table, overview, truth, kb, rec_offset) -> dict:
-    """The report's fields that the scores decide (what :data:`LATE_FIGURES` draw): the stream's
-    picture with the flagged beats' times, every score, and a sample of at most 20 000 test beats'
-    latent means with their scores (and truth labels)."""
+def _scored_view(fs, total, plan, trained, scores, mu, threshold, table, overview, truth, kb, rec_offset):
+    """``(fields, per_kept)``: the report's fields that the scores decide (what :data:`LATE_FIGURES`
+    draw: the stream's picture with the flagged beats' times, every score, and a sample of at most
+    20 000 test beats' latent means with their scores and truth labels), and the truth label of every
+    kept beat (None without a truth)."""
     from beatflow.report import combine_minmax
 
     smin, smax = combine_minmax(overview, N_COLUMNS)
@@ -498,14 +499,13 @@ def _scored_view(fs, total, plan, trained, scores, mu, threshold, table, overvie
                                                              for b in flagged_rows["beat"]], dtype=np.int64)) / fs
     return dict(fs=fs, total_samples=int(total), stream_min=smin, stream_max=smax, latent_mu=mu[sub],
                 latent_score=scores[sub], threshold=threshold, score_all=scores, anomaly_times_s=times,
-                truth_labels=truth_labels, _per_kept=per_kept)
+                truth_labels=truth_labels), per_kept
 
 
-def _report_data(source, fs, s, plan, trained, top, ctx, summary, truth, kb, view: dict):
+def _report_data(source, fs, s, plan, trained, top, ctx, summary, truth, kb, view: dict, per_kept):
     from beatflow.report import ReportData
 
     counts, edges_ = _length_histogram(plan, s)
-    per_kept = view["_per_kept"]
     top_list = []
     names = [r.name for r in source.recordings]
     for _, row in top.iterrows():
@@ -520,12 +520,11 @@ def _report_data(source, fs, s, plan, trained, top, ctx, summary, truth, kb, vie
                          "length": int(row["length"]), "score": float(row["score"]), "context": piece[1],
                          "context_start": int(piece[0]),
                          "label": (f"{names[int(plan.recording[b])]} " if len(names) > 1 else "") + (label or "")})
-    fields = {k: v for k, v in view.items() if not k.startswith("_")}
     return ReportData(
         title=f"beatflow: {Path(source.path).name if truth is None else 'synthetic ECG'}", summary=summary,
         length_hist_counts=counts, length_hist_edges=edges_, length_bounds=(s.lower, s.upper),
         aligned_beats=trained["sample_rows"], train_loss=trained["train_loss"], test_loss=trained["test_loss"],
-        top=top_list, **fields)
+        top=top_list, **view)
 
 
 def _publish_artifacts(summary: dict, top) -> None:
