@@ -167,7 +167,7 @@ def _sim_lock_shared_arrays():
 #: SM instead of 3, 1.01 -> 0.93 ms; embed_warp 72 -> 48, 0.244 -> 0.195 ms; vf_energy 117 -> 96, 5
 #: blocks of 128 instead of 4 (the detection with the rule 1.69 -> 1.66 ms); the same peaks and rows.
 #: Session 13: embed_warp built per row width needs 56 (48 spilled 44 bytes): 0.136 ms against 0.143.
-_MAXREG_DEFAULT: dict = {"dense": 64, "embed_warp": 56, "vf_energy": 96}
+_MAXREG_DEFAULT: dict = {"dense": 72, "embed_warp": 56, "vf_energy": 96}
 
 
 def _maxreg() -> dict:
@@ -834,9 +834,33 @@ def _dense_tile(K: int, box: int, nms: int, tile: int):
     return g, box // g, E, YL, YL + 2 * (K // 2), YL - g + 1
 
 
+#: the dense kernel's chunk lengths (odd): consecutive slopes, partial sums, envelope values and
+#: window maxima a thread computes from registers (each input loaded once per chunk, not once per
+#: output: the slope's 17 shared loads per sample become (CS + 16) / CS)
+_DENSE_CHUNKS = (11, 11, 11, 9)
+#: levels of the NMS window maxima the dense kernel takes in registers (the rest by doubling)
+_REG_LEVELS = 3
+
+
+def _dense_alloc(K: int, box: int, nms: int, tile: int, chunks: tuple):
+    """Lengths of the dense kernel's three shared buffers ``(a, y2, part)``: the stages' lengths
+    (:func:`_dense_tile`) rounded up to what the last chunk of each stage reads or writes (values
+    past a stage's length are never read into one within it)."""
+    g, groups, E, YL, XL, PL = _dense_tile(K, box, nms, tile)
+    CS, CP, CR, CN = chunks
+    RL = min((2 * nms + 1).bit_length() - 1, _REG_LEVELS)
+    ns, np_ = -(-YL // CS) * CS, -(-PL // CP) * CP
+    nr = g - 1 + g * (-(-(-(-E // g)) // CR) * CR + groups - 2) + 1  # the envelope's last chunk reads part[:nr]
+    nn = -(-(E - (1 << RL) + 1) // CN) * CN
+    xa = max(XL, ns + K - 1, nn + (1 << RL) - 1)
+    ya = max(YL, ns, np_ + g - 1, nn)
+    pa = max(PL, np_, nr)
+    return xa, ya, pa
+
+
 @functools.lru_cache(maxsize=None)
 def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, tile: int, tpb: int,
-                  taps: tuple, ftaps: tuple):
+                  taps: tuple, ftaps: tuple, chunks: tuple = _DENSE_CHUNKS):
     """The detection kernels for one set of window sizes (their loops then have constant bounds,
     which NVVM unrolls: a fused stage whose every bound was a runtime value issued ~4x the
     instructions). Cached per parameter set; compiled by Numba on first launch."""
@@ -844,19 +868,28 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     _clip, _despiked = kernels["_clip"], kernels["_despiked"]
     kh, bh = K // 2, box // 2
     g, groups, E, YL, XL, PL = _dense_tile(K, box, nms, tile)
+    W = 2 * nms + 1  # the NMS window, and the largest power of two in it (2**LEVELS)
+    LEVELS = W.bit_length() - 1
+    L = 1 << LEVELS
+    RL = min(LEVELS, _REG_LEVELS)  # levels of the window maxima taken in registers
+    CS, CP, CR, CN = chunks
+    XA, YA, PA = _dense_alloc(K, box, nms, tile, chunks)
+    # a thread's chunks of consecutive outputs (odd lengths: 8-byte shared accesses at an odd
+    # stride hit distinct banks): how many, and the rounds of tpb threads that take them
+    NBR = -(-(-(-E // g)) // CR)  # the envelope's chunks per residue mod g
+    NCS, NCP, NCR, NCN = -(-YL // CS), -(-PL // CP), g * NBR, -(-(E - (1 << RL) + 1) // CN)
+    NRS, NRP, NRR, NRN = (-(-m // tpb) for m in (NCS, NCP, NCR, NCN))
+    WS, WP, WR, WN = CS + K - 1, CP + g - 1, CR + groups - 1, CN + (1 << RL) - 1  # a chunk's inputs
     R = tile // tpb
     NW = tpb // WARP
-    NXL, NYL, NPL, NE = (-(-m // tpb) for m in (XL, YL, PL, E))  # rounds of the block-stride loops
+    NXL = -(-XL // tpb)  # rounds of the block-stride loops
     TAPS = np.array(taps, dtype=np.float64)
     FTAPS = np.array(ftaps, dtype=np.float64)
     fkh = KF // 2
     SP = 2 * shalf + 1  # positions of a candidate's steepest-slope window
     SW = SP + 2 * fkh  # the despiked samples they read
     CWB = _CAND_TPB // WARP  # cand_eval's warps per block
-    W = 2 * nms + 1  # the NMS window, and the largest power of two in it (2**LEVELS)
-    LEVELS = W.bit_length() - 1
-    L = 1 << LEVELS
-    f64, i32 = _F64, np.int32
+    f64, i32, i64 = _F64, np.int32, np.int64
     u64 = np.uint64  # unsigned indices: no negative-index wraparound code, no truncation
     # The block-stride loops over a stage's m items run a constant number of rounds (m // tpb full
     # ones and a last partial one), which NVVM unrolls: the items' addresses become one base plus
@@ -885,9 +918,13 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         their window in tvalley; ``info[1] = 1`` if they overflow), the maximum of the envelope
         per stream-aligned block (one atomic max per block and tile into ``bmax``) and of |x| (into
         ``xmax[0]``); the envelope itself into ``env_out`` when ``write_env``."""
-        a = cuda.shared.array(XL, f64)  # despiked samples, then the envelope
-        y2 = cuda.shared.array(YL, f64)
-        part = cuda.shared.array(PL, f64)
+        a = cuda.shared.array(XA, f64)  # despiked samples, then the envelope
+        y2 = cuda.shared.array(YA, f64)
+        part = cuda.shared.array(PA, f64)
+        ws = cuda.local.array(WS, f64)  # a chunk's inputs (registers once the loops unroll)
+        wp = cuda.local.array(WP, f64)
+        wr = cuda.local.array(WR, f64)
+        wn = cuda.local.array(WN, f64)
         red = cuda.shared.array(tpb, f64)
         redx = cuda.shared.array(NW, f64)
         cnt = cuda.shared.array(1, i32)
@@ -901,6 +938,12 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         xlo = base - nms - bh - kh
         if tid == 0:
             cnt[0] = 0
+        for t in range(XL + tid, XA, tpb):  # the buffers' padding (read only into values past a stage's
+            a[t] = 0.0  # length): finite
+        for t in range(YL + tid, YA, tpb):
+            y2[t] = 0.0
+        for t in range(PL + tid, PA, tpb):
+            part[t] = 0.0
         inner = xlo >= 1 and xlo + XL + 1 <= n  # (uniform over the block) no end of the stream in reach
         xm = 0.0  # the largest |x|
         if inner:
@@ -919,13 +962,17 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         _syncthreads()
         ylo = base - nms - bh
         if inner:  # the slope at ylo + t reads the despiked a[t .. t + K - 1]
-            for k in range(NYL):
-                t = tid + k * tpb
-                if k < YL // tpb or t < YL:
-                    acc = 0.0
-                    for i in range(K):
-                        acc += a[u64(t) + u64(i)] * kr[i]
-                    y2[u64(t)] = acc * acc
+            for k in range(NRS):  # a thread's CS consecutive slopes from CS + K - 1 loads (registers)
+                ch = tid + k * tpb
+                if k < NCS // tpb or ch < NCS:
+                    t0 = u64(ch * CS)
+                    for i in range(WS):
+                        ws[i] = a[t0 + u64(i)]
+                    for j in range(CS):
+                        acc = 0.0
+                        for i in range(K):
+                            acc += ws[j + i] * kr[i]
+                        y2[t0 + u64(j)] = acc * acc
         else:
             for t in range(tid, YL, tpb):  # slope at clip(ylo + t): the envelope repeats the edge values
                 off = _clip(ylo + t, n) - kh - xlo
@@ -934,68 +981,78 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                     acc += a[u64(off) + u64(i)] * kr[i]
                 y2[t] = acc * acc
         _syncthreads()
-        for k in range(NPL):
-            t = tid + k * tpb
-            if k < PL // tpb or t < PL:
-                p = y2[u64(t)]
-                for i in range(1, g):
-                    p += y2[u64(t) + u64(i)]
-                part[u64(t)] = p
+        for k in range(NRP):  # the RMS window's partial sums: CP consecutive ones from CP + g - 1 loads
+            ch = tid + k * tpb
+            if k < NCP // tpb or ch < NCP:
+                t0 = u64(ch * CP)
+                for i in range(WP):
+                    wp[i] = y2[t0 + u64(i)]
+                for j in range(CP):
+                    p = wp[j]
+                    for i in range(1, g):
+                        p += wp[j + i]
+                    part[t0 + u64(j)] = p
         _syncthreads()
         elo = base - nms
-        for k in range(NE):  # outside the stream: -inf, never larger (the NMS window is clipped)
-            t = tid + k * tpb
-            if k < E // tpb or t < E:
-                pos = elo + t
-                v = -_INF
-                if inner or (pos >= 0 and pos < n):
-                    acc = part[u64(t)]
-                    for q in range(1, groups):
-                        acc += part[u64(t) + u64(q * g)]
-                    for i in range(groups * g, box):
-                        acc += y2[u64(t) + u64(i)]
-                    v = math.sqrt(max(acc / box, 0.0))
-                a[u64(t)] = v
+        for k in range(NRR):  # the envelope: a thread's CR values g apart, t0 + c * g, from CR + groups - 1
+            ch = tid + k * tpb  # partial sums g apart (outside the stream: -inf, never larger; the NMS
+            if k < NCR // tpb or ch < NCR:  # window is clipped)
+                r = ch // NBR  # the residue mod g; the lanes of a warp mostly share it and take
+                t0 = u64(r + g * CR * (ch - r * NBR))  # consecutive runs of CR * g values
+                for i in range(WR):
+                    wr[i] = part[t0 + u64(i * g)]
+                for c in range(CR):
+                    t = t0 + u64(c * g)
+                    if t < E:
+                        acc = wr[c]
+                        for q in range(1, groups):
+                            acc += wr[c + q]
+                        for i in range(groups * g, box):
+                            acc += y2[t + u64(i)]
+                        v = math.sqrt(max(acc / box, 0.0))
+                        if not inner:
+                            pos = elo + i64(t)
+                            if pos < 0 or pos >= n:
+                                v = -_INF
+                        a[t] = v
         _syncthreads()
-        # the NMS window's maxima by doubling (van Herk-style, exact): level l turns the maxima of
-        # runs of 2**l envelope values into those of 2**(l+1), ping-ponging between the two free
-        # buffers; then max(env[c .. c + 2*nms]) = max(mL[c], mL[c + W - L]), two loads per sample
-        # instead of a walk over the window (which a warp ran for as long as its longest lane).
-        # The levels are written out, each with its buffers fixed (a loop over the levels chose them
-        # at run time, which made every access a generic load or store with ~20 integer instructions
-        # around it); the branches on the constant LEVELS fold away (_detect_plan keeps LEVELS within
-        # _MAX_LEVELS).
-        if LEVELS > 0:
-            _double(a, y2, 1, E - 1)
+        if RL > 0:  # the first RL levels in registers: CN consecutive maxima of 2**RL from CN + 2**RL - 1 loads
+            for k in range(NRN):
+                ch = tid + k * tpb
+                if k < NCN // tpb or ch < NCN:
+                    t0 = u64(ch * CN)
+                    for i in range(WN):
+                        wn[i] = a[t0 + u64(i)]
+                    for lev in range(RL):
+                        for i in range(CN + (1 << RL) - (2 << lev)):  # upwards: wn[i + sh] is of the level below
+                            p0 = wn[i]
+                            p1 = wn[i + (1 << lev)]
+                            wn[i] = p1 if p1 > p0 else p0
+                    for j in range(CN):
+                        y2[t0 + u64(j)] = wn[j]
             _syncthreads()
-        if LEVELS > 1:
-            _double(y2, part, 2, E - 3)
+        if LEVELS > RL:  # the other levels by doubling in shared memory
+            _double(y2, part, 1 << RL, E - (2 << RL) + 1)
             _syncthreads()
-        if LEVELS > 2:
-            _double(part, y2, 4, E - 7)
+        if LEVELS > RL + 1:
+            _double(part, y2, 2 << RL, E - (4 << RL) + 1)
             _syncthreads()
-        if LEVELS > 3:
-            _double(y2, part, 8, E - 15)
+        if LEVELS > RL + 2:
+            _double(y2, part, 4 << RL, E - (8 << RL) + 1)
             _syncthreads()
-        if LEVELS > 4:
-            _double(part, y2, 16, E - 31)
+        if LEVELS > RL + 3:
+            _double(part, y2, 8 << RL, E - (16 << RL) + 1)
             _syncthreads()
-        if LEVELS > 5:
-            _double(y2, part, 32, E - 63)
+        if LEVELS > RL + 4:
+            _double(y2, part, 16 << RL, E - (32 << RL) + 1)
             _syncthreads()
-        if LEVELS > 6:
-            _double(part, y2, 64, E - 127)
+        if LEVELS > RL + 5:
+            _double(part, y2, 32 << RL, E - (64 << RL) + 1)
             _syncthreads()
-        if LEVELS > 7:
-            _double(y2, part, 128, E - 255)
+        if LEVELS > RL + 6:
+            _double(y2, part, 64 << RL, E - (128 << RL) + 1)
             _syncthreads()
-        if LEVELS > 8:
-            _double(part, y2, 256, E - 511)
-            _syncthreads()
-        if LEVELS > 9:
-            _double(y2, part, 512, E - 1023)
-            _syncthreads()
-        mL = a if LEVELS == 0 else (y2 if LEVELS % 2 == 1 else part)
+        mL = a if LEVELS == 0 else (y2 if (LEVELS - RL) % 2 == 0 else part)
         for r in range(R):
             c = r * tpb + tid
             pos = base + c
@@ -1490,16 +1547,17 @@ def _detect_plan(s, sim: bool):
     K, box, nms = int(s.kernel), int(s.box), int(s.nms)
     if (2 * nms + 1).bit_length() - 1 > _MAX_LEVELS:  # more doubling levels than `dense` writes out
         return None  # (a window that wide does not fit in shared memory either)
+    chunks = tuple(int(c) for c in _DENSE_CHUNKS)
     while True:
-        _, _, _, YL, XL, PL = _dense_tile(K, box, nms, tile)
-        shared = 8 * (XL + YL + PL + tpb + tpb // WARP) + 4
+        XA, YA, PA = _dense_alloc(K, box, nms, tile, chunks)
+        shared = 8 * (XA + YA + PA + tpb + tpb // WARP) + 4
         if shared <= _SHARED_BYTES:
             break
         if tile == tpb:
             return None
         tile //= 2
     return _detect_build(K, box, nms, int(s.block), int(s.fine_kernel), int(s.slope_half), tile, tpb,
-                         _taps(K, float(s.a), True), _taps(int(s.fine_kernel), float(s.fine_a))), tile, tpb
+                         _taps(K, float(s.a), True), _taps(int(s.fine_kernel), float(s.fine_a)), chunks), tile, tpb
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,6 +10,7 @@ embedding. Run on the GPU machine from the repository root::
     python3 bench/gpu_maxreg.py                       # the default list of variants
     VARIANTS="none;default;dense=48" python3 bench/gpu_maxreg.py
     VARIANTS="default;tpb=256,dense=40" python3 bench/gpu_maxreg.py   # with another launch shape
+    VARIANTS="default;ch=7/11/11/9,dense=64;rl=2" python3 bench/gpu_maxreg.py   # the dense kernel's chunks
 """
 from __future__ import annotations
 
@@ -35,10 +36,15 @@ def child(spec: str):
     from beatflow import kernels as K
     from gpu_seg_embed import kept_bounds, setup
 
-    for item in spec.split(","):  # "tpb=128" / "tile=2048": the detection's launch shape
+    for item in spec.split(","):  # "tpb=128" / "tile=2048": the detection's launch shape; "ch=11/11/11/9":
+        # the dense kernel's chunk lengths (kernels._DENSE_CHUNKS); "rl=3": its register levels (_REG_LEVELS)
         if item.startswith(("tpb=", "tile=")):
             name, value = item.split("=")
             setattr(K, "_DET_TPB" if name == "tpb" else "_DET_TILE", int(value))
+        elif item.startswith("ch="):
+            K._DENSE_CHUNKS = tuple(int(v) for v in item[3:].split("/"))
+        elif item.startswith("rl="):
+            K._REG_LEVELS = int(item[3:])
     s, x, xg, seg_embed = setup(cache=os.path.join(CACHE, "x.npy"))
     t = time.perf_counter()
     peaks = K.detect_beats_gpu(xg, s)[0]
@@ -75,7 +81,8 @@ def main():
     for spec in os.environ.get("VARIANTS", DEFAULT).split(";"):
         # "none": no cap at all; "default": kernels._MAXREG_DEFAULT; else those caps over the defaults
         none = "dense=0,embed_warp=0,vf_energy=0,cand_eval=0,vf_near=0"
-        env = {**os.environ, "BEATFLOW_MAXREG": none if spec == "none" else "" if spec == "default" else spec}
+        caps = ",".join(i for i in spec.split(",") if not i.startswith(("tpb=", "tile=", "ch=", "rl=")))
+        env = {**os.environ, "BEATFLOW_MAXREG": none if spec == "none" else "" if spec == "default" else caps}
         try:
             p = subprocess.run([sys.executable, __file__, "--child", spec], env=env, capture_output=True, text=True,
                                timeout=float(os.environ.get("LIMIT", "90")))

@@ -59,10 +59,12 @@ def ptxas_usage(ptx: str, out: str, name: str) -> str:
     path = os.path.join(out, f"{name}.ptx")
     with open(path, "w") as f:
         f.write(ptx)
-    r = subprocess.run([exe[0], "-arch=sm_90", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+    cap = K._maxreg().get(name)  # the product's register cap of this kernel (kernels._MAXREG_DEFAULT)
+    r = subprocess.run([exe[0], "-arch=sm_90", "-v", path, "-o", os.devnull] + ([f"-maxrregcount={cap}"] if cap else []),
+                       capture_output=True, text=True)
     regs = re.search(r"Used (\d+) registers", r.stderr)
     spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-    return f"regs {regs.group(1) if regs else '?'} spill {spill.group(1) if spill else '?'}"
+    return f"regs {regs.group(1) if regs else '?'}{f' (cap {cap})' if cap else ''} spill {spill.group(1) if spill else '?'}"
 
 
 def main():
@@ -71,7 +73,7 @@ def main():
     s = SegmentParams().samples(250.0)
     det = K._detect_build(int(s.kernel), int(s.box), int(s.nms), int(s.block), int(s.fine_kernel),
                           int(s.slope_half), K._DET_TILE, K._DET_TPB, K._taps(int(s.kernel), float(s.a), True),
-                          K._taps(int(s.fine_kernel), float(s.fine_a)))
+                          K._taps(int(s.fine_kernel), float(s.fine_a)), tuple(K._DENSE_CHUNKS))
     base, _ = K._build()
     vf = K._vf_build(int(s.vf_window), int(s.vf_highpass), int(s.kernel), K._VF_CHUNKS * K._VF_TILE,
                      K._taps(int(s.kernel), float(s.a), True))
