@@ -37,6 +37,39 @@ MODEL_INPUT = "beat rows / scale - dominant beat of their recording (elementwise
 DOMINANT_SAMPLE = 16384
 
 
+def beat_rows(x, peaks, s: SegmentSamples, n_samples: int, *, first: int = 0, baseline_samples: int = 0):
+    """The beats of one recording's sorted peaks that get a row, and their rows.
+
+    :func:`beats_from_peaks`, :func:`kept_mask`, :func:`row_lengths` and :func:`embed` in one call;
+    on the GPU (CuPy input) three kernels and one synchronisation (``kernels.beat_rows_gpu``).
+
+    Parameters
+    ----------
+    x : array, 1-D
+        Samples ``[first, first + len(x))`` of the recording (every kept beat lies in it).
+    peaks : int array
+        Sorted peaks of the whole recording (global sample indices).
+    n_samples : int
+        Length of the recording.
+
+    Returns
+    -------
+    (index, peak, start, length, rows, p2p)
+        For each kept beat: its index among the beats of :func:`beats_from_peaks`, its peak, start
+        and length (int64), its row (float32, ``s.width``) and peak-to-peak.
+    """
+    xp = namespace_of(x)
+    if xp is not np:
+        from .kernels import beat_rows_gpu
+
+        return beat_rows_gpu(x, peaks, s, n_samples, first=first, baseline_samples=baseline_samples)
+    peak, start, length = beats_from_peaks(np.asarray(peaks), s, n_samples)
+    kept = kept_mask(length, s)
+    rows, p2p = embed(x, start[kept], row_lengths(length[kept], s), s.width, first=first,
+                      baseline_samples=baseline_samples)
+    return np.flatnonzero(kept), peak[kept], start[kept], length[kept], rows, p2p
+
+
 def dominant_beat(rows):
     """A stream's dominant beat: the elementwise median of its (scaled) beat rows.
 

@@ -428,7 +428,107 @@ def _build():
                     and slope[j] >= tw_ratio * prev_slope):
                 out[j] = 4
 
-    return {"nms_tiled": nms_tiled, "nms_global": nms_global,
+    @cuda.jit(device=True)
+    def _beat_kept(peaks, i, pre, lower, upper, cut_long, n_samples):
+        """Whether beat ``i`` (peak ``i`` to peak ``i + 1``) gets a row: ``beats.beats_from_peaks``
+        keeps it (it starts at or after sample 0 and ends within the recording) and ``beats.kept_mask``
+        (long enough; not too long unless ``cut_long``)."""
+        p = peaks[i]
+        ln = peaks[i + 1] - p
+        st = p - pre
+        return st >= 0 and st + ln <= n_samples and ln >= lower and (cut_long or ln <= upper)
+
+    @cuda.jit(device=True)
+    def _block_exclusive(sh, v):
+        """Exclusive prefix sum of ``v`` over the block's threads (``sh``: tpb int64 of shared
+        memory; Hillis-Steele), and the block's total."""
+        tid = cuda.threadIdx.x
+        tpb = cuda.blockDim.x
+        sh[tid] = v
+        _syncthreads()
+        off = 1
+        while off < tpb:
+            u = sh[tid - off] if tid >= off else 0
+            _syncthreads()
+            sh[tid] += u
+            _syncthreads()
+            off *= 2
+        incl = sh[tid]
+        total = sh[tpb - 1]
+        _syncthreads()
+        return incl - v, total
+
+    @cuda.jit
+    def beats_count(peaks, nb, pre, lower, upper, cut_long, n_samples, counts):
+        """Kept beats of each chunk of ``blockDim`` consecutive beats (a block per chunk, grid-stride)."""
+        sh = cuda.shared.array(_CAND_TPB, np.int64)
+        tid = cuda.threadIdx.x
+        tpb = cuda.blockDim.x
+        for c in range(cuda.blockIdx.x, (nb + tpb - 1) // tpb, cuda.gridDim.x):
+            i = c * tpb + tid
+            k = 1 if i < nb and _beat_kept(peaks, i, pre, lower, upper, cut_long, n_samples) else 0
+            _, total = _block_exclusive(sh, k)
+            if tid == 0:
+                counts[c] = total
+
+    @cuda.jit
+    def beats_write(peaks, nb, pre, lower, upper, cut_long, n_samples, counts, index, peak, start, length, rowlen,
+                    total):
+        """The kept beats in order: each chunk's place is the sum of the chunks' counts before it
+        (a block reduction), each beat's within it the block's exclusive scan of the kept flags;
+        the last chunk writes the number of kept beats into ``total[0]``."""
+        sh = cuda.shared.array(_CAND_TPB, np.int64)
+        tid = cuda.threadIdx.x
+        tpb = cuda.blockDim.x
+        nch = (nb + tpb - 1) // tpb
+        d = 0  # beats that start before sample 0 (the first few of sorted peaks): not counted in `index`
+        while d < nb and peaks[d] < pre:
+            d += 1
+        for c in range(cuda.blockIdx.x, nch, cuda.gridDim.x):
+            b = 0
+            for j in range(tid, c, tpb):
+                b += counts[j]
+            _, base = _block_exclusive(sh, b)
+            i = c * tpb + tid
+            k = 1 if i < nb and _beat_kept(peaks, i, pre, lower, upper, cut_long, n_samples) else 0
+            before, n_c = _block_exclusive(sh, k)
+            if k:
+                q = base + before
+                p = peaks[i]
+                index[q] = i - d  # among the beats of beats_from_peaks
+                peak[q] = p
+                start[q] = p - pre
+                ln = peaks[i + 1] - p
+                length[q] = ln
+                rowlen[q] = min(ln, upper)  # beats.row_lengths
+            if c == nch - 1 and tid == 0:
+                total[0] = base + n_c
+
+    @cuda.jit
+    def exclusive_scan(counts, offsets, total):
+        """One block: ``offsets[i] = sum(counts[:i])`` for ``i <= len(counts)``, and the sum into
+        ``total[0]`` when ``total`` is not empty (each thread a run of consecutive counts, then the
+        block's scan of the runs' sums)."""
+        sh = cuda.shared.array(_SCAN_TPB, np.int64)
+        n = counts.shape[0]
+        tid = cuda.threadIdx.x
+        per = (n + cuda.blockDim.x - 1) // cuda.blockDim.x
+        lo = tid * per
+        hi = min(lo + per, n)
+        v = 0
+        for i in range(lo, hi):
+            v += counts[i]
+        run, t = _block_exclusive(sh, v)
+        for i in range(lo, hi):
+            offsets[i] = run
+            run += counts[i]
+        if tid == 0:
+            offsets[n] = t
+            if total.shape[0] > 0:
+                total[0] = t
+
+    return {"nms_tiled": nms_tiled, "nms_global": nms_global, "beats_count": beats_count, "beats_write": beats_write,
+            "exclusive_scan": exclusive_scan,
             "block_median": block_median, "cand_twave": cand_twave, "cand_refractory": cand_refractory,
             "cand_search_back": cand_search_back, "_clip": _clip, "_despiked": _despiked,
             "_window_median": _window_median, "_nms_keep": _nms_keep}, sim
@@ -680,7 +780,7 @@ def _embed_build(width: int):
     f32 = np.float32
 
     @_kernel("embed_warp", sim)
-    def embed_warp(x, start, length, first, baseline, rows, p2p, counter, claim):
+    def embed_warp(x, start, length, first, baseline, rows, p2p, counter, claim, count):
         """Warps claim beats and write each beat's row in beat order (row = beat index).
 
         The warp's first lane claims the next ``claim`` output rows with one atomic add on
@@ -698,6 +798,8 @@ def _embed_build(width: int):
         the baseline's samples among them), before anything is written.
         """
         n_beats = start.shape[0]
+        if count.shape[0] > 0:  # the number of beats on the device (beat_rows_gpu: no synchronisation)
+            n_beats = min(n_beats, count[0])
         nx = x.shape[0]
         lane = cuda.threadIdx.x % WARP
         raw = cuda.local.array(NJ, f32)  # registers: constant indices once the loops are unrolled
@@ -758,7 +860,7 @@ def _embed_build(width: int):
 
 
 def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples: int = 0,
-              claim: int = _EMBED_CLAIM):
+              claim: int = _EMBED_CLAIM, _count=None):
     """Each beat in a row of a zero-padded ``(n, width)`` float32 matrix, and its peak-to-peak.
 
     Exactly :func:`beatflow.beats.embed` for beats with ``0 < length <= width`` lying in ``x``: row
@@ -814,12 +916,51 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
         p2p = xp.empty(n, dtype=xp.float32)
         counter = xp.zeros(1, dtype=xp.int32)
         warps = 1 if ctx.sim else _EMBED_WARPS  # simulator: a block is one warp (shuffle emulation)
+        count = xp.empty(0, dtype=xp.int64) if _count is None else _count  # (empty: all n beats)
         ctx.launch(_embed_build(width), ctx.blocks(-(-n // (warps * claim))), warps * WARP, 0,
                    ctx.arg(x), ctx.arg(start), ctx.arg(length), int(first), max(0, int(baseline_samples)),
-                   ctx.arg(rows), ctx.arg(p2p), ctx.arg(counter), int(claim))
+                   ctx.arg(rows), ctx.arg(p2p), ctx.arg(counter), int(claim), ctx.arg(count))
     if host_in:
         return xp.asnumpy(rows), xp.asnumpy(p2p)
     return rows, p2p
+
+
+def beat_rows_gpu(x, peaks, s, n_samples: int, *, first: int = 0, baseline_samples: int = 0):
+    """:func:`beatflow.beats.beat_rows` on the GPU: the kept beats of ``peaks`` and their rows in
+    three kernel launches and one synchronisation (the number of kept beats).
+
+    ``beats_count`` counts the kept beats (``beats.beats_from_peaks`` then ``beats.kept_mask``) of
+    each chunk of 128 consecutive beats, ``beats_write`` writes them in order (each chunk's place
+    from the counts before it, each beat's from a block scan of the flags) with their row lengths
+    (``beats.row_lengths``), and ``embed_warp`` writes their rows (:func:`embed_gpu`, the number of
+    beats read on the device). The arrays are sized for every beat of ``peaks`` and cut to the kept
+    ones after the one synchronisation.
+
+    Parameters and result as :func:`beatflow.beats.beat_rows` (``x``, ``peaks`` CuPy arrays, or
+    NumPy under the simulator).
+    """
+    ctx, host_in = _ctx_for(x, peaks)
+    xp = ctx.xp
+    x = ctx.array(x)
+    peaks = ctx.array(peaks, dtype=np.int64).reshape(-1)
+    kernels, _ = _build()
+    nb = max(int(peaks.shape[0]) - 1, 0)
+    tpb = WARP if ctx.sim else _CAND_TPB
+    nch = -(-nb // tpb)
+    index, peak, start, length, rowlen = (xp.empty(nb, dtype=xp.int64) for _ in range(5))
+    total = xp.zeros(1, dtype=xp.int64)
+    if nb > 0:
+        counts = xp.empty(nch, dtype=xp.int64)
+        a = ctx.arg
+        args = (a(peaks), nb, int(s.pre), int(s.lower), int(s.upper), bool(s.cut_long), int(n_samples))
+        ctx.launch(kernels["beats_count"], ctx.blocks(nch), tpb, 0, *args, a(counts))
+        ctx.launch(kernels["beats_write"], ctx.blocks(nch), tpb, 0, *args, a(counts), a(index), a(peak), a(start),
+                   a(length), a(rowlen), a(total))
+    rows, p2p = embed_gpu(x, start, rowlen, s.width, first=first, baseline_samples=baseline_samples,
+                          _count=total)
+    m = int(total[0]) if ctx.sim else int(total.get()[0])  # the one synchronisation
+    out = (index[:m], peak[:m], start[:m], length[:m], rows[:m], p2p[:m])
+    return tuple(xp.asnumpy(v) for v in out) if host_in else out
 
 
 def _dense_tile(K: int, box: int, nms: int, tile: int):
@@ -838,7 +979,7 @@ def _dense_tile(K: int, box: int, nms: int, tile: int):
 #: window maxima a thread computes from registers (each input loaded once per chunk, not once per
 #: output: the slope's 17 shared loads per sample become (CS + 16) / CS)
 _DENSE_CHUNKS = (11, 11, 11, 9)
-#: levels of the NMS window maxima the dense kernel takes in registers (the rest by doubling)
+#: levels of the NMS window maxima the dense kernel takes in registers (the rest by doubling; at least 1)
 _REG_LEVELS = 3
 
 
@@ -848,7 +989,7 @@ def _dense_alloc(K: int, box: int, nms: int, tile: int, chunks: tuple):
     past a stage's length are never read into one within it)."""
     g, groups, E, YL, XL, PL = _dense_tile(K, box, nms, tile)
     CS, CP, CR, CN = chunks
-    RL = min((2 * nms + 1).bit_length() - 1, _REG_LEVELS)
+    RL = min((2 * nms + 1).bit_length() - 1, max(1, _REG_LEVELS))
     ns, np_ = -(-YL // CS) * CS, -(-PL // CP) * CP
     nr = g - 1 + g * (-(-(-(-E // g)) // CR) * CR + groups - 2) + 1  # the envelope's last chunk reads part[:nr]
     nn = -(-(E - (1 << RL) + 1) // CN) * CN
@@ -871,7 +1012,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     W = 2 * nms + 1  # the NMS window, and the largest power of two in it (2**LEVELS)
     LEVELS = W.bit_length() - 1
     L = 1 << LEVELS
-    RL = min(LEVELS, _REG_LEVELS)  # levels of the window maxima taken in registers
+    RL = min(LEVELS, max(1, _REG_LEVELS))  # levels of the window maxima taken in registers
     CS, CP, CR, CN = chunks
     XA, YA, PA = _dense_alloc(K, box, nms, tile, chunks)
     # a thread's chunks of consecutive outputs (odd lengths: 8-byte shared accesses at an odd
@@ -1240,6 +1381,8 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
 #: of vf_energy's instructions on that (H200, session 13: 166 M warp instructions, issue slots 82 %
 #: busy), 8 chunks of 33 half as many.
 _VF_CHUNKS = 8
+#: consecutive slopes a vf_energy thread computes from one register window (odd, as the dense kernel's)
+_VF_SUB = 11
 _VF_TILE = 16
 
 
@@ -1264,6 +1407,9 @@ def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
     C = -(-W // G) | 1  # samples per chunk, odd: the lanes of a window read 8-byte words in distinct banks
     # (an even stride of 16 doubles put all of them in one bank: 16-way conflicts, 2.1 ms on the H200)
     XT = TW * W + 2 * R  # the despiked samples a tile of windows reads
+    S = _VF_SUB  # a chunk's slopes come S at a time from registers
+    NSB, WS = -(-C // S), S + K - 1
+    XTA = max(XT, TW * W + R + kh + NSB * S)  # a last partial sub-chunk reads past its chunk (not into values)
     f64 = _F64
     u64 = np.uint64
     half = (W - 1) // 2
@@ -1307,33 +1453,6 @@ def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
         return d
 
     @cuda.jit(device=True)
-    def _slopes2(xs, c, kr):
-        """:func:`_slope_at` at ``c`` and ``c + 1`` (each summed in its order), each of the ``K + 1``
-        samples loaded once (constant bounds, no branches: NVVM unrolls the loop; K >= 9, see
-        ``SegmentParams.samples``)."""
-        j = u64(c) - u64(kh)
-        v = xs[j]
-        d0 = v * kr[0]
-        v = xs[j + u64(1)]
-        d1 = v * kr[0]
-        d0 += v * kr[1]
-        for i in range(2, K):
-            v = xs[j + u64(i)]
-            d0 += v * kr[i]
-            d1 += v * kr[i - 1]
-        d1 += xs[j + u64(K)] * kr[K - 1]
-        return d0, d1
-
-    @cuda.jit(device=True)
-    def _step(xs, c, acc, ss, sd, d, slide):
-        """One sample of a chunk: the moving sum slid to ``c`` (when ``slide``), the energies with
-        the high-passed sample at ``c`` and the slope ``d`` added."""
-        if slide:
-            acc += xs[c + u64(hh)] - xs[c - u64(hh + 1)]
-        h = xs[c] - acc / HP
-        return acc, ss + h * h, sd + d * d
-
-    @cuda.jit(device=True)
     def _block_sum(v, red):
         """The sum of ``v`` over the block (a butterfly per warp, then the warps' sums in order), in
         every thread; ``red`` holds ``NW`` values."""
@@ -1366,7 +1485,8 @@ def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
         in shared memory; each thread a chunk of ``C`` consecutive samples of one window, its moving
         mean carried along the chunk (one sample in, one out) where the chunk lies inside the array,
         summed afresh per sample at its ends (whose values repeat the end samples')."""
-        xs = cuda.shared.array(XT, f64)
+        xs = cuda.shared.array(XTA, f64)
+        ws = cuda.local.array(WS, f64)  # a sub-chunk's samples (registers once the loops unroll)
         kr = cuda.const.array_like(TAPS)
         n = x.shape[0]
         nw = e_sig.shape[0]
@@ -1387,14 +1507,21 @@ def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
                     acc = 0.0
                     for i in range(HP):
                         acc += xs[c - u64(hh) + u64(i)]
-                    m = t1 - t0  # two samples at a time: their slopes load each sample once
-                    for qd in range(m // 2):  # (K + 1 loads, not 2 K)
-                        d0, d1 = _slopes2(xs, c, kr)
-                        acc, ss, sd = _step(xs, c, acc, ss, sd, d0, qd > 0)
-                        acc, ss, sd = _step(xs, c + u64(1), acc, ss, sd, d1, True)
-                        c += u64(2)
-                    if m % 2:
-                        acc, ss, sd = _step(xs, c, acc, ss, sd, _slope_at(xs, c, kr), m > 1)
+                    m = t1 - t0  # sub-chunks of S samples: their slopes from S + K - 1 loads (registers)
+                    for sb in range(NSB):
+                        cs = c + u64(sb * S)
+                        for i in range(WS):
+                            ws[i] = xs[cs - u64(kh) + u64(i)]
+                        for j in range(S):
+                            if sb * S + j < m:
+                                d = 0.0
+                                for i in range(K):
+                                    d += ws[j + i] * kr[i]
+                                if sb + j > 0:  # the moving sum slid to this sample
+                                    acc += xs[cs + u64(j + hh)] - xs[cs + u64(j) - u64(hh + 1)]
+                                h = ws[j + kh] - acc / HP
+                                ss += h * h
+                                sd += d * d
                 else:
                     for t in range(t0, t1):
                         c = _clip(Pk + t, n) - P0 + R
@@ -1603,15 +1730,17 @@ def detect_peaks_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
     """The beat detection of :func:`beatflow.segment.detect_peaks` on the GPU, without the flutter
     rule: the same peaks as ``segment._detect_peaks_xp`` (:func:`detect_beats_gpu` adds the rule).
 
-    The whole detection is nine kernel launches, two CuPy scans and one synchronisation (the number
-    of peaks), with nothing of the size of the stream written to memory but the stream itself read
-    once:
+    The whole detection is eleven kernel launches (two of them one-block scans) and one
+    synchronisation (the number of peaks), with nothing of the size of the stream written to memory
+    but the stream itself read once:
 
     1. ``dense`` (one tile of 1024 samples per block, everything in shared memory): despike,
-       derivative-of-Gaussian slope and moving RMS (the envelope), the NMS over it (window maxima by
-       doubling), the tile's candidates into a fixed number of slots per tile with the lowest
-       envelope of their window, the maxima per 1 s block and of |x|;
-    2. a scan of the slot counts: where each tile's candidates go in the sorted candidate list;
+       derivative-of-Gaussian slope and moving RMS (the envelope), the NMS over it (window maxima,
+       the first levels in registers, then by doubling), the tile's candidates into a fixed number of
+       slots per tile with the lowest envelope of their window, the maxima per 1 s block and of |x|;
+       each thread takes runs of consecutive outputs whose inputs it loads once into registers;
+    2. ``exclusive_scan`` of the slot counts: where each tile's candidates go in the sorted candidate
+       list;
     3. ``block_median``: the local level of every block (the median of the block maxima around it);
        ``cand_eval`` (one warp per tile, its candidates in turn): each candidate at its sorted
        place, with its height, weak/strong class, steepest slope, and the noise-burst test;
@@ -1710,7 +1839,7 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool):
     nt = d["nt"]
     a = ctx.arg
     offsets = xp.empty(nt + 1, dtype=xp.int64)
-    _exclusive_scan(xp, d["tcount"], offsets)  # 2.
+    _exclusive_scan(ctx, d["tcount"], offsets)  # 2.
     mcap = nt * cap
     mcount = a(offsets[nt:])
     cand = xp.empty(mcap, dtype=xp.int64)
@@ -1746,10 +1875,9 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool):
     tblocks = ctx.blocks(-(-nt // _CAND_TPB))
     ae = a(episode)
     ctx.launch(kern["emit_count"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, ae, w0, vw, a(counts))
-    _exclusive_scan(xp, counts, out_offsets)
+    _exclusive_scan(ctx, counts, out_offsets, info)  # (the number of peaks into info[0])
     ctx.launch(kern["emit"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, ae, w0, vw, a(out_offsets),
                a(peaks))
-    info[0:1] = out_offsets[nt:]
     total, overflow, nsp, _ = (int(v) for v in (info if ctx.sim else info.get()))  # the one synchronisation
     if overflow:  # a plateau of equal maxima filled a tile's slots: a slot for every sample
         return _detect_gpu(x, s, first, core, tile, rule)
@@ -1775,10 +1903,17 @@ def _block_levels(ctx, bmax, s):
     return amp
 
 
-def _exclusive_scan(xp, counts, offsets):
-    """``offsets[i] = sum(counts[:i])`` for ``i <= len(counts)`` (CuPy's scan on the device: no sync)."""
-    offsets[:1] = 0
-    xp.cumsum(counts, out=offsets[1:])
+def _exclusive_scan(ctx, counts, offsets, total=None):
+    """``offsets[i] = sum(counts[:i])`` for ``i <= len(counts)``, and the sum into ``total[0]``
+    (a device array) when given: one launch of the one-block ``exclusive_scan`` kernel, no sync
+    (CuPy's cumsum and the zero before it were three launches)."""
+    tot = ctx.xp.empty(0, dtype=ctx.xp.int64) if total is None else total
+    ctx.launch(_build()[0]["exclusive_scan"], 1, WARP if ctx.sim else _SCAN_TPB, 0, ctx.arg(counts),
+               ctx.arg(offsets), ctx.arg(tot))
+
+
+#: threads of the one-block scan (GPU; the simulator runs one warp)
+_SCAN_TPB = 1024
 
 
 def qrs_envelope_gpu(x, s, *, first: int = 0, levels: bool = False):

@@ -85,7 +85,7 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
     InputError
         No beats, or a sampling rate that gives another row width than the model's.
     """
-    from .beats import beats_from_peaks, dominant_beat, embed, kept_mask, residual_rows, row_lengths
+    from .beats import beat_rows, dominant_beat, residual_rows
     from .errors import InputError
     from .params import SegmentParams
     from .segment import detect_peaks
@@ -94,14 +94,10 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
     if s.width != width:
         raise InputError(f"{name}: sampling rate {fs:g} Hz gives beat rows of {s.width} samples, "
                          f"the model was trained on {width}")
-    peaks = detect_peaks(x, s)
-    peak, start, length = beats_from_peaks(peaks, s, x.shape[0])
-    kept = kept_mask(length, s)
-    if not kept.any():
+    kb, peak, start, length, rows, _ = beat_rows(x, detect_peaks(x, s), s, x.shape[0],
+                                                  baseline_samples=max(1, s.pre // 2))
+    if kb.shape[0] == 0:
         raise InputError(f"{name}: no heartbeats found (flat line or no QRS-like peaks)")
-    rows, _ = embed(x, start[kept], row_lengths(length[kept], s), s.width, baseline_samples=max(1, s.pre // 2))
     rows = np.asarray(rows) / np.float32(scale)
     score, _ = infer(residual_rows(rows, dominant_beat(rows)))  # the recording's own dominant beat
-    kb = np.flatnonzero(kept)
-    return anomaly_table(kb, np.zeros(kb.shape[0], np.int64), peak[kept], start[kept], length[kept], score, fs,
-                         threshold, [name])
+    return anomaly_table(kb, np.zeros(kb.shape[0], np.int64), peak, start, length, score, fs, threshold, [name])

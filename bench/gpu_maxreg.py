@@ -45,6 +45,8 @@ def child(spec: str):
             K._DENSE_CHUNKS = tuple(int(v) for v in item[3:].split("/"))
         elif item.startswith("rl="):
             K._REG_LEVELS = int(item[3:])
+        elif item.startswith("vs="):  # vf_energy's slopes per register window (kernels._VF_SUB)
+            K._VF_SUB = int(item[3:])
     s, x, xg, seg_embed = setup(cache=os.path.join(CACHE, "x.npy"))
     t = time.perf_counter()
     peaks = K.detect_beats_gpu(xg, s)[0]
@@ -81,7 +83,7 @@ def main():
     for spec in os.environ.get("VARIANTS", DEFAULT).split(";"):
         # "none": no cap at all; "default": kernels._MAXREG_DEFAULT; else those caps over the defaults
         none = "dense=0,embed_warp=0,vf_energy=0,cand_eval=0,vf_near=0"
-        caps = ",".join(i for i in spec.split(",") if not i.startswith(("tpb=", "tile=", "ch=", "rl=")))
+        caps = ",".join(i for i in spec.split(",") if not i.startswith(("tpb=", "tile=", "ch=", "rl=", "vs=")))
         env = {**os.environ, "BEATFLOW_MAXREG": none if spec == "none" else "" if spec == "default" else caps}
         try:
             p = subprocess.run([sys.executable, __file__, "--child", spec], env=env, capture_output=True, text=True,

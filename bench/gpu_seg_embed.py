@@ -27,12 +27,12 @@ def kept_bounds(peaks, s, n: int):
 def setup(hours: float = 20.0, cache: str | None = None):
     """``(s, x, xg, seg_embed)``: the segmentation parameters at 250 Hz, the synthetic stream (seed 0)
     on the host and on the device, and a function doing detection as the product does it (the
-    kernels, with the flutter-episode rule's), beat bounds (one compaction of the kept beats) and the
-    embedding, returning ``(rows, p2p)``. ``cache``: a ``.npy`` path where the stream is kept between
+    kernels, with the flutter-episode rule's), then the kept beats' bounds and rows
+    (``beats.beat_rows``: three kernels, one synchronisation), returning ``(rows, p2p)``. ``cache``: a ``.npy`` path where the stream is kept between
     processes."""
     import cupy
 
-    from beatflow import kernels as K
+    from beatflow import beats as B
     from beatflow import segment as S
     from beatflow.params import SegmentParams
     from beatflow.synth import synthesize_ecg
@@ -53,8 +53,8 @@ def setup(hours: float = 20.0, cache: str | None = None):
 
     def seg_embed():
         peaks = S.detect_peaks(xg, s)  # the detection and flutter-rule kernels
-        start, length = kept_bounds(peaks, s, xg.shape[0])
-        return K.embed_gpu(xg, start, length, s.width, baseline_samples=base)
+        out = B.beat_rows(xg, peaks, s, xg.shape[0], baseline_samples=base)  # bounds and rows: 3 kernels
+        return out[4], out[5]
 
     return s, x, xg, seg_embed
 

@@ -114,7 +114,16 @@ def main():
             lambda: flutter_keep_mask(xg, peaks, 0, s))
     time_it("beat bounds + kept beats + row lengths", lambda: kept_bounds(peaks, s, xg.shape[0]))
     time_it("embed_gpu", lambda: K.embed_gpu(xg, st, ln, s.width, baseline_samples=base))
-    time_it("segmentation + embedding (detect with the rule, bounds, embed)", seg_embed)
+    time_it("beat_rows (bounds and embedding kernels, one sync)",
+            lambda: B.beat_rows(xg, peaks, s, xg.shape[0], baseline_samples=base))
+    time_it("segmentation + embedding (detect with the rule, beat_rows)", seg_embed)
+
+    def seg_embed_cupy_bounds():  # session 13's: the bounds as CuPy array code (14 small kernels, a sync)
+        p = S.detect_peaks(xg, s)
+        st_, ln_ = kept_bounds(p, s, xg.shape[0])
+        return K.embed_gpu(xg, st_, ln_, s.width, baseline_samples=base)
+
+    time_it("segmentation + embedding, bounds as CuPy array code (before)", seg_embed_cupy_bounds)
     time_it("array code on CuPy (segment._detect_peaks_xp, before)", lambda: S._detect_peaks_xp(xg, s), n_repeat=5)
     print("== launch shapes of the detection kernels (threads per tile, samples per tile)", flush=True)
     default = (K._DET_TPB, K._DET_TILE)

@@ -102,7 +102,7 @@ def main():
                                                         float64, float64, float64, A(int8))),
         ("block_median", base["block_median"], (A(float64), int64, A(float64))),
         ("embed_warp", K._embed_build(256), (A(float32), A(int64), A(int64), int64, int64, float32[:, ::1],
-                                             A(float32), A(int32), int64)),
+                                             A(float32), A(int32), int64, A(int64))),
     ]
     for name, kern, sig in todo:
         ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))

@@ -178,6 +178,42 @@ def test_embed_empty():
     assert host(rows).shape == (0, 16) and host(p2p).shape == (0,)
 
 
+def test_beat_rows_kernels_match_the_array_code():
+    # beats_count / beats_write / embed_warp with the count on the device against beats_from_peaks,
+    # kept_mask, row_lengths and embed: random gaps around the prune limits, peaks before `pre`,
+    # long beats cut or dropped, several chunks of beats per block (grid-stride)
+    import dataclasses
+
+    from beatflow.kernels import beat_rows_gpu
+
+    rng = np.random.default_rng(12)
+    base = small_params()
+    for cut_long, first in ((True, 0), (False, 0), (True, 40)):
+        s = dataclasses.replace(base, cut_long=cut_long)
+        gaps = rng.integers(1, 2 * s.upper, size=330)
+        peaks = np.cumsum(gaps) - gaps[0] + rng.integers(0, s.pre)  # the first peaks before `pre`
+        peaks = np.concatenate([[0], peaks[peaks > 0]])
+        if first:  # x starts at `first`: the beats lie in it
+            peaks = peaks[peaks >= first + s.pre]
+        n = int(peaks[-1]) + int(rng.integers(1, 50))
+        x = (rng.normal(size=n) * 10).astype(np.float32)
+        want = B.beat_rows(x[first:], peaks, s, n, first=first, baseline_samples=3)  # NumPy: the array code
+        pk, st, ln = B.beats_from_peaks(peaks, s, n)
+        kept = B.kept_mask(ln, s)
+        np.testing.assert_array_equal(want[0], np.flatnonzero(kept))
+        np.testing.assert_array_equal(want[1], pk[kept])
+        got = beat_rows_gpu(dev(x[first:]), dev(peaks), s, n, first=first, baseline_samples=3)
+        assert 0 < got[0].shape[0] < peaks.shape[0] - 1  # some beats dropped, some kept
+        for g, w in zip(got[:4], want[:4]):
+            assert host(g).dtype == np.int64
+            np.testing.assert_array_equal(host(g), w)
+        np.testing.assert_allclose(host(got[4]), want[4], rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(host(got[5]), want[5], rtol=1e-5, atol=1e-4)
+    for few in (np.zeros(0, np.int64), np.array([5]), np.array([1, 3])):  # no beat, or none kept
+        got = beat_rows_gpu(dev(np.ones(20, np.float32)), dev(few), base, 20)
+        assert [host(g).shape[0] for g in got] == [0] * 6 and host(got[4]).shape == (0, base.width)
+
+
 # --- without a GPU and without the simulator: one clear error -----------------------------------
 @pytest.mark.skipif(cupy_available(), reason="a CUDA GPU is present")
 def test_clear_error_without_cuda_or_simulator():
