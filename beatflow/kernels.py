@@ -55,6 +55,10 @@ _SIM_MAX_BLOCKS = 4
 # detection: threads per block of the envelope tiles and of the per-candidate kernels; the widest
 # window of blocks the level's median takes (2 * threshold_blocks + 1)
 _CAND_TPB = 128
+# the one-block exclusive scan: threads (GPU; the simulator runs one warp), counts per thread and piece
+_SCAN_TPB = 1024
+_SCAN_PER = 4
+_SCAN_PIECE = _SCAN_PER * _SCAN_TPB  # (a constant for the shared array's size)
 _MAX_WINDOW = 63
 
 # set by _build() (module globals, so that the simulator can swap ``cuda`` inside the kernels)
@@ -504,28 +508,66 @@ def _build():
             if c == nch - 1 and tid == 0:
                 total[0] = base + n_c
 
+    @cuda.jit(device=True)
+    def _warp_inclusive(v, lane):
+        """Inclusive prefix sum of ``v`` over the warp's lanes (shuffles from ``lane - off``)."""
+        off = 1
+        while off < WARP:
+            u = _shfl_idx(_FULL_MASK, v, lane - off if lane >= off else lane)
+            if lane >= off:
+                v += u
+            off *= 2
+        return v
+
     @cuda.jit
     def exclusive_scan(counts, offsets, total):
         """One block: ``offsets[i] = sum(counts[:i])`` for ``i <= len(counts)``, and the sum into
-        ``total[0]`` when ``total`` is not empty (each thread a run of consecutive counts, then the
-        block's scan of the runs' sums)."""
-        sh = cuda.shared.array(_SCAN_TPB, np.int64)
+        ``total[0]`` when ``total`` is not empty. Pieces of ``_SCAN_PER`` counts per thread pass
+        through shared memory (coalesced loads and stores); each thread sums its consecutive ones,
+        the warps scan those sums with shuffles, warp 0 the warps' totals."""
+        sh = cuda.shared.array(_SCAN_PIECE, np.int64)
+        wsum = cuda.shared.array(WARP, np.int64)
         n = counts.shape[0]
         tid = cuda.threadIdx.x
-        per = (n + cuda.blockDim.x - 1) // cuda.blockDim.x
-        lo = tid * per
-        hi = min(lo + per, n)
-        v = 0
-        for i in range(lo, hi):
-            v += counts[i]
-        run, t = _block_exclusive(sh, v)
-        for i in range(lo, hi):
-            offsets[i] = run
-            run += counts[i]
+        tpb = cuda.blockDim.x
+        lane = tid % WARP
+        w = tid // WARP
+        nwarps = tpb // WARP
+        piece = _SCAN_PER * tpb
+        carry = 0
+        for p0 in range(0, n, piece):  # uniform over the block
+            for k in range(_SCAN_PER):
+                i = p0 + k * tpb + tid
+                sh[k * tpb + tid] = counts[i] if i < n else 0
+            _syncthreads()
+            b = tid * _SCAN_PER
+            v = 0
+            for j in range(_SCAN_PER):
+                v += sh[b + j]
+            incl = _warp_inclusive(v, lane)
+            if lane == WARP - 1:
+                wsum[w] = incl
+            _syncthreads()
+            if w == 0:
+                t = wsum[lane] if lane < nwarps else 0
+                wsum[lane] = _warp_inclusive(t, lane)
+            _syncthreads()
+            run = carry + incl - v + (wsum[w - 1] if w > 0 else 0)
+            for j in range(_SCAN_PER):
+                c = sh[b + j]
+                sh[b + j] = run
+                run += c
+            carry += wsum[nwarps - 1]
+            _syncthreads()
+            for k in range(_SCAN_PER):
+                i = p0 + k * tpb + tid
+                if i < n:
+                    offsets[i] = sh[k * tpb + tid]
+            _syncthreads()
         if tid == 0:
-            offsets[n] = t
+            offsets[n] = carry
             if total.shape[0] > 0:
-                total[0] = t
+                total[0] = carry
 
     return {"nms_tiled": nms_tiled, "nms_global": nms_global, "beats_count": beats_count, "beats_write": beats_write,
             "exclusive_scan": exclusive_scan,
@@ -1381,8 +1423,6 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
 #: of vf_energy's instructions on that (H200, session 13: 166 M warp instructions, issue slots 82 %
 #: busy), 8 chunks of 33 half as many.
 _VF_CHUNKS = 8
-#: consecutive slopes a vf_energy thread computes from one register window (odd, as the dense kernel's)
-_VF_SUB = 11
 _VF_TILE = 16
 
 
@@ -1407,9 +1447,6 @@ def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
     C = -(-W // G) | 1  # samples per chunk, odd: the lanes of a window read 8-byte words in distinct banks
     # (an even stride of 16 doubles put all of them in one bank: 16-way conflicts, 2.1 ms on the H200)
     XT = TW * W + 2 * R  # the despiked samples a tile of windows reads
-    S = _VF_SUB  # a chunk's slopes come S at a time from registers
-    NSB, WS = -(-C // S), S + K - 1
-    XTA = max(XT, TW * W + R + kh + NSB * S)  # a last partial sub-chunk reads past its chunk (not into values)
     f64 = _F64
     u64 = np.uint64
     half = (W - 1) // 2
@@ -1453,6 +1490,33 @@ def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
         return d
 
     @cuda.jit(device=True)
+    def _slopes2(xs, c, kr):
+        """:func:`_slope_at` at ``c`` and ``c + 1`` (each summed in its order), each of the ``K + 1``
+        samples loaded once (constant bounds, no branches: NVVM unrolls the loop; K >= 9, see
+        ``SegmentParams.samples``)."""
+        j = u64(c) - u64(kh)
+        v = xs[j]
+        d0 = v * kr[0]
+        v = xs[j + u64(1)]
+        d1 = v * kr[0]
+        d0 += v * kr[1]
+        for i in range(2, K):
+            v = xs[j + u64(i)]
+            d0 += v * kr[i]
+            d1 += v * kr[i - 1]
+        d1 += xs[j + u64(K)] * kr[K - 1]
+        return d0, d1
+
+    @cuda.jit(device=True)
+    def _step(xs, c, acc, ss, sd, d, slide):
+        """One sample of a chunk: the moving sum slid to ``c`` (when ``slide``), the energies with
+        the high-passed sample at ``c`` and the slope ``d`` added."""
+        if slide:
+            acc += xs[c + u64(hh)] - xs[c - u64(hh + 1)]
+        h = xs[c] - acc / HP
+        return acc, ss + h * h, sd + d * d
+
+    @cuda.jit(device=True)
     def _block_sum(v, red):
         """The sum of ``v`` over the block (a butterfly per warp, then the warps' sums in order), in
         every thread; ``red`` holds ``NW`` values."""
@@ -1485,8 +1549,7 @@ def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
         in shared memory; each thread a chunk of ``C`` consecutive samples of one window, its moving
         mean carried along the chunk (one sample in, one out) where the chunk lies inside the array,
         summed afresh per sample at its ends (whose values repeat the end samples')."""
-        xs = cuda.shared.array(XTA, f64)
-        ws = cuda.local.array(WS, f64)  # a sub-chunk's samples (registers once the loops unroll)
+        xs = cuda.shared.array(XT, f64)
         kr = cuda.const.array_like(TAPS)
         n = x.shape[0]
         nw = e_sig.shape[0]
@@ -1507,21 +1570,14 @@ def _vf_build(W: int, HP: int, K: int, tpb: int, taps: tuple):
                     acc = 0.0
                     for i in range(HP):
                         acc += xs[c - u64(hh) + u64(i)]
-                    m = t1 - t0  # sub-chunks of S samples: their slopes from S + K - 1 loads (registers)
-                    for sb in range(NSB):
-                        cs = c + u64(sb * S)
-                        for i in range(WS):
-                            ws[i] = xs[cs - u64(kh) + u64(i)]
-                        for j in range(S):
-                            if sb * S + j < m:
-                                d = 0.0
-                                for i in range(K):
-                                    d += ws[j + i] * kr[i]
-                                if sb + j > 0:  # the moving sum slid to this sample
-                                    acc += xs[cs + u64(j + hh)] - xs[cs + u64(j) - u64(hh + 1)]
-                                h = ws[j + kh] - acc / HP
-                                ss += h * h
-                                sd += d * d
+                    m = t1 - t0  # two samples at a time: their slopes load each sample once
+                    for qd in range(m // 2):  # (K + 1 loads, not 2 K)
+                        d0, d1 = _slopes2(xs, c, kr)
+                        acc, ss, sd = _step(xs, c, acc, ss, sd, d0, qd > 0)
+                        acc, ss, sd = _step(xs, c + u64(1), acc, ss, sd, d1, True)
+                        c += u64(2)
+                    if m % 2:
+                        acc, ss, sd = _step(xs, c, acc, ss, sd, _slope_at(xs, c, kr), m > 1)
                 else:
                     for t in range(t0, t1):
                         c = _clip(Pk + t, n) - P0 + R
@@ -1912,8 +1968,6 @@ def _exclusive_scan(ctx, counts, offsets, total=None):
                ctx.arg(offsets), ctx.arg(tot))
 
 
-#: threads of the one-block scan (GPU; the simulator runs one warp)
-_SCAN_TPB = 1024
 
 
 def qrs_envelope_gpu(x, s, *, first: int = 0, levels: bool = False):

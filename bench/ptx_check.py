@@ -101,6 +101,10 @@ def main():
         ("cand_search_back", base["cand_search_back"], (A(int64), A(int64), A(int8), A(float64), int64, int64, int64,
                                                         float64, float64, float64, A(int8))),
         ("block_median", base["block_median"], (A(float64), int64, A(float64))),
+        ("exclusive_scan", base["exclusive_scan"], (A(int64), A(int64), A(int64))),
+        ("beats_count", base["beats_count"], (A(int64), int64, int64, int64, int64, boolean, int64, A(int64))),
+        ("beats_write", base["beats_write"], (A(int64), int64, int64, int64, int64, boolean, int64, A(int64),
+                                              A(int64), A(int64), A(int64), A(int64), A(int64), A(int64))),
         ("embed_warp", K._embed_build(256), (A(float32), A(int64), A(int64), int64, int64, float32[:, ::1],
                                              A(float32), A(int32), int64, A(int64))),
     ]

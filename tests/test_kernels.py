@@ -178,6 +178,22 @@ def test_embed_empty():
     assert host(rows).shape == (0, 16) and host(p2p).shape == (0,)
 
 
+def test_exclusive_scan_kernel_matches_cumsum():
+    # one block over pieces of _SCAN_PER counts per thread: empty, partial and several pieces, the total
+    from beatflow.kernels import _Ctx, _build, _exclusive_scan
+
+    _, sim = _build()
+    ctx = _Ctx(sim)
+    rng = np.random.default_rng(13)
+    for n in (0, 1, 31, 128, 129, 1000, 5000):
+        counts = rng.integers(0, 40, n).astype(np.int64)
+        offsets, total = dev(np.full(n + 1, -1, np.int64)), dev(np.zeros(1, np.int64))
+        _exclusive_scan(ctx, dev(counts), offsets, total)
+        want = np.concatenate([[0], np.cumsum(counts)])
+        np.testing.assert_array_equal(host(offsets), want)
+        assert int(host(total)[0]) == want[-1]
+
+
 def test_beat_rows_kernels_match_the_array_code():
     # beats_count / beats_write / embed_warp with the count on the device against beats_from_peaks,
     # kept_mask, row_lengths and embed: random gaps around the prune limits, peaks before `pre`,
