@@ -171,6 +171,8 @@ def _sim_lock_shared_arrays():
 #: SM instead of 3, 1.01 -> 0.93 ms; embed_warp 72 -> 48, 0.244 -> 0.195 ms; vf_energy 117 -> 96, 5
 #: blocks of 128 instead of 4 (the detection with the rule 1.69 -> 1.66 ms); the same peaks and rows.
 #: Session 13: embed_warp built per row width needs 56 (48 spilled 44 bytes): 0.136 ms against 0.143.
+#: Session 14: the dense kernel's register windows (``_DENSE_CHUNKS``) need 72 without spills (64 spills
+#: 4 bytes); 7 blocks of 128 threads per SM either way (shared memory allows 7).
 _MAXREG_DEFAULT: dict = {"dense": 72, "embed_warp": 56, "vf_energy": 96}
 
 
@@ -933,6 +935,9 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
         If > 0, subtract each beat's mean over its first ``baseline_samples`` samples.
     claim : int
         Rows a warp claims with one atomic add (1 is the seed's one claim per beat).
+    _count : device int64 array of one element, optional
+        The number of beats, read by the kernel (:func:`beat_rows_gpu`: known on the device only);
+        rows past it are left unwritten.
 
     Returns
     -------
