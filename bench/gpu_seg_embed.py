@@ -27,13 +27,12 @@ def kept_bounds(peaks, s, n: int):
 def setup(hours: float = 20.0, cache: str | None = None):
     """``(s, x, xg, seg_embed)``: the segmentation parameters at 250 Hz, the synthetic stream (seed 0)
     on the host and on the device, and a function doing detection as the product does it (the
-    kernels, with the flutter-episode rule's), then the kept beats' bounds and rows
-    (``beats.beat_rows``: three kernels, one synchronisation), returning ``(rows, p2p)``. ``cache``: a ``.npy`` path where the stream is kept between
+    kernels, with the flutter-episode rule's), then the kept beats' bounds and rows (three kernels),
+    all before one synchronisation (``kernels.segment_rows_gpu``), returning ``(rows, p2p)``. ``cache``: a ``.npy`` path where the stream is kept between
     processes."""
     import cupy
 
-    from beatflow import beats as B
-    from beatflow import segment as S
+    from beatflow import kernels as K
     from beatflow.params import SegmentParams
     from beatflow.synth import synthesize_ecg
 
@@ -51,10 +50,9 @@ def setup(hours: float = 20.0, cache: str | None = None):
     xg = cupy.asarray(x)
     base = max(1, s.pre // 2)
 
-    def seg_embed():
-        peaks = S.detect_peaks(xg, s)  # the detection and flutter-rule kernels
-        out = B.beat_rows(xg, peaks, s, xg.shape[0], baseline_samples=base)  # bounds and rows: 3 kernels
-        return out[4], out[5]
+    def seg_embed():  # the detection and flutter-rule kernels, then the kept beats' bounds and rows
+        out = K.segment_rows_gpu(xg, s, baseline_samples=base)  # (3 kernels) before the one synchronisation
+        return out[6], out[7]
 
     return s, x, xg, seg_embed
 

@@ -116,7 +116,9 @@ def main():
     time_it("embed_gpu", lambda: K.embed_gpu(xg, st, ln, s.width, baseline_samples=base))
     time_it("beat_rows (bounds and embedding kernels, one sync)",
             lambda: B.beat_rows(xg, peaks, s, xg.shape[0], baseline_samples=base))
-    time_it("segmentation + embedding (detect with the rule, beat_rows)", seg_embed)
+    time_it("segmentation + embedding (segment_rows_gpu: one sync)", seg_embed)
+    time_it("segmentation + embedding, detection then beat_rows (two syncs)",
+            lambda: B.beat_rows(xg, S.detect_peaks(xg, s), s, xg.shape[0], baseline_samples=base))
 
     def seg_embed_cupy_bounds():  # session 13's: the bounds as CuPy array code (14 small kernels, a sync)
         p = S.detect_peaks(xg, s)

@@ -230,6 +230,41 @@ def test_beat_rows_kernels_match_the_array_code():
         assert [host(g).shape[0] for g in got] == [0] * 6 and host(got[4]).shape == (0, base.width)
 
 
+def test_segment_rows_one_sync_matches_detection_then_beat_rows(monkeypatch):
+    # the detection and the rows launched behind it before the one synchronisation: the peaks and
+    # episodes of detect_beats, the kept beats and rows of beat_rows (NumPy), also when a tile's
+    # candidate slots overflow (the whole launch runs again) and when the kernels cannot take x
+    from beatflow.kernels import segment_rows_gpu
+    from beatflow.params import SegmentParams
+    from beatflow.synth import synthesize_ecg
+
+    s = SegmentParams().samples(250.0)
+    x = synthesize_ecg(hours=20 / 3600, fs=250.0, seed=3).signal
+    peaks, ep = S.detect_beats(x, s)
+    want = B.beat_rows(x, peaks, s, x.shape[0], baseline_samples=12)
+    assert want[0].shape[0] > 15
+    orig = K._detect_gpu
+    for slots in (None, 1):  # one slot per tile in the first launch: overflow and the rerun
+        calls = []
+
+        def first_with(*a, **k):
+            calls.append(a[4])
+            return orig(*a[:4], slots if len(calls) == 1 else a[4], *a[5:], **k)
+
+        monkeypatch.setattr(K, "_detect_gpu", first_with)
+        got = segment_rows_gpu(dev(x), s, baseline_samples=12)
+        assert len(calls) == (1 if slots is None else 2)
+        np.testing.assert_array_equal(host(got[0]), peaks)
+        np.testing.assert_array_equal(host(got[1]).reshape(-1, 2), ep.reshape(-1, 2))
+        for g, w in zip(got[2:6], want[:4]):
+            np.testing.assert_array_equal(host(g), w)
+        np.testing.assert_allclose(host(got[6]), want[4], rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(host(got[7]), want[5], rtol=1e-5, atol=1e-4)
+    monkeypatch.setattr(K, "_detect_gpu", orig)
+    got = segment_rows_gpu(dev(np.ones(2, np.float32)), s)  # too short for the kernels: the array code
+    assert host(got[0]).size == 0 and host(got[6]).shape == (0, s.width)
+
+
 # --- without a GPU and without the simulator: one clear error -----------------------------------
 @pytest.mark.skipif(cupy_available(), reason="a CUDA GPU is present")
 def test_clear_error_without_cuda_or_simulator():
