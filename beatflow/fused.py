@@ -53,37 +53,51 @@ def upsample2(x: torch.Tensor) -> torch.Tensor:
     return x.unsqueeze(-1).expand(b, c, n, 2).reshape(b, c, 2 * n)
 
 
-def fused_encode(vae: LightVAE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``vae.encode(x)``: ``(mu, logvar)`` of beats ``x`` (B, D)."""
-    h = x.unsqueeze(1)
+def _caster(dtype: torch.dtype | None):
+    """``t -> t.to(dtype)`` (the identity when ``dtype`` is None): a parameter used in ``dtype``, its
+    gradient flowing back to the float32 parameter (mixed precision without autocast, which leaves
+    the multiply-adds and sums of this form in float32)."""
+    return (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
+
+
+def fused_encode(vae: LightVAE, x: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``vae.encode(x)``: ``(mu, logvar)`` of beats ``x`` (B, D); computed in ``dtype`` (input and
+    parameters cast) when given."""
+    c = _caster(dtype)
+    h = c(x).unsqueeze(1)
     for i in (0, 3, 6):  # conv, Swish, Downsample
         conv, act = vae.enc[i], vae.enc[i + 1]
-        h = downsample(swish(conv3(h, conv.weight, conv.bias), act.alpha))
-    mu = conv3(h, vae.mu_head.weight, vae.mu_head.bias).mean(dim=2)
-    logvar = conv3(h, vae.logvar_head.weight, vae.logvar_head.bias).mean(dim=2)
+        h = downsample(swish(conv3(h, c(conv.weight), c(conv.bias)), c(act.alpha)))
+    mu = conv3(h, c(vae.mu_head.weight), c(vae.mu_head.bias)).mean(dim=2)
+    logvar = conv3(h, c(vae.logvar_head.weight), c(vae.logvar_head.bias)).mean(dim=2)
     return mu, logvar
 
 
-def fused_decode(vae: LightVAE, z: torch.Tensor) -> torch.Tensor:
-    """``vae.decode(z)``: reconstructed beats (B, D) of latents ``z`` (B, 2)."""
-    w, b = vae.fc.weight, vae.fc.bias  # (8·D/8, 2), (8·D/8,)
+def fused_decode(vae: LightVAE, z: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``vae.decode(z)``: reconstructed beats (B, D) of latents ``z`` (B, 2); computed in ``dtype``
+    (latents and parameters cast) when given."""
+    c = _caster(dtype)
+    z = c(z)
+    w, b = c(vae.fc.weight), c(vae.fc.bias)  # (8·D/8, 2), (8·D/8,)
     h = b[None, :]
     for j in range(w.shape[1]):  # a 2-input linear layer as multiply-adds (no GEMM kernel)
         h = h + z[:, j:j + 1] * w[None, :, j]
     h = h.view(-1, 8, vae.width // 8)
     for i in (1, 4):  # Upsample, conv, Swish
         conv, act = vae.dec[i], vae.dec[i + 1]
-        h = swish(conv3(upsample2(h), conv.weight, conv.bias), act.alpha)
+        h = swish(conv3(upsample2(h), c(conv.weight), c(conv.bias)), c(act.alpha))
     conv = vae.dec[7]
-    return conv3(upsample2(h), conv.weight, conv.bias).squeeze(1)
+    return conv3(upsample2(h), c(conv.weight), c(conv.bias)).squeeze(1)
 
 
-def fused_forward(vae: LightVAE, x: torch.Tensor, eps: torch.Tensor | None = None):
+def fused_forward(vae: LightVAE, x: torch.Tensor, eps: torch.Tensor | None = None,
+                  dtype: torch.dtype | None = None):
     """``vae(x)`` with the noise given: ``(recon, mu, logvar)``, ``z = mu + exp(logvar/2)·eps``
-    (``z = mu`` when ``eps`` is None)."""
-    mu, logvar = fused_encode(vae, x)
-    z = mu if eps is None else mu + torch.exp(0.5 * logvar) * eps
-    return fused_decode(vae, z), mu, logvar
+    (``z = mu`` when ``eps`` is None). ``dtype`` (bf16, fp16): the arithmetic in that type, the
+    parameters staying float32 (their gradients too); the outputs are then of that type."""
+    mu, logvar = fused_encode(vae, x, dtype)
+    z = mu if eps is None else mu + torch.exp(0.5 * logvar) * _caster(dtype)(eps)
+    return fused_decode(vae, z, dtype), mu, logvar
 
 
 class FusedScorer(nn.Module):

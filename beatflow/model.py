@@ -578,8 +578,9 @@ def _step_loss(model: "LightVAE", device_type: str, amp, compile: bool, fused: b
     from .fused import fused_forward
 
     def fusible(xb, eps):
-        with cast():
-            recon, mu, logvar = fused_forward(model, xb, eps)
+        # mixed precision by casts (autocast changes matrix products and convolutions, of which this
+        # form has none: under autocast it computed in float32 whatever the precision asked)
+        recon, mu, logvar = fused_forward(model, xb, eps, dtype=amp)
         return vae_loss(xb, recon.float(), mu.float(), logvar.float())
 
     compiled = torch.compile(fusible, dynamic=False) if compile else None

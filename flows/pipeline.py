@@ -30,7 +30,7 @@ from beatflow.reading import open_source
 from beatflow.scoring import anomaly_table, robust_threshold
 from tasks import stages as T
 from tasks.caching import cached, code_version, input_digest, token
-from tasks.cluster import flow_client, prepare_gpu_workers, run_on_workers, wait_for_workers
+from tasks.cluster import flow_client, prepare_gpu_workers, run_on_workers, wait_for_workers, workers_on_this_host
 
 N_COLUMNS = 4000  # pixel columns of the whole-stream picture
 N_TOP = 12
@@ -164,15 +164,20 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
 
 
 def _run(*args, **kwargs) -> dict:
-    """:func:`_run_flow` with the report's figure processes (:class:`FigurePool`) around it."""
-    figures = FigurePool()
+    """:func:`_run_flow` with the report's figure processes (:class:`FigurePool`) around it, and
+    its background work (copies into the output folder, the truth check, the anomaly table's file:
+    ``pending``) finished before it returns or raises (the caller then renames or removes the folder)."""
+    from concurrent.futures import wait
+
+    figures, pending = FigurePool(), []
     try:
-        return _run_flow(figures, *args, **kwargs)
+        return _run_flow(figures, pending, *args, **kwargs)
     finally:
+        wait(pending)
         figures.close()
 
 
-def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions,
+def _run_flow(figures, pending: list, log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions,
               epochs, batch_size, cache=None, engine_backend="auto", precision="fp32", train_precision="auto",
               train_compile=None, rmm_pool_size=None, rmm_allocator="async") -> dict:
     threads = max(1, os.cpu_count() or 1)
@@ -186,7 +191,11 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     if input is None:
         # in the flow's process (a copy from the cache of generated recordings on a warm run): as a
         # task on a worker it cost the round trips of a remote Prefect task run too
-        input, truth_path = T.synthesize(hours, fs or DEFAULT_FS, seed, str(work))
+        # (a cached recording is read where it is and copied to the outputs in the background)
+        input, truth_path, copying = T.synthesize(hours, fs or DEFAULT_FS, seed, str(work),
+                                                  read_cache=workers_on_this_host())
+        if copying is not None:
+            pending.append(copying)
         sw.lap("synthesize")
     source = open_source(input, column=column, fs=fs, lead=lead)
     fs = source.fs
@@ -240,6 +249,12 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         raise InputError(f"{source.path}: only {plan.n_kept} beats of plausible length "
                          f"(at least {s.lower} samples): too few to learn from")
     pruned = 1.0 - plan.n_kept / plan.n_detected
+    kb = np.flatnonzero(plan.kept)  # beat numbers of kept beats, in the same order as the rows
+    # the check against the synthetic truth needs no scores for its matching: beside training
+    matching = (T.background().submit(T.match_truth, truth_path, np.concatenate(peaks), plan.peak[kb], fs)
+                if truth_path else None)
+    if matching is not None:
+        pending.append(matching)
     log.info("segmentation: %d beats detected, %d kept, removed %.2f percent of the candidates",
              plan.n_detected, plan.n_kept, 100 * pruned)
     sw.lap("segment")
@@ -283,27 +298,28 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     scores = np.concatenate([sc for sc, _ in scored]) if scored else np.zeros(0, np.float32)
     mu = np.concatenate([m for _, m in scored]) if scored else np.zeros((0, 2), np.float32)
     threshold = robust_threshold(scores)
-    kb = np.flatnonzero(plan.kept)  # beat numbers of kept beats, in the same order as the rows
+    flagged_mask = scores > threshold
+    truth = None
+    if truth_path:  # the check against the synthetic truth
+        truth = T.evaluate_truth(matching.result(), scores)
+        log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
+    # the report's figures that need the scores start first, in the figure processes; the table,
+    # its file (in the background) and the top anomalies' context are made while they are drawn
+    view, per_kept = _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged_mask,
+                                  T.gather(overview_futures), truth, kb, rec_offset)
+    late = figures.draw(SimpleNamespace(**view), LATE_FIGURES)
     names = [r.name for r in source.recordings]
     table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
                           threshold, names)
-    table.to_parquet(work / "anomalies.parquet", index=False)
+    pending.append(T.background().submit(table.to_parquet, work / "anomalies.parquet", index=False))
     meta = json.loads((work / "model.json").read_text())
     meta.update(threshold=threshold, fs=fs)
     (work / "model.json").write_text(json.dumps(meta, indent=1))
-    flagged = int(table["flagged"].sum())
+    flagged = int(flagged_mask.sum())
     log.info("scoring: %d of %d beats flagged (threshold %.4g)", flagged, len(table), threshold)
     sw.lap("score")
 
-    # report: the figures that need the scores start now, in the figure processes, while the flow
-    # fetches the top anomalies' context and writes the summary; then the top anomalies' figure
-    truth = None
-    if truth_path:  # the check against the synthetic truth
-        truth = T.evaluate_truth(truth_path, np.concatenate(peaks), plan.peak[kb], scores, fs)
-        log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
-    view, per_kept = _scored_view(fs, total, plan, trained, scores, mu, threshold, table, T.gather(overview_futures),
-                                  truth, kb, rec_offset)
-    late = figures.draw(SimpleNamespace(**view), LATE_FIGURES)
+    # report: the top anomalies' context from their partitions, the summary, the remaining figures
     top = table.nsmallest(N_TOP, "rank")
     windows = {k: [] for k in range(len(specs))}
     for _, row in top.iterrows():
@@ -322,6 +338,8 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
 
     last = figures.draw(data, [name for name in FIGURES if name not in early and name not in late])  # the rest
     T.write_report(str(work / "report.html"), data, figures.collect({**early, **late, **last}))
+    for f in pending:  # the copies, the truth matching and the table's file: their errors are the run's
+        f.result()
     sw.lap("report")
 
     stats = run_on_workers(transfer_stats, flow_run.id)  # this run's counts (workers may serve many runs)
@@ -477,7 +495,7 @@ def _draw_early_figures(figures: FigurePool, fs, s, plan, trained) -> dict:
 LATE_FIGURES = ("stream", "scores", "latent")
 
 
-def _scored_view(fs, total, plan, trained, scores, mu, threshold, table, overview, truth, kb, rec_offset):
+def _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged, overview, truth, kb, rec_offset):
     """``(fields, per_kept)``: the report's fields that the scores decide (what :data:`LATE_FIGURES`
     draw: the stream's picture with the flagged beats' times, every score, and a sample of at most
     20 000 test beats' latent means with their scores and truth labels), and the truth label of every
@@ -494,9 +512,9 @@ def _scored_view(fs, total, plan, trained, scores, mu, threshold, table, overvie
         per_kept = np.zeros(len(kb), np.int64)
         per_kept[m[m >= 0]] = labels[m >= 0]
         truth_labels = per_kept[sub]
-    flagged_rows = table[table["flagged"]]
-    times = (flagged_rows["start"].to_numpy() + np.asarray([rec_offset[int(plan.recording[b])]
-                                                             for b in flagged_rows["beat"]], dtype=np.int64)) / fs
+    fb = kb[np.asarray(flagged, bool)]  # the flagged beats, on the time axis of all recordings
+    offsets = np.asarray([rec_offset[r] for r in range(len(rec_offset))], dtype=np.int64)
+    times = (plan.start[fb].astype(np.int64) + offsets[plan.recording[fb]]) / fs
     return dict(fs=fs, total_samples=int(total), stream_min=smin, stream_max=smax, latent_mu=mu[sub],
                 latent_score=scores[sub], threshold=threshold, score_all=scores, anomaly_times_s=times,
                 truth_labels=truth_labels), per_kept
