@@ -181,7 +181,7 @@ def _run_flow(figures, pending: list, log, sw, work: Path, input, column, fs, le
               epochs, batch_size, cache=None, engine_backend="auto", precision="fp32", train_precision="auto",
               train_compile=None, rmm_pool_size=None, rmm_allocator="async") -> dict:
     threads = max(1, os.cpu_count() or 1)
-    truth_path = None
+    truth_path, copies = None, []
     wait_for_workers(1)  # a cluster whose workers cannot start is an error, not a hang
     if workers is None:  # a cluster given by --scheduler: as many as it has
         client = flow_client()
@@ -191,11 +191,9 @@ def _run_flow(figures, pending: list, log, sw, work: Path, input, column, fs, le
     if input is None:
         # in the flow's process (a copy from the cache of generated recordings on a warm run): as a
         # task on a worker it cost the round trips of a remote Prefect task run too
-        # (a cached recording is read where it is and copied to the outputs in the background)
-        input, truth_path, copying = T.synthesize(hours, fs or DEFAULT_FS, seed, str(work),
-                                                  read_cache=workers_on_this_host())
-        if copying is not None:
-            pending.append(copying)
+        # (a cached recording is read where it is, and copied to the outputs while the model trains)
+        input, truth_path, copies = T.synthesize(hours, fs or DEFAULT_FS, seed, str(work),
+                                                 read_cache=workers_on_this_host())
         sw.lap("synthesize")
     source = open_source(input, column=column, fs=fs, lead=lead)
     fs = source.fs
@@ -250,11 +248,6 @@ def _run_flow(figures, pending: list, log, sw, work: Path, input, column, fs, le
                          f"(at least {s.lower} samples): too few to learn from")
     pruned = 1.0 - plan.n_kept / plan.n_detected
     kb = np.flatnonzero(plan.kept)  # beat numbers of kept beats, in the same order as the rows
-    # the check against the synthetic truth needs no scores for its matching: beside training
-    matching = (T.background().submit(T.match_truth, truth_path, np.concatenate(peaks), plan.peak[kb], fs)
-                if truth_path else None)
-    if matching is not None:
-        pending.append(matching)
     log.info("segmentation: %d beats detected, %d kept, removed %.2f percent of the candidates",
              plan.n_detected, plan.n_kept, 100 * pruned)
     sw.lap("segment")
@@ -269,6 +262,14 @@ def _run_flow(figures, pending: list, log, sw, work: Path, input, column, fs, le
                          epochs, batch_size, seed, MODEL_INPUT, train_precision) if cache else None)
     model_folder = str(Path(cache).resolve() / "models" / train_token) if cache else str(work)
     compile_steps = (device == "gpu") if train_compile is None else bool(train_compile)
+    # while the cluster trains, the flow's own side work runs in the (idle) figure processes, not in
+    # threads of this one, whose GIL the stages need: the copy of a cached recording into the outputs,
+    # and the matching of the beats to the synthetic truth (the part of its check without scores)
+    if truth_path:
+        if copies:
+            pending.append(figures.submit(T.copy_files, copies))
+        matching = figures.submit(T.match_truth, truth_path, np.concatenate(peaks), plan.peak[kb], fs)
+        pending.append(matching)
     t_submit = time.time()
     # on the home worker, the same every run: its compiled steps and graphs stay warm
     trained = cached(T.train_model, cache)(embedded, model_folder, epochs, batch_size, seed, threads,
@@ -427,6 +428,22 @@ class FigurePool:
             _lower_priority(getattr(self.pool, "_processes", None) or {})
         except Exception:  # no processes here: the report task draws everything
             self.pool = None
+
+    def submit(self, fn, *args):
+        """``fn(*args)`` in one of the processes (a future); in this thread, done, when there are none."""
+        from concurrent.futures import Future
+
+        if self.pool is not None:
+            try:
+                return self.pool.submit(fn, *args)
+            except Exception:  # a broken pool
+                pass
+        done = Future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as e:
+            done.set_exception(e)
+        return done
 
     def draw(self, data, names) -> dict:
         """Futures of the named figures (``beatflow.report.FIGURES``), one job each."""

@@ -43,22 +43,22 @@ PROGRESS_EVERY_S = 0.5
 
 
 @partition_task(name="synthesize-ecg")
-def synthesize(hours: float, fs: float, seed: int, folder: str, read_cache: bool = True) -> tuple[str, str, object]:
-    """The synthetic ECG of ``(hours, fs, seed)`` as ``(signal path, truth path, copying)``.
+def synthesize(hours: float, fs: float, seed: int, folder: str, read_cache: bool = True) -> tuple[str, str, list]:
+    """The synthetic ECG of ``(hours, fs, seed)`` as ``(signal path, truth path, copies)``.
 
     Generated recordings are cached (:func:`beatflow.synth.synthesize_cached`). On a cache hit the
-    run reads the cache entry itself, and ``input.npy`` / ``truth.npz`` are copied into ``folder``
-    in a background thread while the stages go on (``copying``: its future, for the flow to wait on
-    before its outputs are complete; 72 MB for 20 h, 0.05-0.1 s); otherwise, or when ``read_cache``
-    is false (workers on other machines, which have the output folder but maybe not this machine's
-    cache), they are written into ``folder`` (``copying`` None)."""
+    run reads the cache entry itself, and ``copies`` lists the ``(source, target)`` files for the
+    flow to copy into ``folder`` (``input.npy``, ``truth.npz``; 72 MB for 20 h) while the stages go
+    on (:func:`copy_files`). Otherwise, or when ``read_cache`` is false (workers on other machines,
+    which have the output folder but maybe not this machine's cache), they are written into
+    ``folder`` now (``copies`` empty)."""
     from beatflow.synth import cached_files, synthesize_cached
 
     sig, truth = os.path.join(folder, "input.npy"), os.path.join(folder, "truth.npz")
     hit = cached_files(hours, fs, seed)
-    copying = None
+    copies = []
     if hit is not None and read_cache:
-        copying = background().submit(_copy_files, [(hit[0], sig), (hit[1], truth)])
+        copies = [(str(hit[0]), sig), (str(hit[1]), truth)]
         read = (str(hit[0]), str(hit[1]))
     else:
         _, hit = synthesize_cached(sig, truth, hours=hours, fs=fs, seed=seed)
@@ -68,10 +68,11 @@ def synthesize(hours: float, fs: float, seed: int, folder: str, read_cache: bool
     get_run_logger().info("synthesized %.1f h at %g Hz%s: %d beats (%d PVC, %d artifacts)", hours, fs,
                           " (from the cache of generated recordings)" if hit else "", len(labels),
                           int((labels == 1).sum()), int((labels == 2).sum()))
-    return read[0], read[1], copying
+    return read[0], read[1], copies
 
 
-def _copy_files(pairs) -> None:
+def copy_files(pairs) -> None:
+    """Copy each ``(source, target)`` file."""
     import shutil
 
     for src, dst in pairs:
@@ -80,8 +81,8 @@ def _copy_files(pairs) -> None:
 
 @functools.lru_cache(maxsize=1)
 def background():
-    """This process's threads for the flow's own side work (copies, the truth check, writing the
-    anomaly table) that goes on while the flow waits on the cluster."""
+    """This process's threads for the flow's own side work that waits on I/O (writing the anomaly
+    table's file) while the flow goes on."""
     from concurrent.futures import ThreadPoolExecutor
 
     return ThreadPoolExecutor(max_workers=2, thread_name_prefix="beatflow-flow")
