@@ -42,7 +42,7 @@ def _run_parser(sub) -> None:
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16", "int8"), default="fp32",
                    help="inference engine precision (fp16/bf16 on GPU, int8 on CPU)")
     p.add_argument("--train-precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                   help="VAE training on a GPU: auto = bf16 autocast where supported, else fp16 with a gradient "
+                   help="VAE training on a GPU: auto = bf16 where supported, else fp16 with a gradient "
                         "scaler; fp32 (the CPU always trains in fp32)")
     p.add_argument("--train-compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile the training step (auto: on a GPU)")

@@ -249,7 +249,8 @@ def train_vae(
         Called as ``on_epoch(epoch, train_loss, elapsed_s)`` after each epoch, ``epoch``
         counting from 1 and ``elapsed_s`` the time since training started.
     precision : ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"auto"``
-        Mixed precision on a GPU: the forward pass under ``torch.autocast`` in bf16, or in fp16
+        Mixed precision on a GPU: the forward pass in bf16 (the eager model under ``torch.autocast``,
+        the fusible form of ``compile`` by casting its input and parameters), or in fp16
         with a gradient scaler; the loss, the weights and Adam stay fp32. ``"auto"``: bf16 where
         the GPU supports it, else fp16; fp32 on the CPU (see :func:`training_precision`).
     compile : bool

@@ -158,29 +158,6 @@ class SyntheticECG:
 DEFAULT_SYNTH_CACHE = os.path.join("~", ".cache", "beatflow", "synthetic")
 
 
-def cache_entry(hours: float, fs: float, seed: int, cache_dir=None) -> Path | None:
-    """The path of the cache entry (signal ``.npy``; its truth at :func:`truth_path`) of the recording
-    of :func:`synthesize_ecg` ``(hours, fs, seed)``, whether or not it exists yet; None when the cache
-    is ``"off"``. The key hashes the arguments and this module's code (see :func:`synthesize_cached`)."""
-    import hashlib
-
-    folder = cache_dir if cache_dir is not None else os.environ.get("BEATFLOW_SYNTH_CACHE", DEFAULT_SYNTH_CACHE)
-    if os.fspath(folder) == "off":
-        return None
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-    key = hashlib.sha256(repr((float(hours), float(fs), int(seed), code)).encode()).hexdigest()[:24]
-    return Path(os.path.expanduser(os.fspath(folder))) / f"ecg-{key}.npy"
-
-
-def cached_files(hours: float, fs: float, seed: int, cache_dir=None) -> tuple[Path, Path] | None:
-    """``(signal, truth)`` of the cache entry of ``(hours, fs, seed)`` when both files are there, else None.
-    They are to be read, never written: a run reads its input from there and copies it to its output."""
-    entry = cache_entry(hours, fs, seed, cache_dir)
-    if entry is not None and entry.is_file() and truth_path(entry).is_file():
-        return entry, truth_path(entry)
-    return None
-
-
 def synthesize_cached(out_signal, out_truth, hours: float = 20.0, fs: float = 250.0, seed: int = 0,
                       cache_dir=None) -> tuple[SyntheticECG | None, bool]:
     """Write the recording of :func:`synthesize_ecg` ``(hours, fs, seed)`` to ``out_signal``
@@ -205,14 +182,20 @@ def synthesize_cached(out_signal, out_truth, hours: float = 20.0, fs: float = 25
     (ecg, hit) : (SyntheticECG or None, bool)
         The generated recording (None on a hit: the files were copied) and whether it came from the cache.
     """
+    import hashlib
     import shutil
     import tempfile
 
-    entry = cache_entry(hours, fs, seed, cache_dir)
-    if entry is not None and entry.is_file() and truth_path(entry).is_file():
-        shutil.copyfile(entry, out_signal)
-        shutil.copyfile(truth_path(entry), out_truth)
-        return None, True
+    folder = cache_dir if cache_dir is not None else os.environ.get("BEATFLOW_SYNTH_CACHE", DEFAULT_SYNTH_CACHE)
+    entry = None
+    if os.fspath(folder) != "off":
+        code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+        key = hashlib.sha256(repr((float(hours), float(fs), int(seed), code)).encode()).hexdigest()[:24]
+        entry = Path(os.path.expanduser(os.fspath(folder))) / f"ecg-{key}.npy"
+        if entry.is_file() and truth_path(entry).is_file():
+            shutil.copyfile(entry, out_signal)
+            shutil.copyfile(truth_path(entry), out_truth)
+            return None, True
     ecg = synthesize_ecg(hours=hours, fs=fs, seed=seed)
     np.save(out_signal, np.ascontiguousarray(ecg.signal, dtype=np.float32))
     np.savez(out_truth, r_peaks=np.asarray(ecg.r_peaks, np.int64), labels=np.asarray(ecg.labels, np.int8),

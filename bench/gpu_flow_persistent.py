@@ -10,7 +10,6 @@ Run on the GPU machine from the repository root (``PYTHONPATH=/tmp/site:$PWD``):
 
     RUNS=3 python3 bench/gpu_flow_persistent.py     # summaries and a table under $OUT
 
-``PROFILE=1``: the warm runs (2, 3, ...) under ``cProfile`` (the flow's thread; ``$OUT/prof-*.out``).
 ``DEVICE=cpu WORKERS=16`` does the same for the CPU path: a standing ``LocalCluster`` of 16
 single-threaded workers set up as the flow's own (``tasks.cluster``), and ``beatflow run --device
 cpu`` against it, so that warm runs of both paths can be compared.
@@ -74,9 +73,7 @@ def main() -> int:
             out = f"/tmp/bf-persistent-{device}-{r}"
             shutil.rmtree(out, ignore_errors=True)  # (left by an earlier call on this machine)
             t = time.perf_counter()
-            prof = (["-m", "cProfile", "-o", os.path.join(OUT, f"prof-{device}-{r}.out")]
-                    if os.environ.get("PROFILE") and r > 1 else [])  # the flow's thread, warm runs
-            cmd = [sys.executable, *prof, "-m", "beatflow.cli", "run", "--hours", os.environ.get("HOURS", "20"),
+            cmd = [sys.executable, "-m", "beatflow.cli", "run", "--hours", os.environ.get("HOURS", "20"),
                    "--device", device, "--scheduler", cluster.scheduler_address, "--out", out] + extra
             if os.environ.get("EPOCHS"):  # (a shorter training, to look at the other stages on a small machine)
                 cmd += ["--epochs", os.environ["EPOCHS"]]

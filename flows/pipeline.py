@@ -24,13 +24,14 @@ from prefect import flow, get_run_logger
 from beatflow.backend import transfer_stats
 from beatflow.beats import MODEL_INPUT
 from beatflow.errors import InputError
+from beatflow.metrics import match_truth
 from beatflow.params import DEFAULT_FS, SegmentParams
 from beatflow.partitions import assemble_halos, plan_beats
 from beatflow.reading import open_source
 from beatflow.scoring import anomaly_table, robust_threshold
 from tasks import stages as T
 from tasks.caching import cached, code_version, input_digest, token
-from tasks.cluster import flow_client, prepare_gpu_workers, run_on_workers, wait_for_workers, workers_on_this_host
+from tasks.cluster import flow_client, prepare_gpu_workers, run_on_workers, wait_for_workers
 
 N_COLUMNS = 4000  # pixel columns of the whole-stream picture
 N_TOP = 12
@@ -164,24 +165,19 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
 
 
 def _run(*args, **kwargs) -> dict:
-    """:func:`_run_flow` with the report's figure processes (:class:`FigurePool`) around it, and
-    its background work (copies into the output folder, the truth check, the anomaly table's file:
-    ``pending``) finished before it returns or raises (the caller then renames or removes the folder)."""
-    from concurrent.futures import wait
-
-    figures, pending = FigurePool(), []
+    """:func:`_run_flow` with the report's figure processes (:class:`FigurePool`) around it."""
+    figures = FigurePool()
     try:
-        return _run_flow(figures, pending, *args, **kwargs)
+        return _run_flow(figures, *args, **kwargs)
     finally:
-        wait(pending)
         figures.close()
 
 
-def _run_flow(figures, pending: list, log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions,
+def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions,
               epochs, batch_size, cache=None, engine_backend="auto", precision="fp32", train_precision="auto",
               train_compile=None, rmm_pool_size=None, rmm_allocator="async") -> dict:
     threads = max(1, os.cpu_count() or 1)
-    truth_path, copies = None, []
+    truth_path = None
     wait_for_workers(1)  # a cluster whose workers cannot start is an error, not a hang
     if workers is None:  # a cluster given by --scheduler: as many as it has
         client = flow_client()
@@ -191,9 +187,7 @@ def _run_flow(figures, pending: list, log, sw, work: Path, input, column, fs, le
     if input is None:
         # in the flow's process (a copy from the cache of generated recordings on a warm run): as a
         # task on a worker it cost the round trips of a remote Prefect task run too
-        # (a cached recording is read where it is, and copied to the outputs while the model trains)
-        input, truth_path, copies = T.synthesize(hours, fs or DEFAULT_FS, seed, str(work),
-                                                 read_cache=workers_on_this_host())
+        input, truth_path = T.synthesize(hours, fs or DEFAULT_FS, seed, str(work))
         sw.lap("synthesize")
     source = open_source(input, column=column, fs=fs, lead=lead)
     fs = source.fs
@@ -262,14 +256,13 @@ def _run_flow(figures, pending: list, log, sw, work: Path, input, column, fs, le
                          epochs, batch_size, seed, MODEL_INPUT, train_precision) if cache else None)
     model_folder = str(Path(cache).resolve() / "models" / train_token) if cache else str(work)
     compile_steps = (device == "gpu") if train_compile is None else bool(train_compile)
-    # while the cluster trains, the flow's own side work runs in the (idle) figure processes, not in
-    # threads of this one, whose GIL the stages need: the copy of a cached recording into the outputs,
-    # and the matching of the beats to the synthetic truth (the part of its check without scores)
+    # while the cluster trains, the matching of the beats to the synthetic truth (the part of its
+    # check that needs no scores) runs in an idle figure process, not in a thread of this one, whose
+    # GIL the stages need (on the H200 a thread here made the embedding stage 4x slower); only light
+    # modules there: a job that made a process import Prefect cost seconds
+    matching = None
     if truth_path:
-        if copies:
-            pending.append(figures.submit(T.copy_files, copies))
-        matching = figures.submit(T.match_truth, truth_path, np.concatenate(peaks), plan.peak[kb], fs)
-        pending.append(matching)
+        matching = figures.submit(match_truth, truth_path, np.concatenate(peaks), plan.peak[kb], fs)
     t_submit = time.time()
     # on the home worker, the same every run: its compiled steps and graphs stay warm
     trained = cached(T.train_model, cache)(embedded, model_folder, epochs, batch_size, seed, threads,
@@ -304,15 +297,15 @@ def _run_flow(figures, pending: list, log, sw, work: Path, input, column, fs, le
     if truth_path:  # the check against the synthetic truth
         truth = T.evaluate_truth(matching.result(), scores)
         log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
-    # the report's figures that need the scores start first, in the figure processes; the table,
-    # its file (in the background) and the top anomalies' context are made while they are drawn
+    # the report's figures that need the scores start first, in the figure processes; the anomaly
+    # table, its file and the top anomalies' context are made while they are drawn
     view, per_kept = _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged_mask,
                                   T.gather(overview_futures), truth, kb, rec_offset)
     late = figures.draw(SimpleNamespace(**view), LATE_FIGURES)
     names = [r.name for r in source.recordings]
     table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
                           threshold, names)
-    pending.append(T.background().submit(table.to_parquet, work / "anomalies.parquet", index=False))
+    table.to_parquet(work / "anomalies.parquet", index=False)
     meta = json.loads((work / "model.json").read_text())
     meta.update(threshold=threshold, fs=fs)
     (work / "model.json").write_text(json.dumps(meta, indent=1))
@@ -339,8 +332,6 @@ def _run_flow(figures, pending: list, log, sw, work: Path, input, column, fs, le
 
     last = figures.draw(data, [name for name in FIGURES if name not in early and name not in late])  # the rest
     T.write_report(str(work / "report.html"), data, figures.collect({**early, **late, **last}))
-    for f in pending:  # the copies, the truth matching and the table's file: their errors are the run's
-        f.result()
     sw.lap("report")
 
     stats = run_on_workers(transfer_stats, flow_run.id)  # this run's counts (workers may serve many runs)

@@ -351,36 +351,3 @@ def run_on_workers(fn, *args) -> dict:
         logging.getLogger("beatflow").warning("%s on the workers failed: %s", getattr(fn, "__name__", fn), e)
         return {}
 
-
-def workers_on_this_host() -> bool:
-    """Whether every worker of the current flow's cluster runs on this machine (its addresses are
-    loopback or this host's), so that they can read a file only this machine has (the cache of
-    generated recordings). False with no client or on any doubt."""
-    import ipaddress
-    import socket
-    from urllib.parse import urlsplit
-
-    client = flow_client()
-    if client is None:
-        return False
-    try:
-        own = {"localhost", socket.gethostname(), socket.getfqdn()}
-        try:
-            own.update(socket.gethostbyname_ex(socket.gethostname())[2])
-        except OSError:
-            pass
-        workers = client.scheduler_info().get("workers", {})
-        if not workers:
-            return False
-        for address in workers:
-            host = urlsplit(address).hostname or ""
-            try:
-                if ipaddress.ip_address(host).is_loopback:
-                    continue
-            except ValueError:
-                pass
-            if host not in own:
-                return False
-        return True
-    except Exception:
-        return False

@@ -43,49 +43,19 @@ PROGRESS_EVERY_S = 0.5
 
 
 @partition_task(name="synthesize-ecg")
-def synthesize(hours: float, fs: float, seed: int, folder: str, read_cache: bool = True) -> tuple[str, str, list]:
-    """The synthetic ECG of ``(hours, fs, seed)`` as ``(signal path, truth path, copies)``.
-
-    Generated recordings are cached (:func:`beatflow.synth.synthesize_cached`). On a cache hit the
-    run reads the cache entry itself, and ``copies`` lists the ``(source, target)`` files for the
-    flow to copy into ``folder`` (``input.npy``, ``truth.npz``; 72 MB for 20 h) while the stages go
-    on (:func:`copy_files`). Otherwise, or when ``read_cache`` is false (workers on other machines,
-    which have the output folder but maybe not this machine's cache), they are written into
-    ``folder`` now (``copies`` empty)."""
-    from beatflow.synth import cached_files, synthesize_cached
+def synthesize(hours: float, fs: float, seed: int, folder: str) -> tuple[str, str]:
+    """Generate the synthetic ECG (or copy it from the cache of generated recordings); write
+    ``input.npy`` and the truth (``truth.npz``) to ``folder``."""
+    from beatflow.synth import synthesize_cached
 
     sig, truth = os.path.join(folder, "input.npy"), os.path.join(folder, "truth.npz")
-    hit = cached_files(hours, fs, seed)
-    copies = []
-    if hit is not None and read_cache:
-        copies = [(str(hit[0]), sig), (str(hit[1]), truth)]
-        read = (str(hit[0]), str(hit[1]))
-    else:
-        _, hit = synthesize_cached(sig, truth, hours=hours, fs=fs, seed=seed)
-        read = (sig, truth)
-    with np.load(read[1]) as t:
+    _, hit = synthesize_cached(sig, truth, hours=hours, fs=fs, seed=seed)
+    with np.load(truth) as t:
         labels = t["labels"]
     get_run_logger().info("synthesized %.1f h at %g Hz%s: %d beats (%d PVC, %d artifacts)", hours, fs,
                           " (from the cache of generated recordings)" if hit else "", len(labels),
                           int((labels == 1).sum()), int((labels == 2).sum()))
-    return read[0], read[1], copies
-
-
-def copy_files(pairs) -> None:
-    """Copy each ``(source, target)`` file."""
-    import shutil
-
-    for src, dst in pairs:
-        shutil.copyfile(src, dst)
-
-
-@functools.lru_cache(maxsize=1)
-def background():
-    """This process's threads for the flow's own side work that waits on I/O (writing the anomaly
-    table's file) while the flow goes on."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="beatflow-flow")
+    return sig, truth
 
 
 # --- the partitions' work: plain functions, run by Dask on the worker that holds the partition ---
@@ -468,23 +438,10 @@ def score_partition(embedded, dominant=None, *, engine_path: str, scale: float):
     return to_host(score), to_host(mu)
 
 
-def match_truth(truth_path: str, peaks, kept_peaks, fs: float) -> dict:
-    """Detection against the synthetic truth (Se, PPV, F1 at 150 ms) and the truth beat matched to
-    each kept beat: the part of :func:`evaluate_truth` that needs no scores (run beside training)."""
-    from beatflow.metrics import match_beats
-
-    with np.load(truth_path) as t:
-        r_peaks, labels = t["r_peaks"], t["labels"]
-    tol = int(round(0.15 * fs))
-    det, _ = match_beats(peaks, r_peaks, tol)
-    _, m = match_beats(kept_peaks, r_peaks, tol)
-    return {"se": det.se, "ppv": det.ppv, "f1": det.f1, "matched": m, "labels": labels}
-
-
 @task(name="evaluate-truth", cache_policy=NO_CACHE, persist_result=False)
 def evaluate_truth(matched: dict, kept_scores) -> dict:
-    """Detection (Se, PPV at 150 ms, from :func:`match_truth`) and anomaly ROC-AUC against the
-    synthetic truth."""
+    """Detection (Se, PPV at 150 ms, from :func:`beatflow.metrics.match_truth`) and anomaly ROC-AUC
+    against the synthetic truth."""
     from beatflow.metrics import roc_auc
 
     m, all_labels = matched["matched"], matched["labels"]

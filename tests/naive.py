@@ -239,3 +239,10 @@ def flutter_keep_mask(x, peaks, first: int, s) -> np.ndarray:
             for k in range(j, j + L):
                 episode[k] = True
     return np.asarray([not episode[p // W - w0] for p in peaks], dtype=bool)
+
+
+def imported(names) -> dict:
+    """Which of ``names`` this process has imported (a job for the flow's figure processes)."""
+    import sys
+
+    return {n: n in sys.modules for n in names}

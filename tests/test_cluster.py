@@ -315,28 +315,3 @@ print(json.dumps(out))
             (lib, got[lib])
     assert got["after"][1] >= 1_000_000
 
-
-def test_workers_on_this_host_only_for_local_addresses(monkeypatch):
-    """The flow reads the cache of generated recordings in place only when every worker runs on
-    this machine (a remote worker may not have that folder)."""
-    import socket
-
-    import tasks.cluster as C
-
-    class FakeClient:
-        def __init__(self, addresses):
-            self.addresses = addresses
-
-        def scheduler_info(self):
-            return {"workers": {a: {} for a in self.addresses}}
-
-    for addresses, expected in ((["tcp://127.0.0.1:4000", "tcp://127.0.0.1:4001"], True),
-                                ([f"tcp://{socket.gethostname()}:4000"], True),
-                                (["ucx://[::1]:4000"], True),
-                                (["tcp://127.0.0.1:4000", "tcp://10.255.254.253:4000"], False),
-                                (["tcp://node-that-is-not-here.invalid:4000"], False),
-                                ([], False)):
-        monkeypatch.setattr(C, "flow_client", lambda a=addresses: FakeClient(a))
-        assert C.workers_on_this_host() is expected, addresses
-    monkeypatch.setattr(C, "flow_client", lambda: None)
-    assert C.workers_on_this_host() is False

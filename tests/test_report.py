@@ -366,3 +366,40 @@ def test_pixel_max_matches_a_naive_loop_over_points():
     want[np.isneginf(want)] = np.nan
     np.testing.assert_array_equal(got, want)
     assert np.isnan(got).any() and np.isfinite(got).any()
+
+
+def test_figure_pool_side_work_stays_light(tmp_path):
+    """The flow's side work in the figure processes (the truth matching, file copies) gives what it
+    gives here and does not make the processes import Prefect or PyTorch (on the H200 a job that
+    imported Prefect there cost 2-3 s of the scoring stage); without processes it runs in place."""
+    import shutil
+
+    from flows.pipeline import FigurePool
+    from naive import imported
+
+    from beatflow.metrics import match_truth
+
+    rng = np.random.default_rng(0)
+    r_peaks = np.sort(rng.choice(100_000, 300, replace=False))
+    labels = rng.integers(0, 3, 300).astype(np.int8)
+    np.savez(tmp_path / "truth.npz", r_peaks=r_peaks, labels=labels, fs=250.0)
+    peaks = np.sort(np.concatenate([r_peaks[5:] + 3, [7, 99_990]]))
+    kept = peaks[::2]
+    (tmp_path / "a.bin").write_bytes(b"x" * 1000)
+    here = match_truth(str(tmp_path / "truth.npz"), peaks, kept, 250.0)
+    assert 0.9 < here["se"] < 1 and here["ppv"] < 1 and here["matched"].shape == r_peaks.shape  # per truth beat
+    pool = FigurePool(1)
+    try:
+        there = pool.submit(match_truth, str(tmp_path / "truth.npz"), peaks, kept, 250.0).result(timeout=60)
+        assert pool.submit(shutil.copyfile, str(tmp_path / "a.bin"), str(tmp_path / "b.bin")).result(timeout=60)
+        assert (tmp_path / "b.bin").read_bytes() == b"x" * 1000
+        assert pool.submit(imported, ["prefect", "torch", "distributed"]).result(timeout=60) == {
+            "prefect": False, "torch": False, "distributed": False}
+    finally:
+        pool.close()
+    assert {k: there[k] for k in ("se", "ppv", "f1")} == {k: here[k] for k in ("se", "ppv", "f1")}
+    np.testing.assert_array_equal(there["matched"], here["matched"])
+    pool.pool = None  # no processes: the job runs in this thread, its exception kept in the future
+    assert pool.submit(match_truth, str(tmp_path / "truth.npz"), peaks, kept, 250.0).result()["se"] == here["se"]
+    with pytest.raises(FileNotFoundError):
+        pool.submit(match_truth, str(tmp_path / "missing.npz"), peaks, kept, 250.0).result()
