@@ -114,14 +114,15 @@ def test_steps_uncompiled_in_graphs_under_a_pluggable_allocator(monkeypatch):
 
 
 
-def test_fused_forward_in_bf16_casts_the_arithmetic_and_keeps_float32_gradients():
-    """``dtype``: the form computes in bf16 (outputs bf16, close to float32), the parameters and
-    their gradients stay float32 (autocast left this form's multiply-adds in float32)."""
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_fused_forward_in_half_precision_casts_the_arithmetic_and_keeps_float32_gradients(half):
+    """``dtype``: the form computes in bf16 / fp16 (outputs of that type, close to float32), the
+    parameters and their gradients stay float32 (autocast left this form's multiply-adds in float32)."""
     vae = _random_vae(7)
     x = 0.3 * torch.randn(32, 64, generator=torch.Generator().manual_seed(7))
     eps = torch.randn(32, 2, generator=torch.Generator().manual_seed(8))
     grads = []
-    for dtype in (None, torch.bfloat16):
+    for dtype in (None, half):
         vae.zero_grad()
         r, mu, lv = fused_forward(vae, x, eps, dtype=dtype)
         assert r.dtype == mu.dtype == lv.dtype == (dtype or torch.float32)
