@@ -163,3 +163,15 @@ def test_bf16_steps_train_to_within_5_percent_of_float32():
             final[amp] = float(M.vae_loss(xb, r, mu, lv)) / len(x)
     assert final[torch.bfloat16] != final[None]  # (not the same arithmetic)
     assert abs(final[torch.bfloat16] - final[None]) <= 0.05 * final[None], final
+
+
+def test_compile_pays_on_the_gpu_and_for_large_cpu_trainings():
+    """``--train-compile auto``: always on a GPU; on the CPU from CPU_COMPILE_MIN_ROW_EPOCHS rows x
+    epochs (the 20 h default run: 72 826 training rows x 10 epochs), not for small trainings."""
+    from beatflow.model import CPU_COMPILE_MIN_ROW_EPOCHS, TRAIN_FRACTION, compile_pays
+
+    assert compile_pays("gpu", 10, 1)
+    assert compile_pays("cpu", int(97102 * TRAIN_FRACTION), 10)
+    assert not compile_pays("cpu", int(97102 * TRAIN_FRACTION), 2)
+    assert not compile_pays("cpu", 500, 10)
+    assert compile_pays("cpu", CPU_COMPILE_MIN_ROW_EPOCHS, 1) and not compile_pays("cpu", CPU_COMPILE_MIN_ROW_EPOCHS - 1, 1)
