@@ -46,7 +46,7 @@ def _run_parser(sub) -> None:
                         "scaler; fp32 (the CPU always trains in fp32)")
     p.add_argument("--train-compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile the training step (auto: on a GPU; on the CPU from 200 000 rows x epochs, "
-                        "where a compiled epoch is ~2x faster: the 20 h default run)")
+                        "where a compiled epoch is ~2x faster once compiled: the 20 h default run)")
     p.add_argument("--cache", default=os.environ.get("BEATFLOW_CACHE"),
                    help="reuse segmentation/training results from this cache folder (default $BEATFLOW_CACHE)")
 
