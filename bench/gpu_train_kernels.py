@@ -10,7 +10,7 @@ same kernels the graph holds, launched one by one): per kernel, calls per step a
 call, and the sum per step against the wall time per step of the graphed run. Run on the GPU
 machine (``PYTHONPATH=$PWD``)::
 
-    python3 bench/gpu_train_kernels.py               # table + kernels, JSON to $OUT/train_kernels.json
+    python3 bench/gpu_train_kernels.py               # table + kernels, JSON to $OUT/train_kernels_<variant>.json
 
 ``VARIANTS="default;coordinate_descent_tuning=1"``: each a fresh process with those settings of
 ``torch._inductor.config`` (``default``: none), its table and kernels; JSON per variant.
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def inductor_settings(spec: str) -> dict:
-    """``"a=1,b.c=0"`` -> ``{"a": True, "b.c": False}`` (ints and floats as such)."""
+    """``"a=1,b.c=0,d=x"`` -> ``{"a": True, "b.c": False, "d": "x"}`` (other values stay strings)."""
     out = {}
     for item in filter(None, (spec or "").split(",")):
         k, v = item.split("=")
@@ -62,7 +62,7 @@ def main():
     rows /= float(cupy.median(p2p))
     rows = B.residual_rows(rows, B.dominant_beat(rows))
     data = torch.from_dlpack(rows)
-    n_train = int(data.shape[0] * 0.75)
+    n_train = int(data.shape[0] * M.TRAIN_FRACTION)
     steps = -(-n_train // 1024)
     print(f"rows {tuple(data.shape)}, {steps} steps per epoch, graph allocator {M.graph_allocator()}", flush=True)
     out = {"rows": list(data.shape), "steps_per_epoch": steps, "runs": [], "kernels": {}}

@@ -350,4 +350,3 @@ def run_on_workers(fn, *args) -> dict:
     except Exception as e:  # bookkeeping must not fail a run; say why it is missing
         logging.getLogger("beatflow").warning("%s on the workers failed: %s", getattr(fn, "__name__", fn), e)
         return {}
-

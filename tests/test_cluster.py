@@ -314,4 +314,3 @@ print(json.dumps(out))
                             "0.00 GB in use) can give: raise --rmm-pool-size or cut the stream into more --partitions"), \
             (lib, got[lib])
     assert got["after"][1] >= 1_000_000
-

@@ -113,7 +113,6 @@ def test_steps_uncompiled_in_graphs_under_a_pluggable_allocator(monkeypatch):
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
 
-
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 def test_fused_forward_in_half_precision_casts_the_arithmetic_and_keeps_float32_gradients(half):
     """``dtype``: the form computes in bf16 / fp16 (outputs of that type, close to float32), the
@@ -132,7 +131,7 @@ def test_fused_forward_in_half_precision_casts_the_arithmetic_and_keeps_float32_
         if dtype is None:
             r32 = r.detach()
     torch.testing.assert_close(r.float().detach(), r32, rtol=0.05, atol=0.05 * float(r32.abs().max()))
-    assert not torch.equal(r.float().detach(), r32)  # it did compute in bf16
+    assert not torch.equal(r.float().detach(), r32)  # it did compute in half precision
     cos = torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0)
     assert cos > 0.99
 

@@ -369,8 +369,8 @@ def test_pixel_max_matches_a_naive_loop_over_points():
 
 
 def test_figure_pool_side_work_stays_light(tmp_path):
-    """The flow's side work in the figure processes (the truth matching, file copies) gives what it
-    gives here and does not make the processes import Prefect or PyTorch (on the H200 a job that
+    """Jobs the flow submits to its figure processes (the truth matching; a plain file copy) give what
+    they give here and does not make the processes import Prefect or PyTorch (on the H200 a job that
     imported Prefect there cost 2-3 s of the scoring stage); without processes it runs in place."""
     import shutil
 
