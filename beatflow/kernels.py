@@ -604,7 +604,8 @@ class _Ctx:
             except ImportError as e:
                 raise DeviceError("the GPU kernels return CuPy arrays: install cupy") from e
             self.xp = cupy
-            self.stream_ptr = ptr = cupy.cuda.get_current_stream().ptr
+            self.cstream = cur = cupy.cuda.get_current_stream()
+            self.stream_ptr = ptr = cur.ptr
             self.stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
 
     def arg(self, a):
@@ -623,6 +624,25 @@ class _Ctx:
 
     def blocks(self, needed: int) -> int:
         return max(1, min(needed, _SIM_MAX_BLOCKS)) if self.sim else max(1, needed)
+
+    def fork(self):
+        """A context for this call's second stream (:func:`_side_stream`), which starts behind the
+        work queued on this one so far: ``(side, join)``, where ``join()`` makes this stream wait
+        for what was then launched on the side. In the simulator (one stream) ``side`` is this
+        context and ``join`` does nothing."""
+        if self.sim:
+            return self, lambda: None
+        stream = _side_stream()
+        side = object.__new__(_Ctx)
+        side.sim, side.xp, side.cstream = False, self.xp, stream
+        side.stream_ptr = stream.ptr
+        side.stream = cuda.external_stream(stream.ptr)
+        stream.wait_event(self.cstream.record())
+
+        def join():
+            self.cstream.wait_event(stream.record())
+
+        return side, join
 
     def launch(self, kernel, blocks: int, threads: int, shared: int, *args):
         """``kernel[blocks, threads, stream, shared](*args)``.
@@ -651,6 +671,27 @@ class _Ctx:
         finally:
             sys.setswitchinterval(old)
 
+
+_side = threading.local()
+
+
+def _side_stream():
+    """This thread's second CuPy stream on the current device (non-blocking, created once): the
+    detection runs the flutter rule's kernels on it, beside the candidate kernels (:func:`_detect_gpu`)."""
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice()
+    streams = getattr(_side, "streams", None)
+    if streams is None:
+        streams = _side.streams = {}
+    stream = streams.get(dev)
+    if stream is None:
+        stream = streams[dev] = cupy.cuda.Stream(non_blocking=True)
+    return stream
+
+
+#: the flutter rule's kernels on a second stream, beside the candidate kernels (BEATFLOW_VF_STREAM=0: one stream)
+_VF_STREAM = os.environ.get("BEATFLOW_VF_STREAM", "1") not in ("0", "false", "no")
 
 #: launch compiled kernels through CuPy's driver call (False, or BEATFLOW_FAST_LAUNCH=0: always through Numba)
 _FAST_LAUNCH = os.environ.get("BEATFLOW_FAST_LAUNCH", "1") not in ("0", "false", "no")
@@ -1799,8 +1840,10 @@ def _taps(size: int, a: float, reverse: bool = False) -> tuple:
     return tuple(float(v) for v in (taps[::-1] if reverse else taps))
 
 
-def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
-    """Launch the fused dense kernel over ``x``; returns its outputs (device arrays)."""
+def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool, fork: bool = False):
+    """Launch the fused dense kernel over ``x``; returns its outputs (device arrays). With ``fork``
+    also ``out["side"] = ctx.fork()``, a second stream that starts behind the outputs' set-up but not
+    behind the kernel."""
     kern, tile, tpb = plan
     xp = ctx.xp
     n = int(x.shape[0])
@@ -1818,6 +1861,8 @@ def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
         # whose near-median fraction the flutter rule computed, kept beats (segment_rows_gpu)]
         "env": xp.empty(n if write_env else 1, dtype=xp.float64),
     }
+    if fork:
+        out["side"] = ctx.fork()
     a = ctx.arg
     ctx.launch(kern["dense"], nt, tpb, 0, a(x), first, b0, bool(write_env), a(out["env"]), a(out["bmax"]),
                a(out["xmax"]), cap, a(out["tcount"]), a(out["tpos"]), a(out["theight"]), a(out["tvalley"]),
@@ -1942,7 +1987,14 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
     first = int(first)
     kern, tile, tpb = plan
     cap = int(_cap) if _cap is not None else tile // (int(s.nms) + 1) + 2
-    d = _dense_pass(ctx, plan, x, s, first, cap, write_env=False)  # 1.
+    lo, hi = (-_FAR, _FAR) if core is None else (int(core[0]), int(core[1]))
+    fork = rule and _VF_STREAM
+    d = _dense_pass(ctx, plan, x, s, first, cap, write_env=False, fork=fork)  # 1.
+    info = d["info"]
+    if fork:  # the flutter rule's kernels on a second stream, beside those of the candidates
+        side, join = d["side"]
+        episode, w0, spans = _flutter_pass(side, x, s, first, first if core is None else lo,
+                                           first + n if core is None else hi, info)
     nt = d["nt"]
     a = ctx.arg
     offsets = xp.empty(nt + 1, dtype=xp.int64)
@@ -1968,11 +2020,12 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
     ctx.launch(kernels["cand_search_back"], blocks, threads, 0, ac, mcount, sa, asl, n, int(s.max_gap),
                int(s.rr_window), float(s.searchback), float(s.margin), float(s.twave_slope), sb)  # 5.
     ctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 4, ah, int(s.twave), sa, 4)
-    lo, hi = (-_FAR, _FAR) if core is None else (int(core[0]), int(core[1]))  # 6.
-    info = d["info"]
-    if rule:  # the flutter episodes; the peaks in them are not emitted
+    if fork:  # 6.
+        join()
+    elif rule:  # the flutter episodes; the peaks in them are not emitted
         episode, w0, spans = _flutter_pass(ctx, x, s, first, first if core is None else lo,
                                            first + n if core is None else hi, info)
+    if rule:
         vw = int(s.vf_window)
     else:
         episode, w0, vw = xp.zeros(1, dtype=xp.int8), 0, 0

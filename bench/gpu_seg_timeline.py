@@ -1,0 +1,134 @@
+"""GPU: where the wall time of segmentation + embedding goes, launch by launch, and the variants of
+how its kernels are queued (session 16).
+
+For the 20 h synthetic stream (``gpu_seg_embed.setup``) and ``kernels.segment_rows_gpu``:
+
+1. **Wall time** per variant (``VARIANTS``, ";"-separated; "one": the flutter rule's kernels on the
+   detection's stream, "two": on a second stream beside the candidate kernels): median and spread of
+   ``RUNS`` calls, each timed from the call to its return (the call ends with its one synchronisation),
+   after checking that the variant's peaks, episodes and rows equal those of the first variant.
+2. **Timeline** of one call per variant: every launch is followed by a CUDA event on its stream, so
+   each kernel's host launch time (from the call's start) sits beside the time its stream finished it on
+   the GPU. Where a kernel's launch comes after the previous kernel of its stream ended, the GPU waited
+   for the host. (The events cost the host a few µs each: the timeline's total is above the wall time.)
+
+Run on the GPU machine from the repository root: ``python3 bench/gpu_seg_timeline.py``.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+RUNS = int(os.environ.get("RUNS", "40"))
+VARIANTS = os.environ.get("VARIANTS", "one;two").split(";")
+
+
+def apply(variant: str):
+    from beatflow import kernels as K
+
+    K._VF_STREAM = variant == "two"
+
+
+def timeline(fn):
+    """Run ``fn()`` once with an event behind every launch: rows of (kernel, stream, host µs at the
+    launch's start, at its end, GPU µs at the kernel's end), all from the call's start."""
+    import cupy
+
+    from beatflow import kernels as K
+
+    rows, orig = [], K._Ctx.launch
+
+    def launch(self, kernel, blocks, threads, shared, *args):
+        h0 = time.perf_counter()
+        orig(self, kernel, blocks, threads, shared, *args)
+        h1 = time.perf_counter()
+        rows.append((getattr(kernel, "__name__", "?"), self.stream_ptr, h0, h1, self.cstream.record()))
+
+    cupy.cuda.Device().synchronize()
+    start = cupy.cuda.get_current_stream().record()
+    t0 = time.perf_counter()
+    K._Ctx.launch = launch
+    try:
+        fn()
+    finally:
+        K._Ctx.launch = orig
+    t_end = time.perf_counter()
+    cupy.cuda.Device().synchronize()
+    streams = {}
+    out = []
+    for name, ptr, h0, h1, ev in rows:
+        sid = streams.setdefault(ptr, len(streams))
+        out.append((name, sid, (h0 - t0) * 1e6, (h1 - t0) * 1e6, cupy.cuda.get_elapsed_time(start, ev) * 1e3))
+    return out, (t_end - t0) * 1e6
+
+
+def main():
+    import cupy
+    import numpy as np
+
+    from gpu_seg_embed import setup
+
+    from beatflow import kernels as K
+
+    s, x, xg, _ = setup(cache="/tmp/beatflow_timeline_x.npy")
+    base = max(1, s.pre // 2)
+
+    def call():
+        return K.segment_rows_gpu(xg, s, baseline_samples=base)
+
+    print(f"stream: {x.shape[0]} samples; {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    ref = None
+    results = {}
+    for v in VARIANTS:
+        apply(v)
+        for _ in range(3):
+            out = call()
+        host = [cupy.asnumpy(a) for a in out]
+        if ref is None:
+            ref = host
+        same = all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(ref, host))
+        walls = []
+        for _ in range(RUNS):
+            cupy.cuda.Device().synchronize()
+            t = time.perf_counter()
+            call()
+            walls.append((time.perf_counter() - t) * 1e3)
+        results[v] = walls
+        print(f"variant {v:>4}: same result as '{VARIANTS[0]}': {same}; {len(host[0])} peaks, {len(host[1])} episodes, "
+              f"{host[6].shape[0]} rows; wall ms median {statistics.median(walls):.3f} "
+              f"(min {min(walls):.3f}, max {max(walls):.3f}, {RUNS} calls)")
+    # interleaved rounds, so that a drift of the machine hits every variant alike
+    inter = {v: [] for v in VARIANTS}
+    for _ in range(RUNS // 2):
+        for v in VARIANTS:
+            apply(v)
+            cupy.cuda.Device().synchronize()
+            t = time.perf_counter()
+            call()
+            inter[v].append((time.perf_counter() - t) * 1e3)
+    print("interleaved:", "; ".join(f"{v} median {statistics.median(w):.3f} ms (min {min(w):.3f})"
+                                    for v, w in inter.items()))
+    for v in VARIANTS:
+        apply(v)
+        call()
+        rows, host_total = timeline(call)
+        print(f"\ntimeline, variant {v} (µs from the call's start; host: the launch call's start-end; "
+              f"gpu end: when its stream finished the kernel; wait: GPU idle on that stream before it)")
+        print(f"{'kernel':<18} {'stream':>6} {'host start':>10} {'host end':>9} {'gpu end':>9} {'gpu Δ':>8}")
+        last = {}
+        for name, sid, h0, h1, g in rows:
+            prev = last.get(sid, 0.0)
+            print(f"{name:<18} {sid:>6} {h0:>10.1f} {h1:>9.1f} {g:>9.1f} {g - prev:>8.1f}"
+                  + ("  (gpu waited for launch)" if h1 > prev + 2 else ""))
+            last[sid] = g
+        print(f"host time of the instrumented call: {host_total:.1f} µs; last kernel ended at {max(last.values()):.1f} µs")
+    apply("two")
+
+
+if __name__ == "__main__":
+    main()
