@@ -596,7 +596,6 @@ class _Ctx:
         self.sim = sim
         if sim:
             self.xp = np
-            self.stream = 0
             self.stream_ptr = 0
         else:
             try:
@@ -605,8 +604,18 @@ class _Ctx:
                 raise DeviceError("the GPU kernels return CuPy arrays: install cupy") from e
             self.xp = cupy
             self.cstream = cur = cupy.cuda.get_current_stream()
-            self.stream_ptr = ptr = cur.ptr
-            self.stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
+            self.stream_ptr = cur.ptr
+            self._stream = None  # Numba's view of it: made for a launch through Numba only
+
+    @property
+    def stream(self):
+        """The stream as Numba takes it (a kernel's first launch goes through Numba)."""
+        if self.sim:
+            return 0
+        if self._stream is None:
+            ptr = self.stream_ptr
+            self._stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
+        return self._stream
 
     def arg(self, a):
         """A kernel argument as it is: NumPy in the simulator, the CuPy array itself on the GPU (the
@@ -624,25 +633,6 @@ class _Ctx:
 
     def blocks(self, needed: int) -> int:
         return max(1, min(needed, _SIM_MAX_BLOCKS)) if self.sim else max(1, needed)
-
-    def fork(self):
-        """A context for this call's second stream (:func:`_side_stream`), which starts behind the
-        work queued on this one so far: ``(side, join)``, where ``join()`` makes this stream wait
-        for what was then launched on the side. In the simulator (one stream) ``side`` is this
-        context and ``join`` does nothing."""
-        if self.sim:
-            return self, lambda: None
-        stream = _side_stream()
-        side = object.__new__(_Ctx)
-        side.sim, side.xp, side.cstream = False, self.xp, stream
-        side.stream_ptr = stream.ptr
-        side.stream = cuda.external_stream(stream.ptr)
-        stream.wait_event(self.cstream.record())
-
-        def join():
-            self.cstream.wait_event(stream.record())
-
-        return side, join
 
     def launch(self, kernel, blocks: int, threads: int, shared: int, *args):
         """``kernel[blocks, threads, stream, shared](*args)``.
@@ -671,27 +661,6 @@ class _Ctx:
         finally:
             sys.setswitchinterval(old)
 
-
-_side = threading.local()
-
-
-def _side_stream():
-    """This thread's second CuPy stream on the current device (non-blocking, created once): the
-    detection runs the flutter rule's kernels on it, beside the candidate kernels (:func:`_detect_gpu`)."""
-    import cupy
-
-    dev = cupy.cuda.runtime.getDevice()
-    streams = getattr(_side, "streams", None)
-    if streams is None:
-        streams = _side.streams = {}
-    stream = streams.get(dev)
-    if stream is None:
-        stream = streams[dev] = cupy.cuda.Stream(non_blocking=True)
-    return stream
-
-
-#: the flutter rule's kernels on a second stream, beside the candidate kernels (BEATFLOW_VF_STREAM=0: one stream)
-_VF_STREAM = os.environ.get("BEATFLOW_VF_STREAM", "1") not in ("0", "false", "no")
 
 #: launch compiled kernels through CuPy's driver call (False, or BEATFLOW_FAST_LAUNCH=0: always through Numba)
 _FAST_LAUNCH = os.environ.get("BEATFLOW_FAST_LAUNCH", "1") not in ("0", "false", "no")
@@ -1001,22 +970,30 @@ def embed_gpu(x, start, length, width: int, *, first: int = 0, baseline_samples:
     n = int(start.shape[0])
     if length.shape[0] != n:
         raise ValueError(f"start and length differ in size: {n} != {length.shape[0]}")
-    if n == 0:
-        rows, p2p = xp.zeros((0, width), dtype=xp.float32), xp.zeros(0, dtype=xp.float32)
-    else:
-        rows = xp.empty((n, width), dtype=xp.float32)
-        p2p = xp.empty(n, dtype=xp.float32)
-        counter = xp.zeros(1, dtype=xp.int32)
-        warps = 1 if ctx.sim else _EMBED_WARPS  # simulator: a block is one warp (shuffle emulation)
-        count = xp.empty(0, dtype=xp.int64) if _count is None else _count  # (empty: all n beats)
-        blocks = ctx.blocks(-(-n // (warps * claim)))
-        if _count is not None:
-            blocks = min(blocks, _EMBED_COUNT_BLOCKS)
-        ctx.launch(_embed_build(width), blocks, warps * WARP, 0,
-                   ctx.arg(x), ctx.arg(start), ctx.arg(length), int(first), max(0, int(baseline_samples)),
-                   ctx.arg(rows), ctx.arg(p2p), ctx.arg(counter), int(claim), ctx.arg(count))
+    rows, p2p = _embed_launch(ctx, x, start, length, width, first, baseline_samples, claim, _count)
     if host_in:
         return xp.asnumpy(rows), xp.asnumpy(p2p)
+    return rows, p2p
+
+
+def _embed_launch(ctx, x, start, length, width: int, first: int, baseline_samples: int, claim: int, count=None):
+    """:func:`embed_gpu`'s launch, its arguments already checked and in ``ctx``'s namespace (int64
+    ``start`` and ``length``): ``(rows, p2p)``."""
+    xp = ctx.xp
+    n = int(start.shape[0])
+    if n == 0:
+        return xp.zeros((0, width), dtype=xp.float32), xp.zeros(0, dtype=xp.float32)
+    rows = xp.empty((n, width), dtype=xp.float32)
+    p2p = xp.empty(n, dtype=xp.float32)
+    counter = xp.zeros(1, dtype=xp.int32)
+    warps = 1 if ctx.sim else _EMBED_WARPS  # simulator: a block is one warp (shuffle emulation)
+    blocks = ctx.blocks(-(-n // (warps * claim)))
+    if count is not None:
+        blocks = min(blocks, _EMBED_COUNT_BLOCKS)
+    else:
+        count = xp.empty(0, dtype=xp.int64)  # (empty: all n beats)
+    ctx.launch(_embed_build(width), blocks, warps * WARP, 0, x, start, length, int(first),
+               max(0, int(baseline_samples)), rows, p2p, counter, int(claim), count)
     return rows, p2p
 
 
@@ -1065,7 +1042,8 @@ def _rows_launch(ctx, x, peaks, npeaks, total, s, first: int, n_samples: int, ba
         ctx.launch(kernels["beats_count"], ctx.blocks(nch), tpb, 0, *args, a(counts))
         ctx.launch(kernels["beats_write"], ctx.blocks(nch), tpb, 0, *args, a(counts), a(index), a(peak), a(start),
                    a(length), a(rowlen), a(total))
-    rows, p2p = embed_gpu(x, start, rowlen, s.width, first=first, baseline_samples=baseline_samples, _count=total)
+    rows, p2p = _embed_launch(ctx, x, start, rowlen, int(s.width), int(first), int(baseline_samples), _EMBED_CLAIM,
+                              total)
     return index, peak, start, length, rows, p2p
 
 
@@ -1804,11 +1782,26 @@ _MAX_LEVELS = 10
 _SIM_DET_TPB, _SIM_DET_TILE = WARP, 4 * WARP
 
 
+_plans: dict = {}
+
+
 def _detect_plan(s, sim: bool):
     """``(kernels, tile, tpb)`` for these parameters, or None where the fused kernels cannot take
     them (a level window wider than ``_MAX_WINDOW`` blocks, an NMS window of more than
     ``2**(_MAX_LEVELS + 1) - 1`` samples, or windows so wide that even a tile of one sample per thread
-    would not fit in 48 KiB of shared memory): then the array code runs."""
+    would not fit in 48 KiB of shared memory): then the array code runs. Kept per parameter set and
+    launch shape (every detection asks for it, and the host's time before the first kernel is the
+    GPU's idle time)."""
+    key = (int(s.blocks), int(s.kernel), int(s.box), int(s.nms), int(s.block), int(s.fine_kernel),
+           int(s.slope_half), float(s.a), float(s.fine_a), bool(sim), _DET_TPB, _DET_TILE, _SIM_DET_TPB,
+           _SIM_DET_TILE, tuple(_DENSE_CHUNKS), _REG_LEVELS)
+    plan = _plans.get(key, _plans)
+    if plan is _plans:
+        plan = _plans[key] = _make_plan(s, sim)
+    return plan
+
+
+def _make_plan(s, sim: bool):
     tpb, tile = (_SIM_DET_TPB, _SIM_DET_TILE) if sim else (_DET_TPB, _DET_TILE)
     if 2 * s.blocks + 1 > _MAX_WINDOW:
         return None
@@ -1840,10 +1833,8 @@ def _taps(size: int, a: float, reverse: bool = False) -> tuple:
     return tuple(float(v) for v in (taps[::-1] if reverse else taps))
 
 
-def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool, fork: bool = False):
-    """Launch the fused dense kernel over ``x``; returns its outputs (device arrays). With ``fork``
-    also ``out["side"] = ctx.fork()``, a second stream that starts behind the outputs' set-up but not
-    behind the kernel."""
+def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool):
+    """Launch the fused dense kernel over ``x``; returns its outputs (device arrays)."""
     kern, tile, tpb = plan
     xp = ctx.xp
     n = int(x.shape[0])
@@ -1861,8 +1852,6 @@ def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool, fork: bo
         # whose near-median fraction the flutter rule computed, kept beats (segment_rows_gpu)]
         "env": xp.empty(n if write_env else 1, dtype=xp.float64),
     }
-    if fork:
-        out["side"] = ctx.fork()
     a = ctx.arg
     ctx.launch(kern["dense"], nt, tpb, 0, a(x), first, b0, bool(write_env), a(out["env"]), a(out["bmax"]),
                a(out["xmax"]), cap, a(out["tcount"]), a(out["tpos"]), a(out["theight"]), a(out["tvalley"]),
@@ -1987,14 +1976,7 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
     first = int(first)
     kern, tile, tpb = plan
     cap = int(_cap) if _cap is not None else tile // (int(s.nms) + 1) + 2
-    lo, hi = (-_FAR, _FAR) if core is None else (int(core[0]), int(core[1]))
-    fork = rule and _VF_STREAM
-    d = _dense_pass(ctx, plan, x, s, first, cap, write_env=False, fork=fork)  # 1.
-    info = d["info"]
-    if fork:  # the flutter rule's kernels on a second stream, beside those of the candidates
-        side, join = d["side"]
-        episode, w0, spans = _flutter_pass(side, x, s, first, first if core is None else lo,
-                                           first + n if core is None else hi, info)
+    d = _dense_pass(ctx, plan, x, s, first, cap, write_env=False)  # 1.
     nt = d["nt"]
     a = ctx.arg
     offsets = xp.empty(nt + 1, dtype=xp.int64)
@@ -2020,12 +2002,11 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
     ctx.launch(kernels["cand_search_back"], blocks, threads, 0, ac, mcount, sa, asl, n, int(s.max_gap),
                int(s.rr_window), float(s.searchback), float(s.margin), float(s.twave_slope), sb)  # 5.
     ctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 4, ah, int(s.twave), sa, 4)
-    if fork:  # 6.
-        join()
-    elif rule:  # the flutter episodes; the peaks in them are not emitted
+    lo, hi = (-_FAR, _FAR) if core is None else (int(core[0]), int(core[1]))  # 6.
+    info = d["info"]
+    if rule:  # the flutter episodes; the peaks in them are not emitted
         episode, w0, spans = _flutter_pass(ctx, x, s, first, first if core is None else lo,
                                            first + n if core is None else hi, info)
-    if rule:
         vw = int(s.vf_window)
     else:
         episode, w0, vw = xp.zeros(1, dtype=xp.int8), 0, 0

@@ -3,14 +3,17 @@ how its kernels are queued (session 16).
 
 For the 20 h synthetic stream (``gpu_seg_embed.setup``) and ``kernels.segment_rows_gpu``:
 
-1. **Wall time** per variant (``VARIANTS``, ";"-separated; "one": the flutter rule's kernels on the
-   detection's stream, "two": on a second stream beside the candidate kernels): median and spread of
-   ``RUNS`` calls, each timed from the call to its return (the call ends with its one synchronisation),
-   after checking that the variant's peaks, episodes and rows equal those of the first variant.
+1. **Wall time** per variant (``VARIANTS``, ";"-separated; "default", or "slow-launch": every launch
+   through Numba, ``kernels._FAST_LAUNCH`` off): median and spread of ``RUNS`` calls, each timed from
+   the call to its return (the call ends with its one synchronisation), after checking that the
+   variant's peaks, episodes and rows equal those of the first variant. (Session 16's first call had a
+   variant "two", the flutter rule's kernels on a second stream: no faster, and other peaks; dropped.)
 2. **Timeline** of one call per variant: every launch is followed by a CUDA event on its stream, so
    each kernel's host launch time (from the call's start) sits beside the time its stream finished it on
    the GPU. Where a kernel's launch comes after the previous kernel of its stream ended, the GPU waited
    for the host. (The events cost the host a few µs each: the timeline's total is above the wall time.)
+3. **Host profile** (``PROFILE`` calls under ``cProfile``, the functions by their own time): what the
+   host does between the launches.
 
 Run on the GPU machine from the repository root: ``python3 bench/gpu_seg_timeline.py``.
 """
@@ -25,13 +28,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 RUNS = int(os.environ.get("RUNS", "40"))
-VARIANTS = os.environ.get("VARIANTS", "one;two").split(";")
+VARIANTS = os.environ.get("VARIANTS", "default").split(";")
+PROFILE = int(os.environ.get("PROFILE", "200"))
 
 
 def apply(variant: str):
     from beatflow import kernels as K
 
-    K._VF_STREAM = variant == "two"
+    K._FAST_LAUNCH = variant != "slow-launch"
 
 
 def timeline(fn):
@@ -127,7 +131,25 @@ def main():
                   + ("  (gpu waited for launch)" if h1 > prev + 2 else ""))
             last[sid] = g
         print(f"host time of the instrumented call: {host_total:.1f} µs; last kernel ended at {max(last.values()):.1f} µs")
-    apply("two")
+    apply("default")
+    if PROFILE:
+        import cProfile
+        import io
+        import pstats
+
+        call()
+        cupy.cuda.Device().synchronize()
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        for _ in range(PROFILE):
+            call()
+        prof.disable()
+        wall = (time.perf_counter() - t) / PROFILE * 1e3
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(28)
+        print(f"\nhost profile, {PROFILE} calls under cProfile ({wall:.3f} ms a call with the profiler on):")
+        print("\n".join(line[:150] for line in buf.getvalue().splitlines()[4:]))
 
 
 if __name__ == "__main__":

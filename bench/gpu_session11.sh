@@ -51,14 +51,14 @@ fi
 if want flow && [ "$(left)" -gt 140 ]; then
   echo "== flow on a standing cluster ($(el))"
   rm -rf /tmp/bf-persistent-gpu-* /tmp/flowout; mkdir -p /tmp/flowout
-  OUT=/tmp/flowout RUNS=${RUNS:-2} RUN_LIMIT=150 timeout $(( $(left) - 10 )) python3 bench/gpu_flow_persistent.py 2>&1 \
+  OUT=/tmp/flowout RUNS=${RUNS:-2} RUN_LIMIT=${RUN_LIMIT:-150} timeout $(( $(left) - 10 )) python3 bench/gpu_flow_persistent.py 2>&1 \
     | grep -v -i warn | tail -5
   tar czf "$OUT/flow.tgz" -C /tmp flowout 2>/dev/null
 fi
 if want cpuwarm && [ "$(left)" -gt 200 ]; then
   echo "== the flow on the CPU, a standing cluster of 16 workers ($(el))"
   rm -rf /tmp/bf-persistent-cpu-* /tmp/flowcpu; mkdir -p /tmp/flowcpu
-  DEVICE=cpu WORKERS=16 OUT=/tmp/flowcpu RUNS=${CPU_RUNS:-3} RUN_LIMIT=150 timeout $(( $(left) - 10 )) \
+  DEVICE=cpu WORKERS=16 OUT=/tmp/flowcpu RUNS=${CPU_RUNS:-3} RUN_LIMIT=${RUN_LIMIT:-150} timeout $(( $(left) - 10 )) \
     python3 bench/gpu_flow_persistent.py 2>&1 | grep -v -i warn | tail -5
   tar czf "$OUT/flow-cpu.tgz" -C /tmp flowcpu 2>/dev/null
 fi
