@@ -3,11 +3,12 @@ how its kernels are queued (session 16).
 
 For the 20 h synthetic stream (``gpu_seg_embed.setup``) and ``kernels.segment_rows_gpu``:
 
-1. **Wall time** per variant (``VARIANTS``, ";"-separated; "default", or "slow-launch": every launch
-   through Numba, ``kernels._FAST_LAUNCH`` off): median and spread of ``RUNS`` calls, each timed from
-   the call to its return (the call ends with its one synchronisation), after checking that the
-   variant's peaks, episodes and rows equal those of the first variant. (Session 16's first call had a
-   variant "two", the flutter rule's kernels on a second stream: no faster, and other peaks; dropped.)
+1. **Wall time** per variant (``VARIANTS``, ";"-separated; "one": every kernel on one stream; "streams":
+   the flutter rule's kernels on a side stream behind the dense kernel's blocks, the candidates' on a
+   high-priority one, ``kernels._STREAMS``; "slow-launch": every launch through Numba): median and
+   spread of ``RUNS`` calls, each timed from the call to its return (the call ends with its one
+   synchronisation). Before that, ``CHECKS`` calls of each variant must give the peaks, episodes and
+   rows of the first variant's first call, exactly.
 2. **Timeline** of one call per variant: every launch is followed by a CUDA event on its stream, so
    each kernel's host launch time (from the call's start) sits beside the time its stream finished it on
    the GPU. Where a kernel's launch comes after the previous kernel of its stream ended, the GPU waited
@@ -28,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 RUNS = int(os.environ.get("RUNS", "40"))
-VARIANTS = os.environ.get("VARIANTS", "default").split(";")
+VARIANTS = os.environ.get("VARIANTS", "one;streams").split(";")
+CHECKS = int(os.environ.get("CHECKS", "10"))
 PROFILE = int(os.environ.get("PROFILE", "200"))
 
 
@@ -36,6 +38,7 @@ def apply(variant: str):
     from beatflow import kernels as K
 
     K._FAST_LAUNCH = variant != "slow-launch"
+    K._STREAMS = variant != "one"
 
 
 def timeline(fn):
@@ -90,12 +93,14 @@ def main():
     results = {}
     for v in VARIANTS:
         apply(v)
-        for _ in range(3):
-            out = call()
-        host = [cupy.asnumpy(a) for a in out]
-        if ref is None:
-            ref = host
-        same = all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(ref, host))
+        for _ in range(2):
+            call()
+        same = True
+        for _ in range(max(1, CHECKS)):
+            host = [cupy.asnumpy(a) for a in call()]
+            if ref is None:
+                ref = host
+            same = same and all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(ref, host))
         walls = []
         for _ in range(RUNS):
             cupy.cuda.Device().synchronize()
@@ -103,7 +108,7 @@ def main():
             call()
             walls.append((time.perf_counter() - t) * 1e3)
         results[v] = walls
-        print(f"variant {v:>4}: same result as '{VARIANTS[0]}': {same}; {len(host[0])} peaks, {len(host[1])} episodes, "
+        print(f"variant {v:>8}: {CHECKS} calls, the same result as '{VARIANTS[0]}': {same}; {len(host[0])} peaks, {len(host[1])} episodes, "
               f"{host[6].shape[0]} rows; wall ms median {statistics.median(walls):.3f} "
               f"(min {min(walls):.3f}, max {max(walls):.3f}, {RUNS} calls)")
     # interleaved rounds, so that a drift of the machine hits every variant alike
@@ -131,7 +136,7 @@ def main():
                   + ("  (gpu waited for launch)" if h1 > prev + 2 else ""))
             last[sid] = g
         print(f"host time of the instrumented call: {host_total:.1f} µs; last kernel ended at {max(last.values()):.1f} µs")
-    apply("default")
+    apply("streams")
     if PROFILE:
         import cProfile
         import io

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -179,7 +181,8 @@ def test_embed_empty():
 
 
 def test_exclusive_scan_kernel_matches_cumsum():
-    # one block over pieces of _SCAN_PER counts per thread: empty, partial and several pieces, the total
+    # one block, a run of consecutive counts per thread: empty, shorter than the block, runs of one
+    # and of many counts, the total
     from beatflow.kernels import _Ctx, _build, _exclusive_scan
 
     _, sim = _build()
@@ -312,6 +315,27 @@ def test_envelope_kernel_matches_cpu_kernel_and_array_code():
         ref = S.energy_envelope(S.wavelet_response(x, s), s)  # the array code
         np.testing.assert_allclose(got, cpu, rtol=1e-13, atol=1e-13 * np.abs(cpu).max())
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+
+
+def test_block_median_kernel_is_nanmedian_of_the_window():
+    # the median by ranks: ties, NaN blocks (left out), windows cut by the ends, a window of NaN only
+    from beatflow.kernels import _Ctx, _build
+
+    kernels, sim = _build()
+    ctx = _Ctx(sim)
+    rng = np.random.default_rng(21)
+    for n, k in ((1, 2), (7, 1), (40, 3), (97, 5), (300, 0)):
+        b = rng.integers(0, 6, n).astype(np.float64) * 0.25  # many equal values
+        b[rng.random(n) < 0.2] = np.nan
+        if n >= 40:
+            b[10:10 + 2 * k + 3] = np.nan  # some windows with no value at all
+        amp = dev(np.full(n, -1.0))
+        ctx.launch(kernels["block_median"], ctx.blocks(-(-n // 32)), 32, 0, dev(b), k, amp)
+        padded = np.concatenate([np.full(k, np.nan), b, np.full(k, np.nan)])
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows
+            want = np.array([np.nanmedian(padded[i:i + 2 * k + 1]) for i in range(n)])
+        np.testing.assert_array_equal(host(amp), want)
 
 
 def test_block_levels_of_the_dense_kernel_match_array_code():
