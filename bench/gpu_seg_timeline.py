@@ -3,12 +3,14 @@ how its kernels are queued (session 16).
 
 For the 20 h synthetic stream (``gpu_seg_embed.setup``) and ``kernels.segment_rows_gpu``:
 
-1. **Wall time** per variant (``VARIANTS``, ";"-separated; "one": every kernel on one stream; "streams":
-   the flutter rule's kernels on a side stream behind the dense kernel's blocks, the candidates' on a
-   high-priority one, ``kernels._STREAMS``; "slow-launch": every launch through Numba): median and
-   spread of ``RUNS`` calls, each timed from the call to its return (the call ends with its one
-   synchronisation). Before that, ``CHECKS`` calls of each variant must give the peaks, episodes and
-   rows of the first variant's first call, exactly.
+1. **Wall time** per variant (``VARIANTS``, ";"-separated, each a ","-separated list of: "one" every
+   kernel on one stream; "streams" the flutter rule's kernels on a side stream behind the dense kernel's
+   blocks, the candidates' on a high-priority one (``kernels._STREAMS``); "levels" the flutter rule's
+   side stream started behind the block levels instead (``kernels._VF_FORK``); "runsN" the scans by runs
+   of counts per thread, N threads (``kernels._SCAN_RUNS``, ``_SCAN_TPB``); "slow-launch" every launch
+   through Numba): median and spread of ``RUNS`` calls, each timed from the call to its return (the
+   call ends with its one synchronisation). Before that, ``CHECKS`` calls of each variant must give
+   the peaks, episodes and rows of the first variant's first call, exactly.
 2. **Timeline** of one call per variant: every launch is followed by a CUDA event on its stream, so
    each kernel's host launch time (from the call's start) sits beside the time its stream finished it on
    the GPU. Where a kernel's launch comes after the previous kernel of its stream ended, the GPU waited
@@ -29,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 RUNS = int(os.environ.get("RUNS", "40"))
-VARIANTS = os.environ.get("VARIANTS", "one;streams").split(";")
+VARIANTS = os.environ.get("VARIANTS", "one;streams;streams,levels;streams,runs128;one,runs1024").split(";")
 CHECKS = int(os.environ.get("CHECKS", "10"))
 PROFILE = int(os.environ.get("PROFILE", "200"))
 
@@ -37,8 +39,13 @@ PROFILE = int(os.environ.get("PROFILE", "200"))
 def apply(variant: str):
     from beatflow import kernels as K
 
-    K._FAST_LAUNCH = variant != "slow-launch"
-    K._STREAMS = variant != "one"
+    items = variant.split(",")
+    K._FAST_LAUNCH = "slow-launch" not in items
+    K._STREAMS = "one" not in items
+    K._VF_FORK = "levels" if "levels" in items else "fill"
+    runs = [int(i[4:]) for i in items if i.startswith("runs")]
+    K._SCAN_RUNS = bool(runs)
+    K._SCAN_TPB = runs[0] if runs else 1024
 
 
 def timeline(fn):
@@ -108,7 +115,7 @@ def main():
             call()
             walls.append((time.perf_counter() - t) * 1e3)
         results[v] = walls
-        print(f"variant {v:>8}: {CHECKS} calls, the same result as '{VARIANTS[0]}': {same}; {len(host[0])} peaks, {len(host[1])} episodes, "
+        print(f"variant {v:>16}: {CHECKS} calls, the same result as '{VARIANTS[0]}': {same}; {len(host[0])} peaks, {len(host[1])} episodes, "
               f"{host[6].shape[0]} rows; wall ms median {statistics.median(walls):.3f} "
               f"(min {min(walls):.3f}, max {max(walls):.3f}, {RUNS} calls)")
     # interleaved rounds, so that a drift of the machine hits every variant alike
@@ -136,7 +143,7 @@ def main():
                   + ("  (gpu waited for launch)" if h1 > prev + 2 else ""))
             last[sid] = g
         print(f"host time of the instrumented call: {host_total:.1f} µs; last kernel ended at {max(last.values()):.1f} µs")
-    apply("streams")
+    apply(VARIANTS[-1] if os.environ.get("PROFILE_LAST") else "streams")
     if PROFILE:
         import cProfile
         import io

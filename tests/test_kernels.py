@@ -180,11 +180,14 @@ def test_embed_empty():
     assert host(rows).shape == (0, 16) and host(p2p).shape == (0,)
 
 
-def test_exclusive_scan_kernel_matches_cumsum():
-    # one block, a run of consecutive counts per thread: empty, shorter than the block, runs of one
-    # and of many counts, the total
+@pytest.mark.parametrize("runs", [False, True])
+def test_exclusive_scan_kernel_matches_cumsum(runs, monkeypatch):
+    # one block; pieces of _SCAN_PER counts per thread, or (runs) a run of consecutive counts per
+    # thread: empty, shorter than the block, one and several pieces, runs of one and of many counts
+    from beatflow import kernels as K
     from beatflow.kernels import _Ctx, _build, _exclusive_scan
 
+    monkeypatch.setattr(K, "_SCAN_RUNS", runs)
     _, sim = _build()
     ctx = _Ctx(sim)
     rng = np.random.default_rng(13)
