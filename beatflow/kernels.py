@@ -11,7 +11,9 @@ Zero copy
     CuPy arrays go to the kernels as views (``cuda.as_cuda_array`` over their
     ``__cuda_array_interface__``, no host round trip, no device copy), outputs are allocated with
     CuPy, and the kernels are launched on CuPy's current stream so that they are ordered with the
-    CuPy work around them (no extra synchronisation).
+    CuPy work around them (no extra synchronisation). The detection with the flutter rule forks two
+    side streams of the calling thread and joins them back with events before it emits the peaks
+    (:func:`detect_beats_gpu`); every array they use stays referenced until its synchronisation.
 
 Simulator
     With ``NUMBA_ENABLE_CUDASIM=1`` (set before Numba is imported) the same kernels run on the CPU
@@ -59,8 +61,7 @@ _CAND_TPB = 128
 # the one-block exclusive scan: threads (GPU; the simulator runs one warp), counts per thread and piece
 _SCAN_TPB = 1024
 _SCAN_PER = 4
-_SCAN_PIECE = _SCAN_PER * 1024  # (a constant for the shared array's size: pieces for up to 1024 threads)
-_SCAN_RUNS = False  # the scan by runs of counts per thread (exclusive_scan_runs)
+_SCAN_PIECE = _SCAN_PER * _SCAN_TPB  # (a constant for the shared array's size)
 _MAX_WINDOW = 63
 
 # set by _build() (module globals, so that the simulator can swap ``cuda`` inside the kernels)
@@ -588,47 +589,8 @@ def _build():
             if total.shape[0] > 0:
                 total[0] = carry
 
-    @cuda.jit
-    def exclusive_scan_runs(counts, offsets, total):
-        """One block: ``offsets[i] = sum(counts[:i])`` for ``i <= len(counts)``, and the sum into
-        ``total[0]`` when ``total`` is not empty. Each thread takes a run of consecutive counts
-        (``ceil(n / threads)``) and sums it, the warps scan those sums with shuffles, warp 0 the
-        warps' totals; each thread then writes its run's offsets (two barriers in all; a variant
-        measured against ``exclusive_scan`` in session 16)."""
-        wsum = cuda.shared.array(WARP, np.int64)
-        n = counts.shape[0]
-        tid = cuda.threadIdx.x
-        tpb = cuda.blockDim.x
-        lane = tid % WARP
-        w = tid // WARP
-        nwarps = tpb // WARP
-        per = (n + tpb - 1) // tpb
-        b = min(tid * per, n)
-        e = min(b + per, n)
-        v = 0
-        for i in range(b, e):
-            v += counts[i]
-        incl = _warp_inclusive(v, lane)
-        if lane == WARP - 1:
-            wsum[w] = incl
-        _syncthreads()
-        if w == 0:
-            t = wsum[lane] if lane < nwarps else 0
-            wsum[lane] = _warp_inclusive(t, lane)
-        _syncthreads()
-        run = incl - v + (wsum[w - 1] if w > 0 else 0)
-        for i in range(b, e):
-            c = counts[i]
-            offsets[i] = run
-            run += c
-        if tid == 0:
-            s = wsum[nwarps - 1]
-            offsets[n] = s
-            if total.shape[0] > 0:
-                total[0] = s
-
     return {"nms_tiled": nms_tiled, "nms_global": nms_global, "beats_count": beats_count, "beats_write": beats_write,
-            "exclusive_scan": exclusive_scan, "exclusive_scan_runs": exclusive_scan_runs,
+            "exclusive_scan": exclusive_scan,
             "block_median": block_median, "cand_twave": cand_twave, "cand_refractory": cand_refractory,
             "cand_search_back": cand_search_back, "_clip": _clip, "_despiked": _despiked,
             "_window_median": _window_median, "_nms_keep": _nms_keep}, sim
@@ -768,11 +730,6 @@ def _side_streams():
 #: the detection's kernels on three streams (BEATFLOW_DETECT_STREAMS=0: one): the flutter rule's
 #: beside the dense kernel's last blocks and the candidates', the candidates' at high priority
 _STREAMS = os.environ.get("BEATFLOW_DETECT_STREAMS", "1") not in ("0", "false", "no")
-
-#: where the flutter rule's side stream starts: "fill" (behind the set-up of the dense kernel's outputs,
-#: its kernels queued behind the dense kernel's blocks) or "levels" (behind the block levels, beside
-#: the candidates' kernels)
-_VF_FORK = "fill"
 
 #: launch compiled kernels through CuPy's driver call (False, or BEATFLOW_FAST_LAUNCH=0: always through Numba)
 _FAST_LAUNCH = os.environ.get("BEATFLOW_FAST_LAUNCH", "1") not in ("0", "false", "no")
@@ -2027,6 +1984,13 @@ def detect_beats_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
     - ``vf_episodes`` (one thread per window): the runs of flutter-like windows, and the episodes'
       sample ranges; ``emit`` then leaves out the peaks in them.
 
+    These four need only ``x``: they go on a side stream that starts behind the set-up of the dense
+    kernel's outputs, so their blocks fill the dense kernel's last wave, while the candidates' kernels
+    go on a second side stream of the device's highest priority behind the dense kernel (a
+    ``BEATFLOW_DETECT_STREAMS=0`` environment, or ``kernels._STREAMS = False``: all on one stream). The
+    emission waits for both. H200, session 16 (``bench/gpu_seg_timeline.py``): the kernels of
+    segmentation + embedding end 60-80 µs earlier than on one stream; same peaks, episodes and rows.
+
     Returns ``(peaks, episodes)`` as :func:`beatflow.segment.detect_beats`.
     """
     return _detect_gpu(x, s, first, core, _cap, rule=s.vf_baseline > 0)
@@ -2096,16 +2060,15 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
     cap = int(_cap) if _cap is not None else tile // (int(s.nms) + 1) + 2
     lo, hi = (-_FAR, _FAR) if core is None else (int(core[0]), int(core[1]))
     streams = rule and _STREAMS and not ctx.sim
-    early = streams and _VF_FORK == "fill"
-    d = _dense_pass(ctx, plan, x, s, first, cap, write_env=False, fork=early)  # 1.
+    d = _dense_pass(ctx, plan, x, s, first, cap, write_env=False, fork=streams)  # 1.
     info = d["info"]
     keep = []  # arrays the side streams use: referenced until the synchronisation
     vf_range = (first if core is None else lo, first + n if core is None else hi)
-    if early:  # the flutter rule's kernels, queued behind the dense kernel's blocks on a side stream
+    if streams:  # the flutter rule's kernels, queued behind the dense kernel's blocks on a side stream;
+        # the candidates' kernels behind the dense kernel on a high-priority one
         low, join_low = d["side"]
         episode, w0, spans = _flutter_pass(low, x, s, first, *vf_range, info, keep)
-    if streams:
-        cctx, join_cand = ctx.fork(high=True)  # the candidates' kernels behind the dense kernel, first served
+        cctx, join_cand = ctx.fork(high=True)
     else:
         cctx = ctx
     nt = d["nt"]
@@ -2122,9 +2085,6 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
     ac, ah, asl, sa, sb = a(cand), a(height), a(slope), a(st_a), a(st_b)
     blocks, threads = ctx.blocks(-(-mcap // _CAND_TPB)), WARP if ctx.sim else _CAND_TPB
     amp = _block_levels(cctx, d["bmax"], s)  # 3. the level of every block, then the candidates
-    if streams and not early:  # the flutter rule's kernels behind the levels, beside the candidates'
-        low, join_low = cctx.fork()
-        episode, w0, spans = _flutter_pass(low, x, s, first, *vf_range, info, keep)
     warps = 1 if ctx.sim else _CAND_TPB // WARP  # simulator: one-warp blocks (shuffle emulation)
     cctx.launch(kern["cand_eval"], ctx.blocks(-(-nt // warps)), warps * WARP, 0, a(x), a(d["tcount"]), a(offsets),
                 cap, a(d["tpos"]), a(d["theight"]), a(d["tvalley"]), a(amp), d["b0"], first, int(s.edge),
@@ -2137,7 +2097,7 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
                 int(s.rr_window), float(s.searchback), float(s.margin), float(s.twave_slope), sb)  # 5.
     cctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 4, ah, int(s.twave), sa, 4)
     if streams:  # 6. the emission waits for both side streams
-        join_low()  # (into the candidates' stream, or into this one)
+        join_low()
         join_cand()
     elif rule:  # the flutter episodes; the peaks in them are not emitted
         episode, w0, spans = _flutter_pass(ctx, x, s, first, *vf_range, info)
@@ -2191,8 +2151,8 @@ def _exclusive_scan(ctx, counts, offsets, total=None):
     (a device array) when given: one launch of the one-block ``exclusive_scan`` kernel, no sync
     (CuPy's cumsum and the zero before it were three launches)."""
     tot = ctx.xp.empty(0, dtype=ctx.xp.int64) if total is None else total
-    ctx.launch(_build()[0]["exclusive_scan_runs" if _SCAN_RUNS else "exclusive_scan"], 1,
-               WARP if ctx.sim else _SCAN_TPB, 0, ctx.arg(counts), ctx.arg(offsets), ctx.arg(tot))
+    ctx.launch(_build()[0]["exclusive_scan"], 1, WARP if ctx.sim else _SCAN_TPB, 0, ctx.arg(counts),
+               ctx.arg(offsets), ctx.arg(tot))
 
 
 

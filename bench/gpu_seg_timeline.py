@@ -3,14 +3,14 @@ how its kernels are queued (session 16).
 
 For the 20 h synthetic stream (``gpu_seg_embed.setup``) and ``kernels.segment_rows_gpu``:
 
-1. **Wall time** per variant (``VARIANTS``, ";"-separated, each a ","-separated list of: "one" every
-   kernel on one stream; "streams" the flutter rule's kernels on a side stream behind the dense kernel's
-   blocks, the candidates' on a high-priority one (``kernels._STREAMS``); "levels" the flutter rule's
-   side stream started behind the block levels instead (``kernels._VF_FORK``); "runsN" the scans by runs
-   of counts per thread, N threads (``kernels._SCAN_RUNS``, ``_SCAN_TPB``); "slow-launch" every launch
-   through Numba): median and spread of ``RUNS`` calls, each timed from the call to its return (the
-   call ends with its one synchronisation). Before that, ``CHECKS`` calls of each variant must give
-   the peaks, episodes and rows of the first variant's first call, exactly.
+1. **Wall time** per variant (``VARIANTS``, ";"-separated: "one", every kernel on one stream;
+   "streams", the product's default: the flutter rule's kernels on a side stream behind the dense
+   kernel's blocks, the candidates' on a high-priority one, ``kernels._STREAMS``; "slow-launch", every
+   launch through Numba): median and spread of ``RUNS`` calls, each timed from the call to its return
+   (the call ends with its one synchronisation). Before that, ``CHECKS`` calls of each variant must give
+   the peaks, episodes and rows of the first variant's first call, exactly. (Session 16 also measured
+   the flutter side stream started behind the block levels, and a scan by runs of counts per thread
+   with 1024 or 128 threads: all slower, dropped; ``bench/RESULTS.md``.)
 2. **Timeline** of one call per variant: every launch is followed by a CUDA event on its stream, so
    each kernel's host launch time (from the call's start) sits beside the time its stream finished it on
    the GPU. Where a kernel's launch comes after the previous kernel of its stream ended, the GPU waited
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 RUNS = int(os.environ.get("RUNS", "40"))
-VARIANTS = os.environ.get("VARIANTS", "one;streams;streams,levels;streams,runs128;one,runs1024").split(";")
+VARIANTS = os.environ.get("VARIANTS", "one;streams").split(";")
 CHECKS = int(os.environ.get("CHECKS", "10"))
 PROFILE = int(os.environ.get("PROFILE", "200"))
 
@@ -42,10 +42,6 @@ def apply(variant: str):
     items = variant.split(",")
     K._FAST_LAUNCH = "slow-launch" not in items
     K._STREAMS = "one" not in items
-    K._VF_FORK = "levels" if "levels" in items else "fill"
-    runs = [int(i[4:]) for i in items if i.startswith("runs")]
-    K._SCAN_RUNS = bool(runs)
-    K._SCAN_TPB = runs[0] if runs else 1024
 
 
 def timeline(fn):
@@ -97,7 +93,7 @@ def main():
 
     print(f"stream: {x.shape[0]} samples; {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     ref = None
-    results = {}
+    results, sames = {}, {}
     for v in VARIANTS:
         apply(v)
         for _ in range(2):
@@ -115,6 +111,7 @@ def main():
             call()
             walls.append((time.perf_counter() - t) * 1e3)
         results[v] = walls
+        sames[v] = bool(same)
         print(f"variant {v:>16}: {CHECKS} calls, the same result as '{VARIANTS[0]}': {same}; {len(host[0])} peaks, {len(host[1])} episodes, "
               f"{host[6].shape[0]} rows; wall ms median {statistics.median(walls):.3f} "
               f"(min {min(walls):.3f}, max {max(walls):.3f}, {RUNS} calls)")
@@ -127,6 +124,12 @@ def main():
             t = time.perf_counter()
             call()
             inter[v].append((time.perf_counter() - t) * 1e3)
+    summary = {v: {"same": sames[v], "wall_ms": results[v], "interleaved_ms": inter[v]} for v in VARIANTS}
+    if os.environ.get("OUT"):  # the figures also as a file (a device call's output keeps only its tail)
+        import json
+
+        with open(os.path.join(os.environ["OUT"], "seg_timeline.json"), "w") as f:
+            json.dump(summary, f, indent=1)
     print("interleaved:", "; ".join(f"{v} median {statistics.median(w):.3f} ms (min {min(w):.3f})"
                                     for v, w in inter.items()))
     for v in VARIANTS:
@@ -143,7 +146,7 @@ def main():
                   + ("  (gpu waited for launch)" if h1 > prev + 2 else ""))
             last[sid] = g
         print(f"host time of the instrumented call: {host_total:.1f} µs; last kernel ended at {max(last.values()):.1f} µs")
-    apply(VARIANTS[-1] if os.environ.get("PROFILE_LAST") else "streams")
+    apply("streams")
     if PROFILE:
         import cProfile
         import io

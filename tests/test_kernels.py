@@ -180,14 +180,10 @@ def test_embed_empty():
     assert host(rows).shape == (0, 16) and host(p2p).shape == (0,)
 
 
-@pytest.mark.parametrize("runs", [False, True])
-def test_exclusive_scan_kernel_matches_cumsum(runs, monkeypatch):
-    # one block; pieces of _SCAN_PER counts per thread, or (runs) a run of consecutive counts per
-    # thread: empty, shorter than the block, one and several pieces, runs of one and of many counts
-    from beatflow import kernels as K
+def test_exclusive_scan_kernel_matches_cumsum():
+    # one block over pieces of _SCAN_PER counts per thread: empty, partial and several pieces, the total
     from beatflow.kernels import _Ctx, _build, _exclusive_scan
 
-    monkeypatch.setattr(K, "_SCAN_RUNS", runs)
     _, sim = _build()
     ctx = _Ctx(sim)
     rng = np.random.default_rng(13)
