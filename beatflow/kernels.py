@@ -2061,64 +2061,72 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
     lo, hi = (-_FAR, _FAR) if core is None else (int(core[0]), int(core[1]))
     streams = rule and _STREAMS and not ctx.sim
     d = _dense_pass(ctx, plan, x, s, first, cap, write_env=False, fork=streams)  # 1.
-    info = d["info"]
-    keep = []  # arrays the side streams use: referenced until the synchronisation
-    vf_range = (first if core is None else lo, first + n if core is None else hi)
-    if streams:  # the flutter rule's kernels, queued behind the dense kernel's blocks on a side stream;
-        # the candidates' kernels behind the dense kernel on a high-priority one
-        low, join_low = d["side"]
-        episode, w0, spans = _flutter_pass(low, x, s, first, *vf_range, info, keep)
-        cctx, join_cand = ctx.fork(high=True)
-    else:
-        cctx = ctx
-    nt = d["nt"]
-    a = ctx.arg
-    offsets = xp.empty(nt + 1, dtype=xp.int64)
-    _exclusive_scan(cctx, d["tcount"], offsets)  # 2.
-    mcap = nt * cap
-    mcount = a(offsets[nt:])
-    cand = xp.empty(mcap, dtype=xp.int64)
-    height = xp.empty(mcap, dtype=xp.float64)
-    slope = xp.empty(mcap, dtype=xp.float64)
-    st_a = xp.empty(mcap, dtype=xp.int8)
-    st_b = xp.empty(mcap, dtype=xp.int8)
-    ac, ah, asl, sa, sb = a(cand), a(height), a(slope), a(st_a), a(st_b)
-    blocks, threads = ctx.blocks(-(-mcap // _CAND_TPB)), WARP if ctx.sim else _CAND_TPB
-    amp = _block_levels(cctx, d["bmax"], s)  # 3. the level of every block, then the candidates
-    warps = 1 if ctx.sim else _CAND_TPB // WARP  # simulator: one-warp blocks (shuffle emulation)
-    cctx.launch(kern["cand_eval"], ctx.blocks(-(-nt // warps)), warps * WARP, 0, a(x), a(d["tcount"]), a(offsets),
-                cap, a(d["tpos"]), a(d["theight"]), a(d["tvalley"]), a(amp), d["b0"], first, int(s.edge),
-                float(s.weak_ratio), float(s.ratio), a(d["xmax"]), float(s.noise_valley),
-                float(s.noise_slope), float(s.noise_level), ac, ah, asl, sa)
-    cctx.launch(kernels["cand_twave"], blocks, threads, 0, ac, mcount, sa, asl, int(s.twave), float(s.twave_slope),
-                sb)  # 4.
-    cctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 2, ah, int(s.refractory), sa, 3)
-    cctx.launch(kernels["cand_search_back"], blocks, threads, 0, ac, mcount, sa, asl, n, int(s.max_gap),
-                int(s.rr_window), float(s.searchback), float(s.margin), float(s.twave_slope), sb)  # 5.
-    cctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 4, ah, int(s.twave), sa, 4)
-    if streams:  # 6. the emission waits for both side streams
-        join_low()
-        join_cand()
-    elif rule:  # the flutter episodes; the peaks in them are not emitted
-        episode, w0, spans = _flutter_pass(ctx, x, s, first, *vf_range, info)
-    if rule:
-        vw = int(s.vf_window)
-    else:
-        episode, w0, vw = xp.zeros(1, dtype=xp.int8), 0, 0
-    counts = xp.empty(nt, dtype=xp.int64)
-    out_offsets = xp.empty(nt + 1, dtype=xp.int64)
-    peaks = xp.empty(mcap, dtype=xp.int64)
-    tblocks = ctx.blocks(-(-nt // _CAND_TPB))
-    ae = a(episode)
-    ctx.launch(kern["emit_count"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, ae, w0, vw, a(counts))
-    _exclusive_scan(ctx, counts, out_offsets, info)  # (the number of peaks into info[0])
-    ctx.launch(kern["emit"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, ae, w0, vw, a(out_offsets),
-               a(peaks))
-    if rows is not None:  # the kept beats' bounds and rows, behind the detection on the stream
-        beat_out = _rows_launch(ctx, x, peaks, info[0:1], info[4:5], s, first, n, rows, mcap)
-    total, overflow, nsp, _, kept = (int(v) for v in (info if ctx.sim else info.get()))  # the one synchronisation
+    try:  # (on an error, nothing a side stream still runs may see its arrays freed and reused)
+        info = d["info"]
+        keep = []  # arrays the side streams use: referenced until the synchronisation
+        vf_range = (first if core is None else lo, first + n if core is None else hi)
+        if streams:  # the flutter rule's kernels, queued behind the dense kernel's blocks on a side stream;
+            # the candidates' kernels behind the dense kernel on a high-priority one
+            low, join_low = d["side"]
+            episode, w0, spans = _flutter_pass(low, x, s, first, *vf_range, info, keep)
+            cctx, join_cand = ctx.fork(high=True)
+        else:
+            cctx = ctx
+        nt = d["nt"]
+        a = ctx.arg
+        offsets = xp.empty(nt + 1, dtype=xp.int64)
+        _exclusive_scan(cctx, d["tcount"], offsets)  # 2.
+        mcap = nt * cap
+        mcount = a(offsets[nt:])
+        cand = xp.empty(mcap, dtype=xp.int64)
+        height = xp.empty(mcap, dtype=xp.float64)
+        slope = xp.empty(mcap, dtype=xp.float64)
+        st_a = xp.empty(mcap, dtype=xp.int8)
+        st_b = xp.empty(mcap, dtype=xp.int8)
+        ac, ah, asl, sa, sb = a(cand), a(height), a(slope), a(st_a), a(st_b)
+        blocks, threads = ctx.blocks(-(-mcap // _CAND_TPB)), WARP if ctx.sim else _CAND_TPB
+        amp = _block_levels(cctx, d["bmax"], s)  # 3. the level of every block, then the candidates
+        warps = 1 if ctx.sim else _CAND_TPB // WARP  # simulator: one-warp blocks (shuffle emulation)
+        cctx.launch(kern["cand_eval"], ctx.blocks(-(-nt // warps)), warps * WARP, 0, a(x), a(d["tcount"]), a(offsets),
+                    cap, a(d["tpos"]), a(d["theight"]), a(d["tvalley"]), a(amp), d["b0"], first, int(s.edge),
+                    float(s.weak_ratio), float(s.ratio), a(d["xmax"]), float(s.noise_valley),
+                    float(s.noise_slope), float(s.noise_level), ac, ah, asl, sa)
+        cctx.launch(kernels["cand_twave"], blocks, threads, 0, ac, mcount, sa, asl, int(s.twave), float(s.twave_slope),
+                    sb)  # 4.
+        cctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 2, ah, int(s.refractory), sa, 3)
+        cctx.launch(kernels["cand_search_back"], blocks, threads, 0, ac, mcount, sa, asl, n, int(s.max_gap),
+                    int(s.rr_window), float(s.searchback), float(s.margin), float(s.twave_slope), sb)  # 5.
+        cctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 4, ah, int(s.twave), sa, 4)
+        if streams:  # 6. the emission waits for both side streams
+            join_low()
+            join_cand()
+        elif rule:  # the flutter episodes; the peaks in them are not emitted
+            episode, w0, spans = _flutter_pass(ctx, x, s, first, *vf_range, info)
+        if rule:
+            vw = int(s.vf_window)
+        else:
+            episode, w0, vw = xp.zeros(1, dtype=xp.int8), 0, 0
+        counts = xp.empty(nt, dtype=xp.int64)
+        out_offsets = xp.empty(nt + 1, dtype=xp.int64)
+        peaks = xp.empty(mcap, dtype=xp.int64)
+        tblocks = ctx.blocks(-(-nt // _CAND_TPB))
+        ae = a(episode)
+        ctx.launch(kern["emit_count"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, ae, w0, vw, a(counts))
+        _exclusive_scan(ctx, counts, out_offsets, info)  # (the number of peaks into info[0])
+        ctx.launch(kern["emit"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, ae, w0, vw, a(out_offsets),
+                   a(peaks))
+        if rows is not None:  # the kept beats' bounds and rows, behind the detection on the stream
+            beat_out = _rows_launch(ctx, x, peaks, info[0:1], info[4:5], s, first, n, rows, mcap)
+        total, overflow, nsp, _, kept = (int(v) for v in (info if ctx.sim else info.get()))  # the one synchronisation
+    except BaseException:
+        if streams:
+            xp.cuda.Device().synchronize()
+        raise
     if overflow:  # a plateau of equal maxima filled a tile's slots: a slot for every sample
-        return _detect_gpu(x, s, first, core, tile, rule, rows)
+        res = _detect_gpu(x, s, first, core, tile, rule, rows)  # (x is on the device now)
+        if not host_in:
+            return res
+        return tuple(tuple(xp.asnumpy(u) for u in v) if isinstance(v, tuple) else xp.asnumpy(v) for v in res)
     out = peaks[:total]
     if rule:
         ep = spans[:nsp]

@@ -269,6 +269,37 @@ def test_segment_rows_one_sync_matches_detection_then_beat_rows(monkeypatch):
 
 # --- without a GPU and without the simulator: one clear error -----------------------------------
 @pytest.mark.skipif(cupy_available(), reason="a CUDA GPU is present")
+@pytest.mark.skipif(MODE != "gpu", reason="needs CuPy on a CUDA GPU")
+def test_host_input_gets_host_results_after_the_overflow_rerun(monkeypatch):
+    # NumPy in, NumPy out, also when a tile's candidate slots overflow and the launch runs again
+    # (the rerun sees the samples on the device); the same peaks and rows as without the overflow;
+    # both stream layouts of the detection
+    from beatflow.kernels import segment_rows_gpu
+    from beatflow.params import SegmentParams
+    from beatflow.synth import synthesize_ecg
+
+    s = SegmentParams().samples(250.0)
+    x = synthesize_ecg(hours=60 / 3600, fs=250.0, seed=4).signal
+    want = segment_rows_gpu(x, s, baseline_samples=12)
+    assert all(isinstance(v, np.ndarray) for v in want)
+    orig = K._detect_gpu
+    for streams in (True, False):
+        monkeypatch.setattr(K, "_STREAMS", streams)
+        calls = []
+
+        def first_with(*a, **k):
+            calls.append(1)
+            return orig(*a[:4], 1 if len(calls) == 1 else a[4], *a[5:], **k)
+
+        monkeypatch.setattr(K, "_detect_gpu", first_with)
+        got = segment_rows_gpu(x, s, baseline_samples=12)
+        monkeypatch.setattr(K, "_detect_gpu", orig)
+        assert len(calls) == 2
+        assert all(isinstance(v, np.ndarray) for v in got)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
 def test_clear_error_without_cuda_or_simulator():
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     code = ("from beatflow.errors import DeviceError\nfrom beatflow.kernels import local_maxima_gpu\n"
