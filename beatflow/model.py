@@ -308,7 +308,10 @@ def train_vae(
         torch.backends.cudnn.benchmark = False
     scaler = torch.amp.GradScaler(data.device.type) if amp == torch.float16 else None
     compiled = training_compiled(compile, graphs)
-    step_loss = raw_step = _step_loss(model, data.device.type, amp, compiled, fused=bool(compile))
+    # (graphs capture each batch shape once, compiled; without them the last short batch of an
+    # epoch runs uncompiled instead of compiling a second graph)
+    step_loss = raw_step = _step_loss(model, data.device.type, amp, compiled, fused=bool(compile),
+                                      full=None if graphs else min(batch_size, n_train))
     if graphs:
         shapes = {min(batch_size, n_train), n_train % batch_size or min(batch_size, n_train)}
         try:
@@ -576,11 +579,15 @@ def _autocast_dtype(precision: str):
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def _step_loss(model: "LightVAE", device_type: str, amp, compile: bool, fused: bool | None = None):
+def _step_loss(model: "LightVAE", device_type: str, amp, compile: bool, fused: bool | None = None,
+               full: int | None = None):
     """``loss(xb)`` of one training step: eager ``model(xb)``, or the fusible form
     (:mod:`beatflow.fused`, ``fused``; default: when ``compile``), ``torch.compile``-d when
     ``compile``. A compiled step that fails (no Triton, no compiler) runs uncompiled from then on;
-    the returned function's ``failed`` attribute tells."""
+    the returned function's ``failed`` attribute tells. With ``full``, only batches of ``full`` rows
+    run compiled and an epoch's last, shorter batch runs the same fusible form uncompiled: its shape
+    would be a second graph to compile (``dynamic=False``), which on a CPU costs as much as the first
+    one and its cache load on every later run, for one step an epoch."""
     fused = compile if fused is None else fused
 
     def cast():
@@ -605,7 +612,7 @@ def _step_loss(model: "LightVAE", device_type: str, amp, compile: bool, fused: b
 
     def step(xb):
         eps = torch.randn(xb.shape[0], LATENT_DIM, device=xb.device, dtype=xb.dtype)
-        if compiled is not None and not step.failed:
+        if compiled is not None and not step.failed and (full is None or xb.shape[0] == full):
             try:
                 return compiled(xb, eps)
             except Exception as e:  # no Triton / compiler here: the same step, uncompiled

@@ -88,6 +88,28 @@ def test_compiled_training_matches_eager_training():
     np.testing.assert_allclose(b.test_loss, a.test_loss, rtol=1e-4)
 
 
+def test_compiled_steps_take_full_batches_only(monkeypatch):
+    """Without CUDA graphs an epoch's last, shorter batch runs the fusible step uncompiled: the
+    compiled function sees one batch shape, so Inductor compiles one graph, not two."""
+    import torch
+
+    seen = []
+
+    def fake_compile(fn, **kw):
+        def run(xb, eps):
+            seen.append(int(xb.shape[0]))
+            return fn(xb, eps)
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    x = (0.3 * np.random.default_rng(0).normal(size=(600, 64))).astype(np.float32)  # 450 training rows
+    r = train_vae(x, epochs=2, batch_size=128, seed=1, compile=True)
+    assert r.compiled
+    assert seen == [128] * 6  # 3 full batches an epoch; the 66 rows of the last one ran uncompiled
+    eager = train_vae(x, epochs=2, batch_size=128, seed=1)
+    np.testing.assert_allclose(r.train_loss, eager.train_loss, rtol=1e-5)
+
+
 def test_steps_uncompiled_in_graphs_under_a_pluggable_allocator(monkeypatch):
     """Captured steps are compiled only with PyTorch's own allocator (Inductor's kernels cannot be
     launched inside a capture under RMM's async pool); there the fusible form runs uncompiled and
