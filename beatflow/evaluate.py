@@ -30,7 +30,7 @@ import numpy as np
 
 from .beats import beats_from_peaks, dominant_beat, embed, kept_mask, residual_rows, row_lengths
 from .errors import InputError
-from .metrics import Detection, match_beats, pr_auc, roc_auc
+from .metrics import TOLERANCE_S, Detection, match_beats, pr_auc, roc_auc
 from .params import SegmentParams
 from .segment import detect_peaks
 
@@ -39,8 +39,6 @@ BEAT_SYMBOLS = "NLRBAaJSVrFejnE/fQ?"
 #: AAMI EC57 classes of the beat symbols
 AAMI_CLASSES = {"N": "NLRej", "S": "AaJS", "V": "VE", "F": "F", "Q": "/fQ"}
 _SYMBOL_CLASS = {sym: cls for cls, syms in AAMI_CLASSES.items() for sym in syms}
-#: matching tolerance between detected and reference beats
-TOLERANCE_S = 0.15
 #: the records of the MIT-BIH Arrhythmia Database with a pacemaker (AAMI: evaluated apart)
 PACED_RECORDS = ("102", "104", "107", "217")
 

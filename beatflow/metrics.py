@@ -5,6 +5,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+#: matching tolerance between detected and reference beats (150 ms, the AAMI convention)
+TOLERANCE_S = 0.15
+
 
 @dataclass
 class Detection:
@@ -103,7 +106,7 @@ def match_truth(truth_path: str, peaks, kept_peaks, fs: float) -> dict:
     (A light module: the flow runs this in its figure processes while the cluster trains.)"""
     with np.load(truth_path) as t:
         r_peaks, labels = t["r_peaks"], t["labels"]
-    tol = int(round(0.15 * fs))
+    tol = int(round(TOLERANCE_S * fs))
     det, _ = match_beats(peaks, r_peaks, tol)
     _, m = match_beats(kept_peaks, r_peaks, tol)
     return {"se": det.se, "ppv": det.ppv, "f1": det.f1, "matched": m, "labels": labels}

@@ -533,10 +533,10 @@ class _GraphedSteps:
 
 #: on the CPU, ``compile="auto"`` compiles the training step from this many rows × epochs on: a
 #: compiled epoch is about 2.2x faster (dev, 2 cores, 55 k rows: 1.55 s against 3.4 s), and the
-#: compilation costs 5-15 s from Inductor's disk cache (a later run on the machine) or about 45 s
-#: the first time; 200 000 row-epochs save about 7 s of eager steps, so the default 20 h run (728 000)
-#: gains from its second run on (flow 30-37 s instead of 48 s; 72 s the first time), and small
-#: trainings (tests, short recordings) stay eager
+#: compilation (one graph: full batches) costs 5-15 s from Inductor's disk cache (a later run on the
+#: machine) or about 30 s the first time; 200 000 row-epochs save about 7 s of eager steps, so the
+#: default 20 h run (728 000) gains from its second run on (flow 30-37 s instead of 48 s; 66 s the
+#: first time), and small trainings (tests, short recordings) stay eager
 CPU_COMPILE_MIN_ROW_EPOCHS = 200_000
 
 
