@@ -390,9 +390,9 @@ def _follow(events: str | None, handle, fn, *args, name: str, **kwargs):
     if events:
         client.subscribe_topic(events, lambda event: inbox.put(event[1]))
     try:
-        home = home_worker(client)
-        future = client.submit(fn, *args, key=f"{name}-{uuid.uuid4().hex[:8]}", pure=False,
-                               workers=[home] if home else None, allow_other_workers=True, **kwargs)
+        home = home_worker(client)  # (None where the client's view of the workers is empty: anywhere)
+        placement = {"workers": [home], "allow_other_workers": True} if home else {}
+        future = client.submit(fn, *args, key=f"{name}-{uuid.uuid4().hex[:8]}", pure=False, **placement, **kwargs)
         while True:
             try:
                 with client.as_current():  # (this thread has no default client)

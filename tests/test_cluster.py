@@ -269,6 +269,10 @@ def test_training_and_engine_run_on_the_home_worker_and_report_as_they_go(monkey
         with pytest.raises(ValueError, match="bad beats"):
             S._follow("t2", got.append, _chatty, 1, "t2", fail=True, name="chatty")
         assert S._follow(None, None, _chatty, 2, None, name="quiet") == home
+        # no home worker known (the client's view of the workers was empty once in CI): any worker,
+        # not Dask's "allow_other_workers= without workers=" error
+        monkeypatch.setattr(C, "home_worker", lambda c: None)
+        assert S._follow(None, None, _chatty, 1, None, name="anywhere") in client.scheduler_info()["workers"]
         assert S._event_sender(None)("dropped") is None and S._event_sender("x")("no worker here") is None
 
 
