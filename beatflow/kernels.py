@@ -1231,6 +1231,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
     NCV, NCH = -(-HPN // CV), -(-tile // CH)
     NRV, NRH = -(-NCV // tpb), -(-NCH // tpb)
     NWT = (tile - 1) // VW + 2
+    HL = 4 * NRH  # a thread's chunk sums (registers)
     # a thread's chunks of consecutive outputs (odd lengths: 8-byte shared accesses at an odd
     # stride hit distinct banks): how many, and the rounds of tpb threads that take them
     NBR = -(-(-(-E // g)) // CR)  # the envelope's chunks per residue mod g
@@ -1395,7 +1396,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         wr = cuda.local.array(WR, f64)
         wn = cuda.local.array(WN, f64)
         wv = cuda.local.array(CV, f64)
-        hl = cuda.local.array(4 * NRH, f64)
+        hl = cuda.local.array(HL, f64)
         red = cuda.shared.array(tpb, f64)
         redx = cuda.shared.array(NW, f64)
         cnt = cuda.shared.array(1, i32)
