@@ -55,9 +55,9 @@ def timeline(fn):
 
     rows, orig = [], K._Ctx.launch
 
-    def launch(self, kernel, blocks, threads, shared, *args):
+    def launch(self, kernel, blocks, threads, shared, *args, **kw):
         h0 = time.perf_counter()
-        orig(self, kernel, blocks, threads, shared, *args)
+        orig(self, kernel, blocks, threads, shared, *args, **kw)
         h1 = time.perf_counter()
         rows.append((getattr(kernel, "__name__", "?"), self.stream_ptr, h0, h1, self.cstream.record()))
 
