@@ -593,7 +593,7 @@ def _build():
             "exclusive_scan": exclusive_scan,
             "block_median": block_median, "cand_twave": cand_twave, "cand_refractory": cand_refractory,
             "cand_search_back": cand_search_back, "_clip": _clip, "_despiked": _despiked,
-            "_window_median": _window_median, "_nms_keep": _nms_keep, "_warp_inclusive": _warp_inclusive}, sim
+            "_window_median": _window_median, "_nms_keep": _nms_keep}, sim
 
 
 # --- host side -----------------------------------------------------------------------------------
@@ -1146,19 +1146,16 @@ def segment_rows_gpu(x, s, *, baseline_samples: int = 0):
 _EMBED_COUNT_BLOCKS = 1024
 
 
-def _dense_tile(K: int, box: int, nms: int, tile: int, hp: int = 1):
+def _dense_tile(K: int, box: int, nms: int, tile: int):
     """Sizes of the dense kernel's shared-memory stages for a tile of ``tile`` samples:
-    ``(g, groups, E, YL, XL, PL, DX)``, the RMS window's partial sums (``groups`` sums of ``g``), then
-    the lengths of the envelope (the tile and the NMS window's reach on both sides), of the squared
+    ``(g, groups, E, YL, XL, PL)``, the RMS window's partial sums (``groups`` sums of ``g``), then the
+    lengths of the envelope (the tile and the NMS window's reach on both sides), of the squared
     slopes (that and the RMS window's reach), of the despiked samples (that and the slope kernel's
-    reach, or the flutter rule's high-pass reach ``hp // 2`` if that is larger) and of the partial
-    sums, and how far the despiked samples start before the slopes' first input (``DX``: the
-    high-pass reach beyond the slopes')."""
+    reach) and of the partial sums."""
     g = max(1, int(np.sqrt(box)))
     E = tile + 2 * nms
     YL = E + 2 * (box // 2)
-    dx = max(0, hp // 2 - (nms + box // 2 + K // 2))
-    return g, box // g, E, YL, YL + 2 * (K // 2) + 2 * dx, YL - g + 1, dx
+    return g, box // g, E, YL, YL + 2 * (K // 2), YL - g + 1
 
 
 #: the dense kernel's chunk lengths (odd): consecutive slopes, partial sums, envelope values and
@@ -1169,69 +1166,38 @@ _DENSE_CHUNKS = (11, 11, 11, 9)
 _REG_LEVELS = 3
 
 
-def _dense_alloc(K: int, box: int, nms: int, tile: int, chunks: tuple, hp: int = 0, vw: int = 0):
+def _dense_alloc(K: int, box: int, nms: int, tile: int, chunks: tuple):
     """Lengths of the dense kernel's three shared buffers ``(a, y2, part)``: the stages' lengths
     (:func:`_dense_tile`) rounded up to what the last chunk of each stage reads or writes (values
-    past a stage's length are never read into one within it). With ``hp`` (the flutter rule's
-    high-pass length, and ``vw`` its window) ``part`` also holds the prefix sums of the flutter stage
-    (``tile + hp``), and ``a`` its chunks' four partial sums."""
-    g, groups, E, YL, XL, PL, DX = _dense_tile(K, box, nms, tile, max(hp, 1))
+    past a stage's length are never read into one within it)."""
+    g, groups, E, YL, XL, PL = _dense_tile(K, box, nms, tile)
     CS, CP, CR, CN = chunks
     RL = min((2 * nms + 1).bit_length() - 1, max(1, _REG_LEVELS))
     ns, np_ = -(-YL // CS) * CS, -(-PL // CP) * CP
     nr = g - 1 + g * (-(-(-(-E // g)) // CR) * CR + groups - 2) + 1  # the envelope's last chunk reads part[:nr]
     nn = -(-(E - (1 << RL) + 1) // CN) * CN
-    xa = max(XL, ns + K - 1 + DX, nn + (1 << RL) - 1)
+    xa = max(XL, ns + K - 1, nn + (1 << RL) - 1)
     ya = max(YL, ns, np_ + g - 1, nn)
-    pa = max(PL, np_, nr, tile + hp if hp > 0 else 0)
-    if vw > 0:
-        xa = max(xa, 4 * -(-tile // _vf_chunk(vw)))
+    pa = max(PL, np_, nr)
     return xa, ya, pa
-
-
-#: the dense kernel's flutter stage: despiked samples per thread in its prefix-sum chunks (odd)
-_VF_SCAN_CHUNK = 11
-
-
-def _vf_chunk(vw: int) -> int:
-    """Consecutive own samples per thread in the dense kernel's flutter stage (odd, at most the
-    window: a chunk meets at most two windows)."""
-    return max(1, min(9, vw))
 
 
 @functools.lru_cache(maxsize=None)
 def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, tile: int, tpb: int,
-                  taps: tuple, ftaps: tuple, chunks: tuple = _DENSE_CHUNKS, vw: int = 0, hp: int = 0):
+                  taps: tuple, ftaps: tuple, chunks: tuple = _DENSE_CHUNKS):
     """The detection kernels for one set of window sizes (their loops then have constant bounds,
     which NVVM unrolls: a fused stage whose every bound was a runtime value issued ~4x the
-    instructions). Cached per parameter set; compiled by Numba on first launch. With ``vw`` (the
-    flutter rule's window) and ``hp`` (its high-pass length) the dense kernel also sums, per tile
-    and window, the energies of the high-passed signal and of the slope (``vf_sums`` adds them up
-    per window)."""
+    instructions). Cached per parameter set; compiled by Numba on first launch."""
     kernels, sim = _build()
-    _clip, _despiked, _warp_inclusive = kernels["_clip"], kernels["_despiked"], kernels["_warp_inclusive"]
+    _clip, _despiked = kernels["_clip"], kernels["_despiked"]
     kh, bh = K // 2, box // 2
-    g, groups, E, YL, XL, PL, DX = _dense_tile(K, box, nms, tile, max(hp, 1))
+    g, groups, E, YL, XL, PL = _dense_tile(K, box, nms, tile)
     W = 2 * nms + 1  # the NMS window, and the largest power of two in it (2**LEVELS)
     LEVELS = W.bit_length() - 1
     L = 1 << LEVELS
     RL = min(LEVELS, max(1, _REG_LEVELS))  # levels of the window maxima taken in registers
     CS, CP, CR, CN = chunks
-    XA, YA, PA = _dense_alloc(K, box, nms, tile, chunks, hp, vw)
-    # the flutter stage (VF): per own sample the high-passed despiked sample (minus its moving mean
-    # over HP, from prefix sums of the despiked samples in ``part``) and the squared slope (``y2``),
-    # summed per window of vw samples (a tile's own samples meet at most NWT windows)
-    VF = vw > 0 and hp > 0
-    VW, HP = max(vw, 1), max(hp, 1)
-    hh = HP // 2
-    MX = nms + bh + kh + DX  # the despiked sample of own sample i is a[MX + i]
-    OY = nms + bh  # its squared slope y2[OY + i]
-    CV, CH = _VF_SCAN_CHUNK, _vf_chunk(VW)
-    HPN = tile + HP - 1  # despiked samples in the prefix sums: part[k] = sum(a[MX - hh : MX - hh + k])
-    NCV, NCH = -(-HPN // CV), -(-tile // CH)
-    NRV, NRH = -(-NCV // tpb), -(-NCH // tpb)
-    NWT = (tile - 1) // VW + 2
-    HL = 4 * NRH  # a thread's chunk sums (registers)
+    XA, YA, PA = _dense_alloc(K, box, nms, tile, chunks)
     # a thread's chunks of consecutive outputs (odd lengths: 8-byte shared accesses at an odd
     # stride hit distinct banks): how many, and the rounds of tpb threads that take them
     NBR = -(-(-(-E // g)) // CR)  # the envelope's chunks per residue mod g
@@ -1267,127 +1233,15 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                 p1 = src[u64(t + sh)]
                 dst[u64(t)] = p1 if p1 > p0 else p0
 
-    @cuda.jit(device=True)
-    def _vf_stage(a, y2, part, redx, wv, hl, first, base, n, ti, vsig, vslope):
-        """The dense kernel's flutter stage, between the slopes (``a``: the despiked samples, ``y2``
-        the squared slopes) and the RMS window's partial sums (which overwrite ``part``); ends with
-        the samples read (``a`` then holds the chunks' sums, read by its step 3)."""
-        tid = cuda.threadIdx.x
-        lane = tid % WARP
-        w = tid // WARP
-        s0 = MX - hh
-        # 1. part[k] = the sum of the first k despiked samples from a[s0] (k <= HPN): a thread's CV
-        # consecutive ones in registers, the warps' sums scanned with shuffles, then the warps' totals
-        if tid == 0:
-            part[0] = 0.0
-        carry = 0.0
-        for k in range(NRV):
-            t0 = (tid + k * tpb) * CV
-            v = 0.0
-            for i in range(CV):
-                u = a[u64(s0 + t0 + i)] if t0 + i < HPN else 0.0
-                wv[i] = u
-                v += u
-            incl = _warp_inclusive(v, lane)
-            if lane == WARP - 1:
-                redx[w] = incl
-            _syncthreads()
-            run = carry + incl - v
-            tot = 0.0
-            for q in range(NW):
-                if q < w:
-                    run += redx[q]
-                tot += redx[q]
-            for i in range(CV):
-                run += wv[i]
-                if t0 + i < HPN:
-                    part[u64(t0 + i + 1)] = run
-            carry += tot
-            _syncthreads()  # (redx is read before the next round writes it; the sums are complete)
-        # 2. per chunk of CH own samples: the energies in the (at most two) windows it meets; the
-        # samples of a window beyond the stream take its first or last sample's values
-        w0g = first // VW
-        lead = first - w0g * VW
-        tail = ((lead + n + VW - 1) // VW) * VW - lead - n
-        own = min(tile, n - base)
-        for k in range(NRH):
-            i0 = (tid + k * tpb) * CH
-            bnd = ((first + base + i0) // VW + 1) * VW - first - base  # the next window's first own sample
-            lh = 0.0
-            ld = 0.0
-            uh = 0.0
-            ud = 0.0
-            for j in range(CH):
-                i = i0 + j
-                if i < own:
-                    h = a[u64(MX + i)] - (part[u64(i + HP)] - part[u64(i)]) / HP
-                    h2 = h * h
-                    d2 = y2[u64(OY + i)]
-                    if base + i == 0 or base + i == n - 1:
-                        m = 1.0 + (lead if base + i == 0 else 0) + (tail if base + i == n - 1 else 0)
-                        h2 *= m
-                        d2 *= m
-                    if i < bnd:
-                        lh += h2
-                        ld += d2
-                    else:
-                        uh += h2
-                        ud += d2
-            hl[4 * k] = lh
-            hl[4 * k + 1] = ld
-            hl[4 * k + 2] = uh
-            hl[4 * k + 3] = ud
-        _syncthreads()  # the despiked samples and the prefix sums are read
-        for k in range(NRH):
-            ch = tid + k * tpb
-            if ch < NCH:
-                a[u64(ch)] = hl[4 * k]
-                a[u64(NCH + ch)] = hl[4 * k + 1]
-                a[u64(2 * NCH + ch)] = hl[4 * k + 2]
-                a[u64(3 * NCH + ch)] = hl[4 * k + 3]
-        _syncthreads()
-        # 3. a warp per window of the tile: its chunks' sums over the lanes, then a butterfly (a
-        # fixed order: the same sums on every run)
-        kt0 = (first + base) // VW
-        nj = (first + base + own - 1) // VW - kt0 + 1
-        for j0 in range(0, NWT, NW):  # uniform over the block
-            j = j0 + w
-            sh = 0.0
-            sd = 0.0
-            if j < nj:
-                for c in range(lane, NCH, WARP):
-                    kc = (first + base + c * CH) // VW - kt0
-                    if kc == j:
-                        sh += a[u64(c)]
-                        sd += a[u64(NCH + c)]
-                    elif kc + 1 == j:
-                        sh += a[u64(2 * NCH + c)]
-                        sd += a[u64(3 * NCH + c)]
-            off = WARP // 2
-            while off > 0:
-                sh += _shfl_xor(_FULL_MASK, sh, off)
-                sd += _shfl_xor(_FULL_MASK, sd, off)
-                off //= 2
-            if lane == 0 and j < nj:
-                vsig[ti * NWT + j] = sh
-                vslope[ti * NWT + j] = sd
-
     @_kernel("dense", sim)
-    def dense(x, first, b0, write_env, env_out, bmax, xmax, cap, tcount, tpos, theight, tvalley, info, vf,
-              vsig, vslope):
+    def dense(x, first, b0, write_env, env_out, bmax, xmax, cap, tcount, tpos, theight, tvalley, info):
         """One tile of ``tile`` samples per block, everything in shared memory: 3-point median,
         derivative-of-Gaussian slope, RMS over ``box`` (the sums of ``cpu_kernels.envelope_cpu``
         in its order), then for the tile's own samples the NMS over ±nms (the candidates, in
         arrival order, into this tile's ``cap`` slots of tpos/theight, with the lowest envelope of
         their window in tvalley; ``info[1] = 1`` if they overflow), the maximum of the envelope
         per stream-aligned block (one atomic max per block and tile into ``bmax``) and of |x| (into
-        ``xmax[0]``); the envelope itself into ``env_out`` when ``write_env``.
-
-        With ``vf`` (kernels built with the flutter rule's window) also the flutter rule's energies
-        of this tile's own samples per window (``rhythm.window_features``: the high-passed despiked
-        signal, the squared slope; a window's samples beyond the stream repeat its end samples'),
-        into ``vsig[tile * NWT + j]`` and ``vslope[...]`` for the tile's j-th window; ``vf_sums``
-        adds a window's tiles."""
+        ``xmax[0]``); the envelope itself into ``env_out`` when ``write_env``."""
         a = cuda.shared.array(XA, f64)  # despiked samples, then the envelope
         y2 = cuda.shared.array(YA, f64)
         part = cuda.shared.array(PA, f64)
@@ -1395,8 +1249,6 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         wp = cuda.local.array(WP, f64)
         wr = cuda.local.array(WR, f64)
         wn = cuda.local.array(WN, f64)
-        wv = cuda.local.array(CV, f64)
-        hl = cuda.local.array(HL, f64)
         red = cuda.shared.array(tpb, f64)
         redx = cuda.shared.array(NW, f64)
         cnt = cuda.shared.array(1, i32)
@@ -1407,7 +1259,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
         w = tid // WARP
         ti = cuda.blockIdx.x
         base = ti * tile
-        xlo = base - MX
+        xlo = base - nms - bh - kh
         if tid == 0:
             cnt[0] = 0
         for t in range(XL + tid, XA, tpb):  # the buffers' padding (read only into values past a stage's
@@ -1433,13 +1285,13 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                 a[t] = _despiked(x, _clip(xlo + t, n), n)
         _syncthreads()
         ylo = base - nms - bh
-        if inner:  # the slope at ylo + t reads the despiked a[DX + t .. DX + t + K - 1]
+        if inner:  # the slope at ylo + t reads the despiked a[t .. t + K - 1]
             for k in range(NRS):  # a thread's CS consecutive slopes from CS + K - 1 loads (registers)
                 ch = tid + k * tpb
                 if k < NCS // tpb or ch < NCS:
                     t0 = u64(ch * CS)
                     for i in range(WS):
-                        ws[i] = a[t0 + u64(DX + i)]
+                        ws[i] = a[t0 + u64(i)]
                     for j in range(CS):
                         acc = 0.0
                         for i in range(K):
@@ -1453,8 +1305,6 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                     acc += a[u64(off) + u64(i)] * kr[i]
                 y2[t] = acc * acc
         _syncthreads()
-        if VF and vf:  # the flutter rule's energies (uniform over the block)
-            _vf_stage(a, y2, part, redx, wv, hl, first, base, n, ti, vsig, vslope)
         for k in range(NRP):  # the RMS window's partial sums: CP consecutive ones from CP + g - 1 loads
             ch = tid + k * tpb
             if k < NCP // tpb or ch < NCP:
@@ -1705,27 +1555,7 @@ def _detect_build(K: int, box: int, nms: int, block: int, KF: int, shalf: int, t
                     peaks[o] = p
                     o += 1
 
-    @cuda.jit
-    def vf_sums(vsig, vslope, first, n, e_sig, e_slope):
-        """Per flutter window: the energies of the high-passed signal and of the slope, the dense
-        kernel's sums of the tiles it meets added in tile order."""
-        nw = e_sig.shape[0]
-        w0 = first // VW
-        for w in range(cuda.grid(1), nw, cuda.gridsize(1)):
-            k = w0 + w
-            ps = max(k * VW - first, 0)
-            pe = min((k + 1) * VW - first, n)
-            ss = 0.0
-            sd = 0.0
-            for t in range(ps // tile, (pe - 1) // tile + 1):
-                j = k - (first + t * tile) // VW
-                ss += vsig[t * NWT + j]
-                sd += vslope[t * NWT + j]
-            e_sig[w] = ss
-            e_slope[w] = sd
-
-    return {"dense": dense, "cand_eval": cand_eval, "emit_count": emit_count, "emit": emit, "vf_sums": vf_sums,
-            "nwt": NWT if VF else 0}
+    return {"dense": dense, "cand_eval": cand_eval, "emit_count": emit_count, "emit": emit}
 
 
 #: the flutter rule's energy kernel: chunks per window (a window's lanes, a power of two that divides
@@ -2042,14 +1872,13 @@ def _detect_plan(s, sim: bool):
     launch shape (every detection asks for it, and the host's time before the first kernel is the
     GPU's idle time; the last one also by the identity of ``s``, a frozen dataclass, which skips
     building the key)."""
-    flags = (bool(sim), _DET_TPB, _DET_TILE, _SIM_DET_TPB, _SIM_DET_TILE, _DENSE_CHUNKS, _REG_LEVELS, _VF_FUSED)
+    flags = (bool(sim), _DET_TPB, _DET_TILE, _SIM_DET_TPB, _SIM_DET_TILE, _DENSE_CHUNKS, _REG_LEVELS)
     last = _plan_last[0]
     if last is not None and last[0] is s and last[1] == flags:
         return last[2]
     key = (int(s.blocks), int(s.kernel), int(s.box), int(s.nms), int(s.block), int(s.fine_kernel),
            int(s.slope_half), float(s.a), float(s.fine_a), bool(sim), _DET_TPB, _DET_TILE, _SIM_DET_TPB,
-           _SIM_DET_TILE, tuple(_DENSE_CHUNKS), _REG_LEVELS, int(s.vf_window), int(s.vf_highpass),
-           s.vf_baseline > 0, _VF_FUSED)
+           _SIM_DET_TILE, tuple(_DENSE_CHUNKS), _REG_LEVELS)
     plan = _plans.get(key, _plans)
     if plan is _plans:
         plan = _plans[key] = _make_plan(s, sim)
@@ -2065,10 +1894,8 @@ def _make_plan(s, sim: bool):
     if (2 * nms + 1).bit_length() - 1 > _MAX_LEVELS:  # more doubling levels than `dense` writes out
         return None  # (a window that wide does not fit in shared memory either)
     chunks = tuple(int(c) for c in _DENSE_CHUNKS)
-    # the flutter rule's energies in the dense kernel (vf_sums adds them up per window)
-    vw, hp = (int(s.vf_window), int(s.vf_highpass)) if s.vf_baseline > 0 and _VF_FUSED else (0, 0)
     while True:
-        XA, YA, PA = _dense_alloc(K, box, nms, tile, chunks, hp, vw)
+        XA, YA, PA = _dense_alloc(K, box, nms, tile, chunks)
         shared = 8 * (XA + YA + PA + tpb + tpb // WARP) + 4
         if shared <= _SHARED_BYTES:
             break
@@ -2076,8 +1903,7 @@ def _make_plan(s, sim: bool):
             return None
         tile //= 2
     return _detect_build(K, box, nms, int(s.block), int(s.fine_kernel), int(s.slope_half), tile, tpb,
-                         _taps(K, float(s.a), True), _taps(int(s.fine_kernel), float(s.fine_a)), chunks, vw,
-                         hp), tile, tpb
+                         _taps(K, float(s.a), True), _taps(int(s.fine_kernel), float(s.fine_a)), chunks), tile, tpb
 
 
 @functools.lru_cache(maxsize=None)
@@ -2092,11 +1918,10 @@ def _taps(size: int, a: float, reverse: bool = False) -> tuple:
     return tuple(float(v) for v in (taps[::-1] if reverse else taps))
 
 
-def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool, fork: bool = False, vf: bool = False):
+def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool, fork: bool = False):
     """Launch the fused dense kernel over ``x``; returns its outputs (device arrays). With ``fork``
     also ``out["side"] = ctx.fork()``: a side stream that starts behind the outputs' set-up, not
-    behind the kernel. With ``vf`` (and kernels built for it) also the flutter rule's energies per
-    tile and window (``vsig``, ``vslope``: ``nt`` rows of ``kern["nwt"]``)."""
+    behind the kernel."""
     kern, tile, tpb = plan
     xp = ctx.xp
     n = int(x.shape[0])
@@ -2116,17 +1941,13 @@ def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool, fork: bo
         # whose near-median fraction the flutter rule computed, kept beats (segment_rows_gpu)]
         "env": xp.empty(n if write_env else 1, dtype=xp.float64),
     }
-    vf = bool(vf and kern["nwt"])
-    nv = nt * kern["nwt"] if vf else 1
-    out["vsig"] = xp.empty(nv, dtype=xp.float64)
-    out["vslope"] = xp.empty(nv, dtype=xp.float64)
     if fork:
         out["side"] = ctx.fork()
     a = ctx.arg
     ctx.launch(kern["dense"], nt, tpb, 0, a(x), first, b0, bool(write_env), a(out["env"]), a(out["bmax"]),
                a(out["xmax"]), cap, a(out["tcount"]), a(out["tpos"]), a(out["theight"]), a(out["tvalley"]),
-               a(out["info"]), vf, a(out["vsig"]), a(out["vslope"]), sig=x.dtype.char)
-    out.update(nt=nt, b0=b0, tile=tile, tpb=tpb, vf=vf)
+               a(out["info"]), sig=x.dtype.char)
+    out.update(nt=nt, b0=b0, tile=tile, tpb=tpb)
     return out
 
 
@@ -2193,11 +2014,10 @@ def detect_beats_gpu(x, s, *, first: int = 0, core: tuple[int, int] | None = Non
     return _detect_gpu(x, s, first, core, _cap, rule=s.vf_baseline > 0)
 
 
-def _flutter_pass(ctx, x, s, first: int, lo: int, hi: int, info, keep: list | None = None, dense=None):
+def _flutter_pass(ctx, x, s, first: int, lo: int, hi: int, info, keep: list | None = None):
     """Launch the flutter rule's kernels over ``x``: ``(episode, w0, spans)`` (device arrays; the
     number of spans goes to ``info[2]``, that of the windows whose near-median fraction was computed
-    to ``info[3]``). ``dense``: ``(kernels, outputs)`` of a dense pass over ``x`` that summed the
-    windows' energies per tile (``vf_sums`` adds them up); without it ``vf_energy`` computes them."""
+    to ``info[3]``)."""
     xp = ctx.xp
     W, n = int(s.vf_window), int(x.shape[0])
     w0 = first // W
@@ -2216,12 +2036,8 @@ def _flutter_pass(ctx, x, s, first: int, lo: int, hi: int, info, keep: list | No
     tw = tpb // _VF_CHUNKS
     per_window = WARP if ctx.sim else _CAND_TPB
     wblocks = ctx.blocks(-(-nw // per_window))
-    if dense is not None and dense[1]["vf"]:
-        ctx.launch(dense[0]["vf_sums"], ctx.blocks(-(-nw // per_window)), per_window, 0, a(dense[1]["vsig"]),
-                   a(dense[1]["vslope"]), first, n, a(e_sig), a(e_slope), sig="")
-    else:
-        ctx.launch(kern["vf_energy"], ctx.blocks(-(-nw // tw)), tpb, 0, a(x),
-                   first, w0, a(e_sig), a(e_slope), sig=x.dtype.char)
+    ctx.launch(kern["vf_energy"], ctx.blocks(-(-nw // tw)), tpb, 0, a(x),
+               first, w0, a(e_sig), a(e_slope), sig=x.dtype.char)
     ctx.launch(kern["vf_need"], wblocks, per_window, 0, a(e_sig), a(e_slope), c, omega2, a(todo), a(info), sig="")
     ctx.launch(kern["vf_near"], ctx.blocks(min(nw, _VF_NEAR_BLOCKS)), tpb, 0, a(x), first, w0, a(todo), a(info),
                float(s.vf_tol), a(near), sig=x.dtype.char)
@@ -2231,9 +2047,6 @@ def _flutter_pass(ctx, x, s, first: int, lo: int, hi: int, info, keep: list | No
         keep += (e_sig, e_slope, near, todo)
     return episode, w0, spans
 
-
-#: the flutter rule's energies summed by the dense kernel (False, or BEATFLOW_VF_FUSED=0: by vf_energy)
-_VF_FUSED = os.environ.get("BEATFLOW_VF_FUSED", "1") not in ("0", "false", "no")
 
 #: blocks of vf_near (launched before the number of listed windows is known; grid-stride over them)
 _VF_NEAR_BLOCKS = 2048
@@ -2265,17 +2078,15 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
     cap = int(_cap) if _cap is not None else tile // (int(s.nms) + 1) + 2
     lo, hi = (-_FAR, _FAR) if core is None else (int(core[0]), int(core[1]))
     streams = rule and _STREAMS and not ctx.sim
-    fused = rule and bool(kern["nwt"])  # the flutter rule's energies summed by the dense kernel
-    d = _dense_pass(ctx, plan, x, s, first, cap, write_env=False, fork=streams and not fused, vf=fused)  # 1.
+    d = _dense_pass(ctx, plan, x, s, first, cap, write_env=False, fork=streams)  # 1.
     try:  # (on an error, nothing a side stream still runs may see its arrays freed and reused)
         info = d["info"]
         keep = []  # arrays the side streams use: referenced until the synchronisation
         vf_range = (first if core is None else lo, first + n if core is None else hi)
-        if streams:  # the flutter rule's kernels on a side stream (behind the dense kernel's output
-            # set-up, their blocks beside its last ones; or behind the kernel where it summed their
-            # energies); the candidates' kernels behind the dense kernel on a high-priority one
-            low, join_low = ctx.fork() if fused else d["side"]
-            episode, w0, spans = _flutter_pass(low, x, s, first, *vf_range, info, keep, dense=(kern, d))
+        if streams:  # the flutter rule's kernels, queued behind the dense kernel's blocks on a side stream;
+            # the candidates' kernels behind the dense kernel on a high-priority one
+            low, join_low = d["side"]
+            episode, w0, spans = _flutter_pass(low, x, s, first, *vf_range, info, keep)
             cctx, join_cand = ctx.fork(high=True)
         else:
             cctx = ctx
@@ -2310,7 +2121,7 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
             join_low()
             join_cand()
         elif rule:  # the flutter episodes; the peaks in them are not emitted
-            episode, w0, spans = _flutter_pass(ctx, x, s, first, *vf_range, info, dense=(kern, d))
+            episode, w0, spans = _flutter_pass(ctx, x, s, first, *vf_range, info)
         if rule:
             vw = int(s.vf_window)
         else:
@@ -2327,7 +2138,7 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
                    a(peaks), sig="")
         if rows is not None:  # the kept beats' bounds and rows, behind the detection on the stream
             beat_out = _rows_launch(ctx, x, peaks, info[0:1], info[4:5], s, first, n, rows, mcap)
-        total, overflow, nsp, _, kept = (int(v) for v in (info if ctx.sim else info.get()))  # the one synchronisation
+        total, overflow, nsp, _, kept = (int(v) for v in (info if ctx.sim else _host_counts(ctx, info)))
     except BaseException:
         if streams:
             xp.cuda.Device().synchronize()
@@ -2353,6 +2164,31 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
 
 
 _FAR = 1 << 40  # "no limit" for the core filter
+
+#: the detection's counts come back through a pinned host buffer (False, or BEATFLOW_PINNED_COUNTS=0:
+#: CuPy's ``get()`` into a new NumPy array, a pageable copy)
+_PINNED_COUNTS = os.environ.get("BEATFLOW_PINNED_COUNTS", "1") not in ("0", "false", "no")
+_pinned = threading.local()
+
+
+def _host_counts(ctx, info) -> list:
+    """``info`` (a small int64 device array) on the host: the detection's one synchronisation. An
+    asynchronous copy into this thread's pinned buffer for the device, then a wait for the stream
+    (a pageable copy stages through a driver buffer)."""
+    if not _PINNED_COUNTS:
+        return info.get().tolist()
+    bufs = getattr(_pinned, "bufs", None)
+    if bufs is None:
+        bufs = _pinned.bufs = {}
+    n = int(info.shape[0])
+    buf = bufs.get(ctx.dev)
+    if buf is None or buf.shape[0] < n:
+        import cupyx
+
+        buf = bufs[ctx.dev] = cupyx.empty_pinned((max(n, 8),), dtype=np.int64)
+    out = buf[:n]
+    info.get(stream=ctx.cstream, out=out)  # (blocking: waits for the stream)
+    return out.tolist()
 
 
 def _block_levels(ctx, bmax, s):

@@ -73,17 +73,14 @@ def main():
     s = SegmentParams().samples(250.0)
     det = K._detect_build(int(s.kernel), int(s.box), int(s.nms), int(s.block), int(s.fine_kernel),
                           int(s.slope_half), K._DET_TILE, K._DET_TPB, K._taps(int(s.kernel), float(s.a), True),
-                          K._taps(int(s.fine_kernel), float(s.fine_a)), tuple(K._DENSE_CHUNKS),
-                          int(s.vf_window) if K._VF_FUSED else 0, int(s.vf_highpass) if K._VF_FUSED else 0)
+                          K._taps(int(s.fine_kernel), float(s.fine_a)), tuple(K._DENSE_CHUNKS))
     base, _ = K._build()
     vf = K._vf_build(int(s.vf_window), int(s.vf_highpass), int(s.kernel), K._VF_CHUNKS * K._VF_TILE,
                      K._taps(int(s.kernel), float(s.a), True))
     A = lambda t: t[::1]  # noqa: E731
     todo = [
         ("dense", det["dense"], (A(float32), int64, int64, boolean, A(float64), A(float64), A(float64),
-                                 int64, A(int64), A(int64), A(float64), A(float64), A(int64), boolean,
-                                 A(float64), A(float64))),
-        ("vf_sums", det["vf_sums"], (A(float64), A(float64), int64, int64, A(float64), A(float64))),
+                                 int64, A(int64), A(int64), A(float64), A(float64), A(int64))),
         ("cand_eval", det["cand_eval"], (A(float32), A(int64), A(int64), int64, A(int64), A(float64), A(float64),
                                          A(float64), int64, int64, int64, float64, float64, A(float64),
                                          float64, float64, float64,

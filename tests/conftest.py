@@ -9,9 +9,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 MITDB = ROOT.parent / "shared" / "data" / "mitdb"
-# engines built by tests go to a throw-away cache (inherited by CLI subprocesses and Dask workers)
-os.environ.setdefault("BEATFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="beatflow-engine-cache-"))
-os.environ.setdefault("BEATFLOW_SYNTH_CACHE", tempfile.mkdtemp(prefix="beatflow-synth-cache-"))
+# engines built by tests go to a throw-away cache (inherited by CLI subprocesses and Dask workers),
+# removed when the session ends (the ones this session made, not caches given from outside)
+_THROWAWAY = []
+for _var, _prefix in (("BEATFLOW_CACHE_DIR", "beatflow-engine-cache-"), ("BEATFLOW_SYNTH_CACHE", "beatflow-synth-cache-")):
+    if _var not in os.environ:
+        os.environ[_var] = tempfile.mkdtemp(prefix=_prefix)
+        _THROWAWAY.append(os.environ[_var])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    for path in _THROWAWAY:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

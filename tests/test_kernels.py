@@ -506,10 +506,7 @@ def test_flutter_kernels_match_array_code():
             x = np.concatenate([x[:900], rng.normal(size=400).astype(np.float32), _flutter(rng, 900, fs)])
         ctx, _, _, xp, xd = K._vector_call(dev(x), "x")
         info = xp.zeros(4, dtype=xp.int64)
-        plan = K._detect_plan(s, ctx.sim)  # the windows' energies from the dense kernel, as the detection has them
-        d = K._dense_pass(ctx, plan, xd, s, first, plan[1] // (int(s.nms) + 1) + 2, write_env=False, vf=True)
-        assert d["vf"]
-        episode, w0, spans = K._flutter_pass(ctx, xd, s, first, first, first + x.shape[0], info, dense=(plan[0], d))
+        episode, w0, spans = K._flutter_pass(ctx, xd, s, first, first, first + x.shape[0], info)
         want, ww0 = R.flutter_windows(x, first, s)
         assert w0 == ww0
         np.testing.assert_array_equal(host(episode).astype(bool), want)
@@ -524,37 +521,24 @@ def test_flutter_kernels_match_array_code():
     assert fired > 0
 
 
-def _flutter_energies(x, s, first, fused):
-    """The flutter windows' energies ``(e_sig, e_slope)`` as the detection's kernels compute them:
-    summed by the dense kernel per tile and added up by ``vf_sums`` (``fused``), or by ``vf_energy``."""
+def _flutter_energies(x, s, first):
+    """The flutter windows' energies ``(e_sig, e_slope)`` from the ``vf_energy`` kernel."""
     ctx, _, _, xp, xd = K._vector_call(dev(x), "x")
-    old = K._VF_FUSED
-    K._VF_FUSED = fused
-    try:
-        plan = K._detect_plan(s, ctx.sim)
-        d = K._dense_pass(ctx, plan, xd, s, first, plan[1] // (int(s.nms) + 1) + 2, write_env=False, vf=fused)
-        assert d["vf"] == fused
-        W = int(s.vf_window)
-        nw = -(-(first - first // W * W + x.shape[0]) // W)
-        e_sig, e_slope = xp.empty(nw), xp.empty(nw)
-        if fused:
-            ctx.launch(plan[0]["vf_sums"], 1, 32, 0, d["vsig"], d["vslope"], first, int(x.shape[0]), e_sig, e_slope)
-        else:
-            kern = K._vf_build(W, int(s.vf_highpass), int(s.kernel), K.WARP if ctx.sim else K._VF_CHUNKS * K._VF_TILE,
-                               K._taps(int(s.kernel), float(s.a), True))
-            ctx.launch(kern["vf_energy"], 4, K.WARP if ctx.sim else K._VF_CHUNKS * K._VF_TILE, 0, xd, first,
-                       first // W, e_sig, e_slope)
-    finally:
-        K._VF_FUSED = old
+    W = int(s.vf_window)
+    nw = -(-(first - first // W * W + x.shape[0]) // W)
+    e_sig, e_slope = xp.empty(nw), xp.empty(nw)
+    tpb = K.WARP if ctx.sim else K._VF_CHUNKS * K._VF_TILE
+    kern = K._vf_build(W, int(s.vf_highpass), int(s.kernel), tpb, K._taps(int(s.kernel), float(s.a), True))
+    ctx.launch(kern["vf_energy"], 4, tpb, 0, xd, first, first // W, e_sig, e_slope)
     return host(e_sig), host(e_slope)
 
-
-def test_flutter_energies_from_the_dense_kernel_match_the_cpu_loops():
-    """The flutter rule's per-window energies of the high-passed signal and of its slope, summed
-    by the dense kernel per tile (its prefix sums for the moving mean) and by ``vf_energy``, equal
-    ``cpu_kernels.flutter_features_cpu``'s to round-off: windows longer and shorter than a tile,
-    unaligned starts (the first window's samples before the stream repeat its first), a stream
-    shorter than a window, and a high-pass reach beyond the slopes' (the despiked tile widened)."""
+def test_flutter_energies_match_the_cpu_loops():
+    """The flutter rule's per-window energies of the high-passed signal and of its slope from
+    ``vf_energy`` equal ``cpu_kernels.flutter_features_cpu``'s to round-off: windows of several
+    lengths, unaligned starts (the first window's samples before the stream repeat its first), a
+    stream shorter than a window, and a high-pass reach beyond the slopes'. (Session 17 summed them
+    in the dense kernel instead: the dense kernel took 186 µs longer on the H200, more than
+    ``vf_energy`` takes; dropped.)"""
     from beatflow.cpu_kernels import flutter_features_cpu
     from beatflow.params import SegmentParams
 
@@ -566,10 +550,9 @@ def test_flutter_energies_from_the_dense_kernel_match_the_cpu_loops():
         s = SegmentParams(**params).samples(fs)
         want_sig, want_slope = flutter_features_cpu(xs, first, s.vf_window, s.vf_highpass,
                                                     S.gaussian_derivative(s.kernel, s.a))
-        for fused in (True, False):
-            e_sig, e_slope = _flutter_energies(xs, s, first, fused)
-            np.testing.assert_allclose(e_sig, want_sig, rtol=1e-9, err_msg=f"{fs} {params} {first} {fused}")
-            np.testing.assert_allclose(e_slope, want_slope, rtol=1e-9, err_msg=f"{fs} {params} {first} {fused}")
+        e_sig, e_slope = _flutter_energies(xs, s, first)
+        np.testing.assert_allclose(e_sig, want_sig, rtol=1e-9, err_msg=f"{fs} {params} {first}")
+        np.testing.assert_allclose(e_slope, want_slope, rtol=1e-9, err_msg=f"{fs} {params} {first}")
 
 
 def test_flutter_kernels_off_and_on_a_plain_ecg():
