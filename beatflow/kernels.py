@@ -1071,7 +1071,7 @@ def _embed_launch(ctx, x, start, length, width: int, first: int, baseline_sample
     else:
         count = xp.empty(0, dtype=xp.int64)  # (empty: all n beats)
     ctx.launch(_embed_build(width), blocks, warps * WARP, 0, x, start, length, int(first),
-               max(0, int(baseline_samples)), rows, p2p, counter, int(claim), count, sig=x.dtype.char)
+               max(0, int(baseline_samples)), rows, p2p, counter, int(claim), count, sig=(x.dtype.char, x.ndim))
     return rows, p2p
 
 
@@ -2138,7 +2138,7 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
                    a(peaks), sig="")
         if rows is not None:  # the kept beats' bounds and rows, behind the detection on the stream
             beat_out = _rows_launch(ctx, x, peaks, info[0:1], info[4:5], s, first, n, rows, mcap)
-        total, overflow, nsp, _, kept = (int(v) for v in (info if ctx.sim else _host_counts(ctx, info)))
+        total, overflow, nsp, _, kept = (int(v) for v in (info if ctx.sim else info.get()))  # the one synchronisation
     except BaseException:
         if streams:
             xp.cuda.Device().synchronize()
@@ -2164,31 +2164,6 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
 
 
 _FAR = 1 << 40  # "no limit" for the core filter
-
-#: the detection's counts come back through a pinned host buffer (False, or BEATFLOW_PINNED_COUNTS=0:
-#: CuPy's ``get()`` into a new NumPy array, a pageable copy)
-_PINNED_COUNTS = os.environ.get("BEATFLOW_PINNED_COUNTS", "1") not in ("0", "false", "no")
-_pinned = threading.local()
-
-
-def _host_counts(ctx, info) -> list:
-    """``info`` (a small int64 device array) on the host: the detection's one synchronisation. An
-    asynchronous copy into this thread's pinned buffer for the device, then a wait for the stream
-    (a pageable copy stages through a driver buffer)."""
-    if not _PINNED_COUNTS:
-        return info.get().tolist()
-    bufs = getattr(_pinned, "bufs", None)
-    if bufs is None:
-        bufs = _pinned.bufs = {}
-    n = int(info.shape[0])
-    buf = bufs.get(ctx.dev)
-    if buf is None or buf.shape[0] < n:
-        import cupyx
-
-        buf = bufs[ctx.dev] = cupyx.empty_pinned((max(n, 8),), dtype=np.int64)
-    out = buf[:n]
-    info.get(stream=ctx.cstream, out=out)  # (blocking: waits for the stream)
-    return out.tolist()
 
 
 def _block_levels(ctx, bmax, s):

@@ -6,8 +6,7 @@ For the 20 h synthetic stream (``gpu_seg_embed.setup``) and ``kernels.segment_ro
 1. **Wall time** per variant (``VARIANTS``, ";"-separated: "one", every kernel on one stream;
    "streams", the product's default: the flutter rule's kernels on a side stream behind the dense
    kernel's blocks, the candidates' on a high-priority one, ``kernels._STREAMS``; "slow-launch", every
-   launch through Numba; "pageable", the counts back through CuPy's ``get()`` instead of a pinned
-   buffer): median and spread of ``RUNS`` calls, each timed from the call to its return
+   launch through Numba): median and spread of ``RUNS`` calls, each timed from the call to its return
    (the call ends with its one synchronisation). Before that, ``CHECKS`` calls of each variant must give
    the peaks, episodes and rows of the first variant's first call, exactly. (Session 16 also measured
    the flutter side stream started behind the block levels, and a scan by runs of counts per thread
@@ -43,7 +42,6 @@ def apply(variant: str):
     items = variant.split(",")
     K._FAST_LAUNCH = "slow-launch" not in items
     K._STREAMS = "one" not in items
-    K._PINNED_COUNTS = "pageable" not in items
 
 
 def timeline(fn):
