@@ -2036,8 +2036,10 @@ def _flutter_pass(ctx, x, s, first: int, lo: int, hi: int, info, keep: list | No
     tw = tpb // _VF_CHUNKS
     per_window = WARP if ctx.sim else _CAND_TPB
     wblocks = ctx.blocks(-(-nw // per_window))
-    ctx.launch(kern["vf_energy"], ctx.blocks(-(-nw // tw)), tpb, 0, a(x),
-               first, w0, a(e_sig), a(e_slope), sig=x.dtype.char)
+    eblocks = ctx.blocks(-(-nw // tw))
+    if _VF_ENERGY_BLOCKS:  # (a grid-stride loop: fewer blocks take more tiles of windows each)
+        eblocks = min(eblocks, int(_VF_ENERGY_BLOCKS))
+    ctx.launch(kern["vf_energy"], eblocks, tpb, 0, a(x), first, w0, a(e_sig), a(e_slope), sig=x.dtype.char)
     ctx.launch(kern["vf_need"], wblocks, per_window, 0, a(e_sig), a(e_slope), c, omega2, a(todo), a(info), sig="")
     ctx.launch(kern["vf_near"], ctx.blocks(min(nw, _VF_NEAR_BLOCKS)), tpb, 0, a(x), first, w0, a(todo), a(info),
                float(s.vf_tol), a(near), sig=x.dtype.char)
@@ -2047,6 +2049,12 @@ def _flutter_pass(ctx, x, s, first: int, lo: int, hi: int, info, keep: list | No
         keep += (e_sig, e_slope, near, todo)
     return episode, w0, spans
 
+
+#: at most this many blocks of vf_energy (None: one per tile of windows). An experiment for the next
+#: H200 call (bench/gpu_seg_timeline.py, variant "vfcap"): 4 blocks per SM would leave an SM's
+#: registers room for the candidates' kernels beside vf_energy (5 of its blocks fill them; session
+#: 17's timelines: the candidates' chain starts only once vf_energy has drained)
+_VF_ENERGY_BLOCKS = None
 
 #: blocks of vf_near (launched before the number of listed windows is known; grid-stride over them)
 _VF_NEAR_BLOCKS = 2048

@@ -6,7 +6,8 @@ For the 20 h synthetic stream (``gpu_seg_embed.setup``) and ``kernels.segment_ro
 1. **Wall time** per variant (``VARIANTS``, ";"-separated: "one", every kernel on one stream;
    "streams", the product's default: the flutter rule's kernels on a side stream behind the dense
    kernel's blocks, the candidates' on a high-priority one, ``kernels._STREAMS``; "slow-launch", every
-   launch through Numba): median and spread of ``RUNS`` calls, each timed from the call to its return
+   launch through Numba; "vfcap", ``vf_energy`` on 4 blocks per SM; "scan256", the one-block scans
+   in 256 threads): median and spread of ``RUNS`` calls, each timed from the call to its return
    (the call ends with its one synchronisation). Before that, ``CHECKS`` calls of each variant must give
    the peaks, episodes and rows of the first variant's first call, exactly. (Session 16 also measured
    the flutter side stream started behind the block levels, and a scan by runs of counts per thread
@@ -42,6 +43,13 @@ def apply(variant: str):
     items = variant.split(",")
     K._FAST_LAUNCH = "slow-launch" not in items
     K._STREAMS = "one" not in items
+    # session 17's leads (not yet measured): vf_energy at 4 blocks per SM, the scan in 256 threads, so
+    # that the candidates' kernels fit beside vf_energy's blocks
+    import cupy
+
+    sms = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["multiProcessorCount"]
+    K._VF_ENERGY_BLOCKS = 4 * sms if "vfcap" in items else None
+    K._SCAN_TPB = 256 if "scan256" in items else 1024
 
 
 def timeline(fn):

@@ -521,15 +521,16 @@ def test_flutter_kernels_match_array_code():
     assert fired > 0
 
 
-def _flutter_energies(x, s, first):
-    """The flutter windows' energies ``(e_sig, e_slope)`` from the ``vf_energy`` kernel."""
+def _flutter_energies(x, s, first, blocks=4):
+    """The flutter windows' energies ``(e_sig, e_slope)`` from the ``vf_energy`` kernel on
+    ``blocks`` blocks (its loop strides over the tiles of windows)."""
     ctx, _, _, xp, xd = K._vector_call(dev(x), "x")
     W = int(s.vf_window)
     nw = -(-(first - first // W * W + x.shape[0]) // W)
     e_sig, e_slope = xp.empty(nw), xp.empty(nw)
     tpb = K.WARP if ctx.sim else K._VF_CHUNKS * K._VF_TILE
     kern = K._vf_build(W, int(s.vf_highpass), int(s.kernel), tpb, K._taps(int(s.kernel), float(s.a), True))
-    ctx.launch(kern["vf_energy"], 4, tpb, 0, xd, first, first // W, e_sig, e_slope)
+    ctx.launch(kern["vf_energy"], blocks, tpb, 0, xd, first, first // W, e_sig, e_slope)
     return host(e_sig), host(e_slope)
 
 def test_flutter_energies_match_the_cpu_loops():
@@ -553,6 +554,9 @@ def test_flutter_energies_match_the_cpu_loops():
         e_sig, e_slope = _flutter_energies(xs, s, first)
         np.testing.assert_allclose(e_sig, want_sig, rtol=1e-9, err_msg=f"{fs} {params} {first}")
         np.testing.assert_allclose(e_slope, want_slope, rtol=1e-9, err_msg=f"{fs} {params} {first}")
+        one = _flutter_energies(xs, s, first, blocks=1)  # one block walks every tile of windows
+        np.testing.assert_array_equal(one[0], e_sig)
+        np.testing.assert_array_equal(one[1], e_slope)
 
 
 def test_flutter_kernels_off_and_on_a_plain_ecg():
