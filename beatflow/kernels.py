@@ -1872,13 +1872,12 @@ def _detect_plan(s, sim: bool):
     launch shape (every detection asks for it, and the host's time before the first kernel is the
     GPU's idle time; the last one also by the identity of ``s``, a frozen dataclass, which skips
     building the key)."""
-    flags = (bool(sim), _DET_TPB, _DET_TILE, _SIM_DET_TPB, _SIM_DET_TILE, _DENSE_CHUNKS, _REG_LEVELS)
+    flags = (bool(sim), _DET_TPB, _DET_TILE, _SIM_DET_TPB, _SIM_DET_TILE, tuple(_DENSE_CHUNKS), _REG_LEVELS)
     last = _plan_last[0]
     if last is not None and last[0] is s and last[1] == flags:
         return last[2]
     key = (int(s.blocks), int(s.kernel), int(s.box), int(s.nms), int(s.block), int(s.fine_kernel),
-           int(s.slope_half), float(s.a), float(s.fine_a), bool(sim), _DET_TPB, _DET_TILE, _SIM_DET_TPB,
-           _SIM_DET_TILE, tuple(_DENSE_CHUNKS), _REG_LEVELS)
+           int(s.slope_half), float(s.a), float(s.fine_a)) + flags
     plan = _plans.get(key, _plans)
     if plan is _plans:
         plan = _plans[key] = _make_plan(s, sim)
