@@ -2036,8 +2036,8 @@ def _flutter_pass(ctx, x, s, first: int, lo: int, hi: int, info, keep: list | No
     per_window = WARP if ctx.sim else _CAND_TPB
     wblocks = ctx.blocks(-(-nw // per_window))
     eblocks = ctx.blocks(-(-nw // tw))
-    if _VF_ENERGY_BLOCKS:  # (a grid-stride loop: fewer blocks take more tiles of windows each)
-        eblocks = min(eblocks, int(_VF_ENERGY_BLOCKS))
+    if _VF_ENERGY_PER_SM and not ctx.sim:  # (a grid-stride loop: fewer blocks take more tiles each)
+        eblocks = min(eblocks, int(_VF_ENERGY_PER_SM) * _sm_count(ctx.dev))
     ctx.launch(kern["vf_energy"], eblocks, tpb, 0, a(x), first, w0, a(e_sig), a(e_slope), sig=x.dtype.char)
     ctx.launch(kern["vf_need"], wblocks, per_window, 0, a(e_sig), a(e_slope), c, omega2, a(todo), a(info), sig="")
     ctx.launch(kern["vf_near"], ctx.blocks(min(nw, _VF_NEAR_BLOCKS)), tpb, 0, a(x), first, w0, a(todo), a(info),
@@ -2049,11 +2049,20 @@ def _flutter_pass(ctx, x, s, first: int, lo: int, hi: int, info, keep: list | No
     return episode, w0, spans
 
 
-#: at most this many blocks of vf_energy (None: one per tile of windows). An experiment for the next
-#: H200 call (bench/gpu_seg_timeline.py, variant "vfcap"): 4 blocks per SM would leave an SM's
-#: registers room for the candidates' kernels beside vf_energy (5 of its blocks fill them; session
-#: 17's timelines: the candidates' chain starts only once vf_energy has drained)
-_VF_ENERGY_BLOCKS = None
+#: blocks of vf_energy per SM (None: one block per tile of windows). 5 of its blocks (128 threads x
+#: 95 registers) fill an SM's registers, so uncapped it kept the candidates' kernels, on their
+#: high-priority stream, from starting until it drained; with 4 per SM they run beside it. H200,
+#: session 18 (bench/gpu_seg_timeline.py, 120 calls each): segmentation + embedding 0.969 -> 0.955 ms
+#: median (interleaved 0.984 -> 0.979), the same peaks, episodes and rows
+_VF_ENERGY_PER_SM = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(dev: int) -> int:
+    """The number of streaming multiprocessors of CUDA device ``dev`` (asked once per device)."""
+    import cupy
+
+    return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, dev))
 
 #: blocks of vf_near (launched before the number of listed windows is known; grid-stride over them)
 _VF_NEAR_BLOCKS = 2048

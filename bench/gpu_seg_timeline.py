@@ -6,10 +6,11 @@ For the 20 h synthetic stream (``gpu_seg_embed.setup``) and ``kernels.segment_ro
 1. **Wall time** per variant (``VARIANTS``, ";"-separated: "one", every kernel on one stream;
    "streams", the product's default: the flutter rule's kernels on a side stream behind the dense
    kernel's blocks, the candidates' on a high-priority one, ``kernels._STREAMS``; "slow-launch", every
-   launch through Numba; "vfcap", ``vf_energy`` on 4 blocks per SM; "scan256", the one-block scans
-   in 256 threads): median and spread of ``RUNS`` calls, each timed from the call to its return
-   (the call ends with its one synchronisation). Before that, ``CHECKS`` calls of each variant must give
-   the peaks, episodes and rows of the first variant's first call, exactly. (Session 16 also measured
+   launch through Numba; "vfall", ``vf_energy`` on a block per tile of windows instead of the default
+   4 blocks per SM (``kernels._VF_ENERGY_PER_SM``); "scan256", the one-block scans in 256 threads):
+   median and spread of ``RUNS`` calls, each timed from the call to its return (the call ends with
+   its one synchronisation). Before that, ``CHECKS`` calls of each variant must give the peaks,
+   episodes and rows of the first variant's first call, exactly. (Session 16 also measured
    the flutter side stream started behind the block levels, and a scan by runs of counts per thread
    with 1024 or 128 threads: all slower, dropped; ``bench/RESULTS.md``.)
 2. **Timeline** of one call per variant: every launch is followed by a CUDA event on its stream, so
@@ -43,12 +44,9 @@ def apply(variant: str):
     items = variant.split(",")
     K._FAST_LAUNCH = "slow-launch" not in items
     K._STREAMS = "one" not in items
-    # session 17's leads (not yet measured): vf_energy at 4 blocks per SM, the scan in 256 threads, so
-    # that the candidates' kernels fit beside vf_energy's blocks
-    import cupy
-
-    sms = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["multiProcessorCount"]
-    K._VF_ENERGY_BLOCKS = 4 * sms if "vfcap" in items else None
+    # vf_energy's blocks per SM: 4, the product's default since session 18 ("vfcap" names it), or one
+    # block per tile of windows ("vfall", the default before)
+    K._VF_ENERGY_PER_SM = None if "vfall" in items else 4
     K._SCAN_TPB = 256 if "scan256" in items else 1024
 
 

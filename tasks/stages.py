@@ -224,6 +224,7 @@ def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: i
     recording), a few rows for the report, the epochs' ``(epoch, loss, seconds)``.
     """
     t_start = time.time()
+    marks = [time.perf_counter()]
     import torch
 
     from beatflow.beats import MODEL_INPUT, dominant_beat, residual_rows
@@ -255,6 +256,7 @@ def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: i
         dom = dominant_beat(beats[lo:hi])
         dominant[r] = to_host(dom)
         beats[lo:hi] = residual_rows(beats[lo:hi], dom)
+    marks.append(time.perf_counter())  # the matrix gathered, scaled, made residuals
     emit = _event_sender(topic)
     done: list = []
 
@@ -272,6 +274,7 @@ def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: i
     with device_memory(f"training on {n:,} beats", int(beats.nbytes), device == "cuda"):
         res = train_vae(data, epochs=epochs, batch_size=batch_size, seed=seed, device=device, on_epoch=on_epoch,
                         precision=precision, compile=compile, cudagraphs=None)
+    marks.append(time.perf_counter())
     os.makedirs(folder, exist_ok=True)
     model_path = os.path.join(folder, "model.pt")
     save_model(res.model, model_path)
@@ -289,6 +292,10 @@ def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: i
         "test_loss": res.test_loss, "test_index": res.test_index, "seconds": res.seconds,
         "sample_rows": raw_rows, "rows": int(beats.shape[0]), "dominant": dominant, "precision": precision,
         "compiled": res.compiled, "cuda_graphs": res.cudagraphs, "epochs_done": done,
+        # where the task's time went: the matrix's set-up, train_vae's parts, saving the outputs
+        "phases_s": {"rows": round(marks[1] - marks[0], 4), **{f"train_{k}": v for k, v in res.phases.items()},
+                     "train_other": round(marks[2] - marks[1] - sum(res.phases.values()), 4),
+                     "save": round(time.perf_counter() - marks[2], 4)},
         "task_span": (t_start, time.time()),
     }
 

@@ -54,6 +54,11 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
         assert detail[stage]["dispatch"] >= 0 and detail[stage]["work"] > 0 and detail[stage]["return"] >= 0
         assert detail[stage]["work"] <= saved["timings_s"][stage] + 0.01
     assert detail["engine"]["build"] > 0 and detail["engine"]["reference"] == "computed"
+    # and training's parts: the matrix's set-up, train_vae's, saving: parts of the task's work
+    train = detail["train"]
+    parts = ("rows", "train_setup", "train_epochs", "train_test", "train_other", "save")
+    assert train["train_epochs"] > 0 and all(train[k] >= -1e-3 for k in parts), train
+    assert sum(train[k] for k in parts) <= train["work"] + 0.01, train
     table = pd.read_parquet(out / "anomalies.parquet")
     assert len(table) == saved["beats_kept"] and table["flagged"].sum() == saved["anomalies_flagged"]
     assert list(table.columns) == ["beat", "recording", "start", "peak", "time_s", "length", "score", "flagged", "rank"]
