@@ -59,6 +59,12 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     parts = ("rows", "train_setup", "train_epochs", "train_test", "train_other", "save")
     assert train["train_epochs"] > 0 and all(train[k] >= -1e-3 for k in parts), train
     assert sum(train[k] for k in parts) <= train["work"] + 0.01, train
+    # the scoring and report stages' parts
+    assert {"engine", "truth", "figures_started", "table"} == set(detail["score"])
+    assert {"context", "data", "figures_wait", "write"} == set(detail["report"])
+    for stage in ("score", "report"):
+        assert all(v >= 0 for v in detail[stage].values())
+        assert sum(detail[stage].values()) <= saved["timings_s"][stage] + 0.01
     table = pd.read_parquet(out / "anomalies.parquet")
     assert len(table) == saved["beats_kept"] and table["flagged"].sum() == saved["anomalies_flagged"]
     assert list(table.columns) == ["beat", "recording", "start", "peak", "time_s", "length", "score", "flagged", "rank"]
