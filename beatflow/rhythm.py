@@ -79,6 +79,24 @@ def window_features_xp(x, first: int, s: SegmentSamples):
     """:func:`window_features` in array code, whatever the namespace (the reference of the CPU's
     fused loops and of the GPU kernels; the path of CuPy input without the kernels)."""
     xp = namespace_of(x)
+    h, e_sig, e_slope, w0 = window_energies_xp(x, first, s)
+    nw = h.shape[0]
+    c = s.vf_context
+    smooth = _context_sum(e_slope, c) < s.vf_omega**2 * _context_sum(e_sig, c)
+    # the baseline fraction (a median and two percentiles per window: most of the rule's cost) only
+    # for the windows within ±c of a smooth one, the ones a smooth window's mean reads
+    need = _context_sum(smooth.astype(xp.float64), c) > 0
+    near = near_fractions_xp(h, xp.flatnonzero(need), s)
+    base = _context_sum(near, c) / _context_sum(xp.ones(nw, dtype=xp.float64), c)
+    return smooth, base, w0
+
+
+def window_energies_xp(x, first: int, s: SegmentSamples):
+    """Per stream-aligned window (not summed with its neighbours): ``(h, e_signal, e_slope, w0)``,
+    the high-passed despiked samples as an ``(nw, W)`` matrix (the windows at the ends completed with
+    the end samples), the energies of those samples and of their QRS-band slope, and the global
+    number of the first window."""
+    xp = namespace_of(x)
     _, ndimage = scipy_for(xp)
     W, n = s.vf_window, x.shape[0]
     w0 = first // W
@@ -90,22 +108,20 @@ def window_features_xp(x, first: int, s: SegmentSamples):
     tail = nw * W - lead - n
     h = xp.pad(high, (lead, tail), mode="edge").reshape(nw, W)
     d = xp.pad(slope, (lead, tail), mode="edge").reshape(nw, W)
-    c = s.vf_context
-    e_signal = _context_sum((h * h).sum(axis=1), c)
-    e_slope = _context_sum((d * d).sum(axis=1), c)
-    smooth = e_slope < s.vf_omega**2 * e_signal
-    # the baseline fraction (a median and two percentiles per window: most of the rule's cost) only
-    # for the windows within ±c of a smooth one, the ones a smooth window's mean reads
-    need = _context_sum(smooth.astype(xp.float64), c) > 0
-    rows = xp.flatnonzero(need)
-    near = xp.zeros(nw, dtype=xp.float64)
+    return h, (h * h).sum(axis=1), (d * d).sum(axis=1), w0
+
+
+def near_fractions_xp(h, rows, s: SegmentSamples):
+    """The fraction of near-median samples of the windows ``rows`` of ``h`` (0 for the others):
+    the share of samples within ``s.vf_tol`` × their 3–97 % range of their median."""
+    xp = namespace_of(h)
+    near = xp.zeros(h.shape[0], dtype=xp.float64)
     if rows.shape[0]:
         hr = h[rows]
         med = xp.median(hr, axis=1)
         lo, hi = xp.percentile(hr, [3.0, 97.0], axis=1)
-        near[rows] = (xp.abs(hr - med[:, None]) < s.vf_tol * (hi - lo)[:, None]).sum(axis=1) / float(W)
-    base = _context_sum(near, c) / _context_sum(xp.ones(nw, dtype=xp.float64), c)
-    return smooth, base, w0
+        near[rows] = (xp.abs(hr - med[:, None]) < s.vf_tol * (hi - lo)[:, None]).sum(axis=1) / float(h.shape[1])
+    return near
 
 
 def _window_features_cpu(x, first: int, s: SegmentSamples):

@@ -241,6 +241,74 @@ def flutter_keep_mask(x, peaks, first: int, s) -> np.ndarray:
     return np.asarray([not episode[p // W - w0] for p in peaks], dtype=bool)
 
 
+def _lead_windows(x, s):
+    """Per window of a whole recording: (near-median fraction, signal energy, slope energy) by loops."""
+    n, W = len(x), s.vf_window
+    xd = despike(x)
+    half = s.vf_highpass // 2
+    high = np.asarray([xd[i] - sum(xd[min(max(j, 0), n - 1)] for j in range(i - half, i + half + 1)) / s.vf_highpass
+                       for i in range(n)])
+    slope = wavelet_response(x, s)
+    out = []
+    for k in range(-(-n // W)):
+        idx = [min(k * W + i, n - 1) for i in range(W)]
+        h, d = high[idx], slope[idx]
+        med, rng = np.median(h), np.percentile(h, 97.0) - np.percentile(h, 3.0)
+        out.append((sum(1 for v in h if abs(v - med) < s.vf_tol * rng) / float(W), float(np.sum(h * h)),
+                    float(np.sum(d * d))))
+    return out
+
+
+def second_lead_keep(x0, x1, peaks, fs: float, s, p) -> np.ndarray:
+    """``beatflow.leads.second_lead_keep`` by loops: the flutter rule on either lead, then the
+    doubtful-peak rule, peak by peak."""
+    peaks = [int(q) for q in peaks]
+    n, W, c, L = len(x0), s.vf_window, s.vf_context, max(1, s.vf_runs)
+    keep = [True] * len(peaks)
+    if p.flutter_baseline_ratio > 0 and s.vf_baseline > 0:
+        f0, f1 = _lead_windows(x0, s), _lead_windows(x1, s)
+        nw = len(f0)
+        omega1 = 2.0 * math.pi * p.flutter_max_freq_hz / fs
+        like = []
+        for k in range(nw):
+            sums = np.zeros((2, 3))
+            cnt = 0
+            for j in range(max(0, k - c), min(nw, k + c + 1)):
+                sums += np.asarray([f0[j], f1[j]])
+                cnt += 1
+            b0, b1 = sums[0, 0] / cnt, sums[1, 0] / cnt
+            like.append((sums[0, 2] < s.vf_omega ** 2 * sums[0, 1] and b0 < s.vf_baseline)
+                        or (sums[1, 2] < omega1 ** 2 * sums[1, 1] and b1 < p.flutter_baseline_ratio
+                            and b0 < p.flutter_gate_ratio))
+        episode = [False] * nw
+        for j in range(nw - L + 1):
+            if all(like[j:j + L]):
+                episode[j:j + L] = [True] * L
+        keep = [not episode[min(q // W, nw - 1)] for q in peaks]
+    if p.weak_ratio > 0:
+        env0, env1 = (energy_envelope(wavelet_response(x, s), s.box) for x in (x0, x1))
+        reach, k = int(round(p.reach_s * fs)), p.neighbours
+        rest = [q for q, ok in zip(peaks, keep) if ok]
+        h0 = [env0[q] for q in rest]
+        h1 = [max(env1[max(0, q - reach):q + reach + 1]) for q in rest]
+        doubt = set()
+        for i, q in enumerate(rest):
+            nb = [j for j in range(i - k, i + k + 1) if j != i and 0 <= j < len(rest)]
+            if not nb:
+                continue
+            med0 = np.median([h0[j] for j in nb])
+            q25, med1 = np.quantile([h1[j] for j in nb], 0.25), np.median([h1[j] for j in nb])
+            w = q // W
+            window = [env1[min(w * W + i, n - 1)] for i in range(W)]
+            background = max(float(np.median(window)), 1e-12)
+            weak = h0[i] / med0 if med0 > 0 else math.inf
+            quiet = h1[i] / q25 if q25 > 0 else math.inf
+            if weak < p.weak_ratio and quiet < p.quiet_ratio and med1 / background > p.quality_ratio:
+                doubt.add(q)
+        keep = [ok and q not in doubt for q, ok in zip(peaks, keep)]
+    return np.asarray(keep, dtype=bool)
+
+
 def imported(names) -> dict:
     """Which of ``names`` this process has imported (a job for the flow's figure processes)."""
     import sys

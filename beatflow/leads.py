@@ -1,0 +1,208 @@
+"""A second lead as a check on the first: fewer false beats where the recording has two leads.
+
+Beats are detected on one lead (:func:`beatflow.segment.detect_peaks`, with its flutter-episode rule).
+Holter and MIT-BIH recordings have a second lead, which sees the same heart from another angle: a QRS
+complex shows on both, while a noise burst or an electrode artefact on one lead is often quiet on the
+other, and ventricular flutter may lose its last bits of baseline on one lead only. Two rules use it
+(:func:`second_lead_keep`), both on quantities the detection already computes, per lead:
+
+1. **flutter on either lead.** A 1 s window (aligned to the stream, as in :mod:`beatflow.rhythm`) is
+   flutter-like when it is so on the first lead (the detection's rule), or when it is so on the second
+   lead with that lead's own limits (mean frequency below ``flutter_max_freq_hz``, baseline fraction
+   below ``flutter_baseline_ratio``) while the first lead's baseline fraction is below
+   ``flutter_gate_ratio`` (the first lead has lost most of its baseline too). Runs of at least
+   ``vf_min_windows`` such windows are episodes and their peaks are dropped (a superset of the first
+   lead's episodes, whose peaks the detection dropped already).
+2. **doubtful peaks.** A peak is dropped when it is weak against its ``±neighbours`` neighbouring
+   peaks on the first lead (QRS envelope below ``weak_ratio`` × their median), shows no QRS energy on
+   the second lead (the envelope's maximum within ``±reach_s`` below ``quiet_ratio`` × the lower
+   quartile of the same at the neighbouring peaks), and the second lead is usable there (its
+   neighbouring beats stand ``quality_ratio`` times above the median of its envelope over the peak's
+   window; a flat or noisy second lead says nothing, and the peak is kept).
+
+MIT-BIH, 22 non-paced records, lead 0 checked by lead 1 (``bench/RESULTS_mitdb.md``, session 18): the
+false positives 90 -> 55 (19 of them inside the annotated flutter of 207, 42 before), one true beat
+lost; the 4 paced records 17 -> 10 false positives, none lost. The defaults were chosen on those
+records (``bench/two_lead_study.py``: the grid, and the cross-validation by record).
+
+Array code for NumPy and CuPy (the namespace comes from the input); the loop references are in
+``tests/naive.py``. Whole recordings only: the rules look at neighbouring peaks and windows, and the
+partitioned pipeline does not carry a second lead yet.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .backend import namespace_of, scipy_for
+from .params import SegmentSamples
+from .rhythm import _context_sum, episode_spans, near_fractions_xp, window_energies_xp
+
+
+@dataclass(frozen=True)
+class SecondLeadParams:
+    """The second lead's rules (:mod:`beatflow.leads`).
+
+    Attributes
+    ----------
+    flutter_max_freq_hz, flutter_baseline_ratio : float
+        A window is flutter-like on the second lead below this mean frequency and this baseline
+        fraction (the first lead's limits are ``SegmentParams.vf_max_freq_hz`` and
+        ``vf_baseline_ratio``); ``flutter_baseline_ratio=0`` switches rule 1 off.
+    flutter_gate_ratio : float
+        ... while the first lead's baseline fraction is below this.
+    weak_ratio, quiet_ratio, quality_ratio : float
+        Rule 2's limits (the module's docstring); ``weak_ratio=0`` switches it off.
+    neighbours : int
+        The peaks on either side a peak is compared with.
+    reach_s : float
+        The second lead's QRS energy is its envelope's maximum within ``±`` this of the peak.
+    """
+
+    flutter_max_freq_hz: float = 4.5
+    flutter_baseline_ratio: float = 0.38
+    flutter_gate_ratio: float = 0.42
+    weak_ratio: float = 0.8
+    quiet_ratio: float = 0.35
+    quality_ratio: float = 3.0
+    neighbours: int = 4
+    reach_s: float = 0.1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def lead_windows(x, s: SegmentSamples):
+    """Per window of ``s.vf_window`` samples of a whole recording ``x`` (not summed with its
+    neighbours): ``(e_signal, e_slope, near)``, the energies of the high-passed signal and of its
+    slope and the fraction of near-median samples, of every window (:mod:`beatflow.rhythm`'s
+    quantities; on NumPy by the fused loops of :func:`beatflow.cpu_kernels.flutter_features_cpu`)."""
+    xp = namespace_of(x)
+    if xp is np and x.shape[0] >= 3:
+        from .cpu_kernels import flutter_features_cpu
+        from .segment import gaussian_derivative
+
+        taps = gaussian_derivative(s.kernel, s.a)
+        e_sig, e_slope = flutter_features_cpu(x, 0, s.vf_window, s.vf_highpass, taps)
+        rows = np.arange(e_sig.shape[0], dtype=np.int64)
+        return e_sig, e_slope, flutter_features_cpu(x, 0, s.vf_window, s.vf_highpass, taps, rows=rows, tol=s.vf_tol)
+    h, e_sig, e_slope, _ = window_energies_xp(x, 0, s)
+    return e_sig, e_slope, near_fractions_xp(h, xp.arange(h.shape[0]), s)
+
+
+def _runs(like, length: int):
+    """The windows in a run of at least ``length`` consecutive True (:func:`beatflow.rhythm.flutter_windows`)."""
+    xp = namespace_of(like)
+    L, nw = max(1, int(length)), like.shape[0]
+    padded = xp.pad(like, (0, L - 1), constant_values=False)
+    full = xp.ones(nw, dtype=bool)
+    for i in range(L):
+        full &= padded[i : i + nw]
+    padded = xp.pad(full, (L - 1, 0), constant_values=False)
+    episode = xp.zeros(nw, dtype=bool)
+    for i in range(L):
+        episode |= padded[i : i + nw]
+    return episode
+
+
+def flutter_either_lead(first_lead: tuple, second_lead: tuple, fs: float, s: SegmentSamples,
+                        p: SecondLeadParams = SecondLeadParams()):
+    """Rule 1: which windows lie in an episode, from the two leads' :func:`lead_windows` (same number
+    of windows). With ``p.flutter_baseline_ratio = 0``, exactly the first lead's episodes."""
+    (es0, ed0, nr0), (es1, ed1, nr1) = first_lead, second_lead
+    xp = namespace_of(es0)
+    c = s.vf_context
+    count = _context_sum(xp.ones(es0.shape[0], dtype=xp.float64), c)
+    b0, b1 = _context_sum(nr0, c) / count, _context_sum(nr1, c) / count
+    smooth0 = _context_sum(ed0, c) < s.vf_omega**2 * _context_sum(es0, c)
+    omega1 = 2.0 * math.pi * float(p.flutter_max_freq_hz) / fs
+    smooth1 = _context_sum(ed1, c) < omega1**2 * _context_sum(es1, c)
+    like = (smooth0 & (b0 < s.vf_baseline)) | (smooth1 & (b1 < p.flutter_baseline_ratio) & (b0 < p.flutter_gate_ratio))
+    return _runs(like, s.vf_runs)
+
+
+def _neighbour_quantiles(v, k: int, qs: tuple):
+    """For every position ``i``: the quantiles ``qs`` (linear, as ``numpy.quantile``) of
+    ``v[i-k..i-1, i+1..i+k]``, the positions that exist (NaN where none do): one sort of an
+    ``(n, 2k)`` matrix whose missing entries are +inf, then a linear interpolation per row."""
+    xp = namespace_of(v)
+    n = v.shape[0]
+    padded = xp.pad(v.astype(xp.float64), k, constant_values=xp.inf)
+    nb = xp.stack([padded[k + j : k + j + n] for j in range(-k, k + 1) if j != 0], axis=1)
+    nb = xp.sort(nb, axis=1)
+    idx = xp.arange(n)
+    have = xp.minimum(idx, k) + xp.minimum(n - 1 - idx, k)  # neighbours that exist
+    out = []
+    for q in qs:
+        pos = q * xp.maximum(have - 1, 0).astype(xp.float64)
+        lo = xp.floor(pos).astype(xp.int64)
+        hi = xp.minimum(lo + 1, xp.maximum(have - 1, 0))
+        a = xp.take_along_axis(nb, lo[:, None], axis=1)[:, 0]
+        b = xp.take_along_axis(nb, hi[:, None], axis=1)[:, 0]
+        val = a + (b - a) * (pos - lo)
+        out.append(xp.where(have > 0, val, xp.nan))
+    return out
+
+
+def _ratio(num, den):
+    """``num / den``, +inf where ``den`` is not positive (no division warnings), NaN stays NaN."""
+    xp = namespace_of(num)
+    ok = den > 0
+    return xp.where(ok, num / xp.where(ok, den, 1.0), xp.where(xp.isnan(den), xp.nan, xp.inf))
+
+
+def doubtful_features(env0, env1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams = SecondLeadParams()):
+    """Rule 2's measures of every peak (sorted sample indices into the leads' QRS envelopes ``env0``,
+    ``env1``): ``(weak, quiet, quality)``, the first lead's envelope at the peak over the median of
+    its neighbours'; the second lead's envelope maximum within ``±reach_s`` over the lower quartile
+    of its neighbours'; the median of that at the neighbours over the second lead's median envelope
+    in the peak's window of ``s.vf_window`` samples."""
+    xp = namespace_of(env0)
+    _, ndimage = scipy_for(xp)
+    k = max(1, int(p.neighbours))
+    reach = max(0, int(round(p.reach_s * fs)))
+    m1 = ndimage.maximum_filter1d(env1, 2 * reach + 1, mode="nearest")
+    h0, h1 = env0[peaks].astype(xp.float64), m1[peaks].astype(xp.float64)
+    (med0,) = _neighbour_quantiles(h0, k, (0.5,))
+    q25, med1 = _neighbour_quantiles(h1, k, (0.25, 0.5))
+    W, n = s.vf_window, env1.shape[0]
+    nw = -(-n // W)
+    windows = xp.pad(env1, (0, nw * W - n), mode="edge").reshape(nw, W)
+    background = xp.maximum(xp.median(windows, axis=1), 1e-12)[peaks // W]
+    return _ratio(h0, med0), _ratio(h1, q25), _ratio(med1, background)
+
+
+def second_lead_keep(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams = SecondLeadParams()):
+    """The two rules on a whole recording: ``(keep, episodes)``, which of the first lead's detected
+    ``peaks`` (:func:`beatflow.segment.detect_peaks` of ``x0``) to keep, and the flutter episodes of
+    rule 1 as ``[start, end)`` sample ranges (``(m, 2)`` int64). ``x1``: the second lead, as long as
+    ``x0``.
+
+    Raises
+    ------
+    ValueError
+        The leads differ in length.
+    """
+    xp = namespace_of(x0)
+    if x1.shape != x0.shape:
+        raise ValueError(f"the two leads differ in length ({x0.shape[0]} and {x1.shape[0]} samples)")
+    peaks = xp.asarray(peaks, dtype=xp.int64)
+    keep = xp.ones(peaks.shape[0], dtype=bool)
+    episodes = xp.zeros((0, 2), dtype=xp.int64)
+    if x0.shape[0] < 3:
+        return keep, episodes
+    if p.flutter_baseline_ratio > 0 and s.vf_baseline > 0:
+        episode = flutter_either_lead(lead_windows(x0, s), lead_windows(x1, s), fs, s, p)
+        keep &= ~episode[xp.clip(peaks // s.vf_window, 0, episode.shape[0] - 1)]
+        episodes = episode_spans(episode, 0, s.vf_window, 0, x0.shape[0])
+    if p.weak_ratio > 0:
+        from .segment import qrs_envelope
+
+        rest = xp.flatnonzero(keep)
+        if rest.shape[0]:
+            weak, quiet, quality = doubtful_features(qrs_envelope(x0, s), qrs_envelope(x1, s), peaks[rest], fs, s, p)
+            doubt = (weak < p.weak_ratio) & (quiet < p.quiet_ratio) & (quality > p.quality_ratio)
+            keep[rest[doubt]] = False
+    return keep, episodes

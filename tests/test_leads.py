@@ -1,0 +1,124 @@
+"""The second lead's rules (beatflow.leads): array code against the loop reference, switched off,
+bad input, and MIT-BIH 207 (flutter seen on lead 1) with its reference beats."""
+import numpy as np
+import pytest
+
+import naive
+from beatflow import leads as LD
+from beatflow.backend import cupy_available
+from beatflow.params import SegmentParams
+from beatflow.segment import detect_peaks
+
+
+def _two_leads(seed, fs, seconds):
+    """Two leads of one synthetic ECG: the second a scaled, noisier copy; a flutter-like wave on the
+    first lead over a stretch, smoother on the second; noise bursts on the first lead only."""
+    from beatflow.synth import synthesize_ecg
+
+    rng = np.random.default_rng(seed)
+    x0 = synthesize_ecg(hours=seconds / 3600.0, fs=fs, seed=seed).signal.astype(np.float32).copy()
+    n = x0.shape[0]
+    x1 = (0.6 * x0 + 0.03 * rng.normal(size=n)).astype(np.float32)
+    amp = float(np.percentile(np.abs(x0), 99))
+    a = int(rng.uniform(0.25, 0.4) * n)
+    b = a + int(rng.uniform(0.25, 0.35) * n)
+    t = np.arange(b - a) / fs
+    f = rng.uniform(4.0, 5.0)
+    x0[a:b] = amp * np.sin(2 * np.pi * f * t) + 0.3 * amp * np.sign(np.sin(2 * np.pi * 2 * f * t))
+    x1[a:b] = 0.8 * amp * np.sin(2 * np.pi * f * t + 0.5)
+    for _ in range(4):  # short bursts on the first lead only
+        c = int(rng.uniform(0.05, 0.95) * n)
+        x0[c:c + int(0.05 * fs)] += (0.5 * amp * rng.normal(size=min(int(0.05 * fs), n - c))).astype(np.float32)
+    return x0, x1
+
+
+@pytest.mark.parametrize("params", [
+    LD.SecondLeadParams(),
+    # looser limits: both rules drop some of the peaks of these short streams (and keep others)
+    LD.SecondLeadParams(flutter_max_freq_hz=6.0, flutter_baseline_ratio=0.5, flutter_gate_ratio=0.45,
+                        weak_ratio=1.0, quiet_ratio=1.0, quality_ratio=1.0, neighbours=3),
+])
+def test_second_lead_matches_loop_reference(params):
+    fs = 125.0
+    s = SegmentParams().samples(fs)
+    by_flutter = by_doubt = total = 0
+    for seed in range(3):
+        x0, x1 = _two_leads(seed, fs, 40.0)
+        peaks = detect_peaks(x0, s)
+        keep, episodes = LD.second_lead_keep(x0, x1, peaks, fs, s, params)
+        want = naive.second_lead_keep(x0, x1, peaks, fs, s, params)
+        np.testing.assert_array_equal(keep, want, err_msg=f"seed {seed}")
+        flutter_only = LD.second_lead_keep(x0, x1, peaks, fs, s, LD.SecondLeadParams(**{**params.to_dict(),
+                                                                                        "weak_ratio": 0.0}))[0]
+        np.testing.assert_array_equal(flutter_only, naive.second_lead_keep(
+            x0, x1, peaks, fs, s, LD.SecondLeadParams(**{**params.to_dict(), "weak_ratio": 0.0})))
+        by_flutter += int((~flutter_only).sum())
+        by_doubt += int((flutter_only & ~keep).sum())
+        total += peaks.shape[0]
+        assert episodes.ndim == 2 and episodes.shape[1] == 2 and (episodes[:, 1] > episodes[:, 0]).all()
+    if params.flutter_baseline_ratio > 0.4:  # (the comparisons are not of two all-True or all-False masks)
+        assert 0 < by_flutter < total and 0 < by_doubt < total - by_flutter
+
+
+def test_neighbour_quantiles_match_numpy():
+    """Quantiles of the existing neighbours of every position, as numpy.quantile of them."""
+    rng = np.random.default_rng(3)
+    for n, k in ((1, 4), (2, 1), (5, 4), (30, 4), (30, 1)):
+        v = rng.gamma(2.0, size=n)
+        got = LD._neighbour_quantiles(v, k, (0.25, 0.5))
+        for i in range(n):
+            nb = [v[j] for j in range(i - k, i + k + 1) if j != i and 0 <= j < n]
+            for q, g in zip((0.25, 0.5), got):
+                if nb:
+                    assert g[i] == pytest.approx(np.quantile(nb, q), rel=1e-12)
+                else:
+                    assert np.isnan(g[i])
+
+
+def test_rules_off_keep_every_peak_and_bad_input():
+    fs = 125.0
+    s = SegmentParams().samples(fs)
+    x0, x1 = _two_leads(1, fs, 30.0)
+    peaks = detect_peaks(x0, s)
+    off = LD.SecondLeadParams(flutter_baseline_ratio=0.0, weak_ratio=0.0)
+    keep, episodes = LD.second_lead_keep(x0, x1, peaks, fs, s, off)
+    assert keep.all() and keep.shape == peaks.shape and episodes.shape == (0, 2)
+    # the first lead's own rule off too: no flutter episodes from either lead
+    s_off = SegmentParams(vf_baseline_ratio=0.0).samples(fs)
+    keep, episodes = LD.second_lead_keep(x0, x1, peaks, fs, s_off, LD.SecondLeadParams(weak_ratio=0.0))
+    assert keep.all() and episodes.shape == (0, 2)
+    with pytest.raises(ValueError, match="differ in length"):
+        LD.second_lead_keep(x0, x1[:-1], peaks, fs, s)
+
+
+def test_mitbih_207_second_lead_finds_more_of_the_flutter(mitdb):
+    """Record 207: lead 1 confirms flutter that lead 0's rule misses; fewer false beats inside the
+    annotated episodes, no reference beat lost."""
+    from beatflow.evaluate import detection_of, load_record
+
+    r0, r1 = load_record(str(mitdb / "207"), lead=0), load_record(str(mitdb / "207"), lead=1)
+    s = SegmentParams().samples(r0.fs)
+    peaks = detect_peaks(r0.signal, s)
+    keep, episodes = LD.second_lead_keep(r0.signal, r1.signal, peaks, r0.fs, s)
+    before, after = detection_of(peaks, r0), detection_of(peaks[keep], r0)
+    vf_before = before.fp - detection_of(peaks, r0, exclude_vf=True).fp
+    vf_after = after.fp - detection_of(peaks[keep], r0, exclude_vf=True).fp
+    assert after.tp == before.tp and after.fn == before.fn
+    assert vf_after <= vf_before - 15, (vf_before, vf_after)
+    assert len(episodes) > 0
+
+
+@pytest.mark.skipif(not cupy_available(), reason="needs CuPy on a CUDA GPU")
+def test_second_lead_on_cupy_equals_numpy():
+    import cupy
+
+    fs = 125.0
+    s = SegmentParams().samples(fs)
+    for seed in range(2):
+        x0, x1 = _two_leads(seed, fs, 40.0)
+        peaks = detect_peaks(x0, s)
+        for p in (LD.SecondLeadParams(), LD.SecondLeadParams(weak_ratio=1.2, quiet_ratio=1.5, quality_ratio=0.0)):
+            keep, ep = LD.second_lead_keep(x0, x1, peaks, fs, s, p)
+            gkeep, gep = LD.second_lead_keep(cupy.asarray(x0), cupy.asarray(x1), cupy.asarray(peaks), fs, s, p)
+            np.testing.assert_array_equal(cupy.asnumpy(gkeep), keep)
+            np.testing.assert_array_equal(cupy.asnumpy(gep), ep)
