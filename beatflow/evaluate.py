@@ -2,7 +2,8 @@
 
 ``beatflow evaluate --train DIR --test DIR`` runs in-process (no Prefect, no Dask):
 
-* every record is segmented with :func:`beatflow.segment.detect_peaks`; detection is scored against
+* every record is segmented with :func:`beatflow.segment.detect_peaks` (with ``--confirm-lead``, its
+  peaks then checked on a second lead: :mod:`beatflow.leads`); detection is scored against
   all reference beat annotations with a 150 ms tolerance (sensitivity, positive predictivity, F1,
   per record and gross), and so are two peers on the same signals, timed per record: NeuroKit2
   ``ecg_peaks`` (default method; after ``ecg_clean``, its documented use, and on the raw signal)
@@ -54,13 +55,14 @@ def aami_class(symbol: str) -> str | None:
 
 @dataclass
 class Record:
-    """One annotated recording, one lead."""
+    """One annotated recording, one lead (and optionally a second lead that checks the first's beats)."""
 
     name: str
     fs: float
     signal: np.ndarray  # float32, physical units
     ann_sample: np.ndarray  # int64
     ann_symbol: np.ndarray  # str
+    second: np.ndarray | None = None  # float32, the second lead (beatflow.leads), as long as signal
 
     @property
     def beats(self) -> tuple[np.ndarray, np.ndarray]:
@@ -104,29 +106,35 @@ def list_records(folder, names: list[str] | None = None) -> list[str]:
     return [have[n] for n in names]
 
 
-def load_record(stem: str, lead: int = 0, max_seconds: float | None = None) -> Record:
-    """Read one lead and the ``atr`` annotations of a WFDB record (optionally only its start)."""
+def load_record(stem: str, lead: int = 0, max_seconds: float | None = None, second: int | None = None) -> Record:
+    """Read one lead and the ``atr`` annotations of a WFDB record (optionally only its start), and
+    the lead ``second`` as :attr:`Record.second` when given."""
     import wfdb
 
+    leads = [lead] if second is None else [lead, second]
     try:
         hdr = wfdb.rdheader(stem)
-        if lead < 0 or lead >= (hdr.n_sig or 0):
-            raise InputError(f"{stem}.hea: lead {lead} does not exist (record has {hdr.n_sig} signals)")
+        for c in leads:
+            if c < 0 or c >= (hdr.n_sig or 0):
+                raise InputError(f"{stem}.hea: lead {c} does not exist (record has {hdr.n_sig} signals)")
+        if second is not None and second == lead:
+            raise InputError(f"{stem}: the confirming lead must differ from lead {lead}")
         n = int(hdr.sig_len)
         if max_seconds is not None:
             n = min(n, int(round(max_seconds * hdr.fs)))
-        rec = wfdb.rdrecord(stem, channels=[lead], sampto=n)
+        rec = wfdb.rdrecord(stem, channels=leads, sampto=n)
         ann = wfdb.rdann(stem, "atr", sampto=n)
     except InputError:
         raise
     except Exception as e:  # wfdb raises many kinds
         raise InputError(f"{stem}: cannot read WFDB record ({type(e).__name__}: {e})".splitlines()[0]) from None
-    x = np.asarray(rec.p_signal[:, 0], dtype=np.float32)
-    if x.size == 0 or not np.isfinite(x).all():
-        raise InputError(f"{stem}: lead {lead} is empty or has non-finite samples")
-    keep = np.asarray(ann.sample) < x.shape[0]
-    return Record(Path(stem).name, float(rec.fs), x, np.asarray(ann.sample, np.int64)[keep],
-                  np.asarray(ann.symbol, dtype=object)[keep].astype(str))
+    sig = [np.asarray(rec.p_signal[:, k], dtype=np.float32) for k in range(len(leads))]
+    for c, x in zip(leads, sig):
+        if x.size == 0 or not np.isfinite(x).all():
+            raise InputError(f"{stem}: lead {c} is empty or has non-finite samples")
+    keep = np.asarray(ann.sample) < sig[0].shape[0]
+    return Record(Path(stem).name, float(rec.fs), sig[0], np.asarray(ann.sample, np.int64)[keep],
+                  np.asarray(ann.symbol, dtype=object)[keep].astype(str), sig[1] if second is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +214,7 @@ class RecordBeats:
     detected beats (longer ones cut to the row)."""
 
     peaks: np.ndarray  # all detected peaks
-    seconds: float  # time of detect_peaks
+    seconds: float  # time of detect_peaks (and of the second lead's check)
     kept_peak: np.ndarray  # peaks of the kept beats (one per row)
     rows: np.ndarray  # (n, width) float32, not scaled
     p2p: np.ndarray  # (n,) peak-to-peak of each row
@@ -215,8 +223,10 @@ class RecordBeats:
     all_label: np.ndarray
 
 
-def record_beats(rec: Record, params: SegmentParams | None = None) -> RecordBeats:
-    """Segment a record and embed its beats exactly as the pipeline does (no scaling yet).
+def record_beats(rec: Record, params: SegmentParams | None = None, second_params=None) -> RecordBeats:
+    """Segment a record and embed its beats exactly as the pipeline does (no scaling yet); with a
+    second lead (:attr:`Record.second`) the peaks are checked on it (:func:`beatflow.leads.second_lead_keep`,
+    ``second_params`` or the defaults).
 
     The pipeline keeps beats of at least ``min_length_s``, a beat longer than ``max_length_s`` (a
     premature beat followed by a long compensatory pause) with its row cut to that length; with
@@ -226,6 +236,10 @@ def record_beats(rec: Record, params: SegmentParams | None = None) -> RecordBeat
     s = (params or SegmentParams()).samples(rec.fs)
     t = time.perf_counter()
     peaks = np.asarray(detect_peaks(rec.signal, s))
+    if rec.second is not None:
+        from .leads import SecondLeadParams, second_lead_keep
+
+        peaks = peaks[second_lead_keep(rec.signal, rec.second, peaks, rec.fs, s, second_params or SecondLeadParams())[0]]
     seconds = time.perf_counter() - t
     peak, start, length = beats_from_peaks(peaks, s, rec.signal.shape[0])
     kept = kept_mask(length, s)
@@ -347,7 +361,7 @@ def check_disjoint(train: list[str], test: list[str]) -> None:
 
 def evaluate(train: list[Record], test: list[Record], *, epochs: int = 10, batch_size: int = 1024, seed: int = 0,
              peers: bool = True, baselines: bool = True, scale: str = "record", params: SegmentParams | None = None,
-             cache: dict | None = None, log=None) -> dict:
+             cache: dict | None = None, log=None, second_params=None) -> dict:
     """Detection on the test records, and anomaly ranking by a LightVAE trained on the training records.
 
     Parameters
@@ -357,7 +371,7 @@ def evaluate(train: list[Record], test: list[Record], *, epochs: int = 10, batch
     epochs, batch_size, seed
         LightVAE training (:func:`beatflow.model.train_vae`).
     peers, baselines : bool
-        Also run the peer detectors (NeuroKit2, XQRS) and the PyOD baselines.
+        Also run the peer detectors (NeuroKit2, XQRS) and the PyOD baselines (on the first lead).
     scale : ``"record"`` or ``"pooled"``
         Rows are divided by the median peak-to-peak of their own record (default: each record is a
         stream, as in the pipeline), or by that of all training rows (test rows too).
@@ -365,6 +379,8 @@ def evaluate(train: list[Record], test: list[Record], *, epochs: int = 10, batch
         ``name -> RecordBeats`` reused across calls (cross-validation segments each record once).
     log : callable, optional
         Progress lines.
+    second_params : beatflow.leads.SecondLeadParams, optional
+        The second lead's rules, for records that carry one (default parameters).
 
     Returns
     -------
@@ -385,7 +401,7 @@ def evaluate(train: list[Record], test: list[Record], *, epochs: int = 10, batch
     _warm_up(train + test, params, peers)
     for rec in train + test:
         if rec.name not in cache:
-            cache[rec.name] = record_beats(rec, params)
+            cache[rec.name] = record_beats(rec, params, second_params)
             log(f"segmented {rec.name}: {len(cache[rec.name].peaks)} peaks in {cache[rec.name].seconds:.2f} s")
     timings["segment_and_embed"] = time.perf_counter() - t0
     tr = [cache[r.name] for r in train]
@@ -477,6 +493,9 @@ def register(sub) -> dict:
     p.add_argument("--train-records", help="comma-separated record names within --train (default: all)")
     p.add_argument("--test-records", help="comma-separated record names within --test (default: all)")
     p.add_argument("--lead", type=int, default=0, help="WFDB channel (default 0)")
+    p.add_argument("--confirm-lead", type=int, metavar="N",
+                   help="a second WFDB channel that checks the first one's beats (beatflow.leads: flutter on "
+                        "either lead, peaks with no QRS on the second lead)")
     p.add_argument("--out", help="write the metrics to this JSON file")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=1024)
@@ -498,6 +517,8 @@ def cmd_evaluate(args) -> int:
             raise InputError(f"--{name.replace('_', '-')} must be positive, got {v}")
     if args.lead < 0:
         raise InputError(f"--lead must be >= 0, got {args.lead}")
+    if args.confirm_lead is not None and (args.confirm_lead < 0 or args.confirm_lead == args.lead):
+        raise InputError(f"--confirm-lead must be >= 0 and differ from --lead, got {args.confirm_lead}")
     train_paths = list_records(args.train, _names(args.train_records))
     test_paths = list_records(args.test, _names(args.test_records))
     check_disjoint([Path(p).name for p in train_paths], [Path(p).name for p in test_paths])
@@ -506,11 +527,15 @@ def cmd_evaluate(args) -> int:
         if not out_dir.is_dir():
             raise InputError(f"--out {args.out}: folder {out_dir} does not exist")
     say = (lambda *_: None) if args.quiet else (lambda m: print(m, flush=True))
-    train = [load_record(p, args.lead, args.max_seconds) for p in train_paths]
-    test = [load_record(p, args.lead, args.max_seconds) for p in test_paths]
+    train = [load_record(p, args.lead, args.max_seconds, args.confirm_lead) for p in train_paths]
+    test = [load_record(p, args.lead, args.max_seconds, args.confirm_lead) for p in test_paths]
     res = evaluate(train, test, epochs=args.epochs, batch_size=args.batch_size, seed=args.seed,
                    peers=not args.no_peers, baselines=not args.no_baselines, scale=args.scale, log=say)
     res["lead"] = args.lead
+    if args.confirm_lead is not None:
+        from .leads import SecondLeadParams
+
+        res["confirm_lead"] = {"lead": args.confirm_lead, "params": SecondLeadParams().to_dict()}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

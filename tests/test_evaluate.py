@@ -56,7 +56,11 @@ def test_bad_inputs_are_one_line_errors(mitdb, tmp_path, capsys):
                  ["--train", str(tmp_path / "nope"), "--test", str(mitdb)],
                  ["--train", str(mitdb), "--train-records", "999", "--test", str(mitdb), "--test-records", "101"],
                  ["--train", str(mitdb), "--train-records", "106", "--test", str(mitdb), "--test-records", "101",
-                  "--lead", "5"]):
+                  "--lead", "5"],
+                 ["--train", str(mitdb), "--train-records", "106", "--test", str(mitdb), "--test-records", "101",
+                  "--confirm-lead", "0"],  # the same lead as --lead
+                 ["--train", str(mitdb), "--train-records", "106", "--test", str(mitdb), "--test-records", "101",
+                  "--confirm-lead", "2"]):  # MIT-BIH records have two leads
         assert main(["evaluate", *args]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("beatflow: error:") and "\n" not in err
@@ -94,3 +98,21 @@ def test_detection_on_a_whole_record(mitdb):
     d = E.detection_of(rb.peaks, rec)
     assert d.se > 0.995 and d.ppv > 0.998, d.to_dict()
     assert (rb.label == "V").sum() > 900 and (rb.label == "F").sum() > 300
+
+
+def test_confirm_lead_on_a_whole_record(mitdb, tmp_path, capsys):
+    """Record 207 with lead 1 checking lead 0 (beatflow.leads): the same reference beats found, fewer
+    false ones (flutter waves); the CLI reports the lead and the rules' parameters."""
+    one = E.load_record(str(mitdb / "207"), 0)
+    two = E.load_record(str(mitdb / "207"), 0, second=1)
+    assert one.second is None and two.second.shape == two.signal.shape
+    np.testing.assert_array_equal(two.signal, one.signal)
+    a, b = E.detection_of(E.record_beats(one).peaks, one), E.detection_of(E.record_beats(two).peaks, two)
+    assert b.tp == a.tp and b.fn == a.fn and b.fp <= a.fp - 15, (a.to_dict(), b.to_dict())
+    out = tmp_path / "m.json"
+    rc = main(["evaluate", "--train", str(mitdb), "--train-records", "106", "--test", str(mitdb),
+               "--test-records", "207", "--max-seconds", "600", "--epochs", "1", "--confirm-lead", "1",
+               "--no-peers", "--no-baselines", "--out", str(out), "--quiet"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["confirm_lead"]["lead"] == 1 and res["confirm_lead"]["params"]["weak_ratio"] == 0.8
