@@ -16,6 +16,11 @@ def _run_parser(sub) -> None:
     p.add_argument("--column", help="column of a CSV/Parquet file with several")
     p.add_argument("--fs", type=float, help="sampling rate in Hz of CSV/Parquet/npy input (default 250)")
     p.add_argument("--lead", type=int, default=0, help="WFDB channel (default 0)")
+    p.add_argument("--confirm-lead", type=int, metavar="N",
+                   help="a second WFDB channel that checks the first one's beats (beatflow.leads: flutter on "
+                        "either lead, weak peaks with no QRS on the second lead are dropped)")
+    p.add_argument("--confirm-column", metavar="NAME",
+                   help="the same for CSV/Parquet input: the column of the second lead")
     p.add_argument("--hours", type=float, default=20.0, help="length of the synthetic ECG (default 20)")
     p.add_argument("--workers", type=int, default=None,
                    help="Dask workers (default: CPU cores, at least 2; with --scheduler: the cluster's)")
@@ -108,7 +113,15 @@ def cmd_run(args) -> int:
         except (ValueError, DeviceError) as e:
             raise InputError(f"--engine {args.engine} --precision {args.precision}: {e}") from None
     if args.input:  # check the input before starting anything
-        open_source(args.input, column=args.column, fs=args.fs, lead=args.lead)
+        from .reading import open_second_lead
+
+        source = open_source(args.input, column=args.column, fs=args.fs, lead=args.lead)
+        open_second_lead(source, args.input, args.fs, lead=args.lead, column=args.column,
+                         confirm_lead=args.confirm_lead, confirm_column=args.confirm_column)
+    elif args.confirm_lead is not None or args.confirm_column:
+        from .errors import InputError
+
+        raise InputError("--confirm-lead/--confirm-column need --input (the synthetic ECG has one lead)")
     from flows.pipeline import ecg_anomaly_flow
     from tasks.cluster import make_task_runner, parse_pool_size, prefect_api
 
@@ -131,7 +144,8 @@ def cmd_run(args) -> int:
         runner = make_task_runner(device, workers, scheduler=args.scheduler, rmm_pool_size=args.rmm_pool_size,
                                   gpus=args.gpus, rmm_allocator=args.rmm_allocator)
         summary = ecg_anomaly_flow.with_options(task_runner=runner)(
-            input=args.input, column=args.column, fs=args.fs, lead=args.lead, hours=args.hours, seed=args.seed,
+            input=args.input, column=args.column, fs=args.fs, lead=args.lead, confirm_lead=args.confirm_lead,
+            confirm_column=args.confirm_column, hours=args.hours, seed=args.seed,
             out=args.out, device=device, workers=workers, partitions=args.partitions, epochs=args.epochs,
             batch_size=args.batch_size, store=args.store, cache=args.cache, engine_backend=args.engine,
             precision=args.precision, train_precision=args.train_precision,

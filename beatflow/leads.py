@@ -26,8 +26,12 @@ lost; the 4 paced records 17 -> 10 false positives, none lost. The defaults were
 records (``bench/two_lead_study.py``: the grid, and the cross-validation by record).
 
 Array code for NumPy and CuPy (the namespace comes from the input); the loop references are in
-``tests/naive.py``. Whole recordings only: the rules look at neighbouring peaks and windows, and the
-partitioned pipeline does not carry a second lead yet.
+``tests/naive.py``. On a whole recording: :func:`second_lead_keep` (``beatflow evaluate
+--confirm-lead``). In the flow (``beatflow run --confirm-lead`` / ``--confirm-column``) each partition,
+with the halos of both leads, runs rule 1 and measures its peaks (:func:`flutter_keep`,
+:func:`peak_measures`: both look no further than the first lead's flutter rule), and rule 2, which
+compares a peak with its neighbouring peaks, runs on the gathered measures (:func:`doubtful`): any
+partitioning gives the whole recording's beats.
 """
 from __future__ import annotations
 
@@ -73,23 +77,50 @@ class SecondLeadParams:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def samples(self, fs: float) -> "SecondLeadSamples":
+        """These parameters at sampling rate ``fs``."""
+        if not fs > 0:
+            raise ValueError(f"sampling rate must be positive, got {fs}")
+        return SecondLeadSamples(omega=2.0 * math.pi * float(self.flutter_max_freq_hz) / fs,
+                                 baseline=float(self.flutter_baseline_ratio), gate=float(self.flutter_gate_ratio),
+                                 weak=float(self.weak_ratio), quiet=float(self.quiet_ratio),
+                                 quality=float(self.quality_ratio), neighbours=max(1, int(self.neighbours)),
+                                 reach=max(0, int(round(self.reach_s * fs))))
 
-def lead_windows(x, s: SegmentSamples):
-    """Per window of ``s.vf_window`` samples of a whole recording ``x`` (not summed with its
-    neighbours): ``(e_signal, e_slope, near)``, the energies of the high-passed signal and of its
-    slope and the fraction of near-median samples, of every window (:mod:`beatflow.rhythm`'s
-    quantities; on NumPy by the fused loops of :func:`beatflow.cpu_kernels.flutter_features_cpu`)."""
+
+@dataclass(frozen=True)
+class SecondLeadSamples:
+    """:class:`SecondLeadParams` at one sampling rate (``omega``: radians per sample; ``reach``: samples)."""
+
+    omega: float
+    baseline: float
+    gate: float
+    weak: float
+    quiet: float
+    quality: float
+    neighbours: int
+    reach: int
+
+
+def lead_windows(x, first: int, s: SegmentSamples):
+    """Per window of ``s.vf_window`` samples aligned to the recording (``x[0]`` is its sample
+    ``first``; the windows at the ends of ``x`` completed with its end samples), not summed with its
+    neighbours: ``(e_signal, e_slope, near, w0)``, the energies of the high-passed signal and of its
+    slope and the fraction of near-median samples of every window, and the number of the first window
+    (:mod:`beatflow.rhythm`'s quantities; on NumPy by the fused loops of
+    :func:`beatflow.cpu_kernels.flutter_features_cpu`)."""
     xp = namespace_of(x)
     if xp is np and x.shape[0] >= 3:
         from .cpu_kernels import flutter_features_cpu
         from .segment import gaussian_derivative
 
         taps = gaussian_derivative(s.kernel, s.a)
-        e_sig, e_slope = flutter_features_cpu(x, 0, s.vf_window, s.vf_highpass, taps)
+        e_sig, e_slope = flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps)
         rows = np.arange(e_sig.shape[0], dtype=np.int64)
-        return e_sig, e_slope, flutter_features_cpu(x, 0, s.vf_window, s.vf_highpass, taps, rows=rows, tol=s.vf_tol)
-    h, e_sig, e_slope, _ = window_energies_xp(x, 0, s)
-    return e_sig, e_slope, near_fractions_xp(h, xp.arange(h.shape[0]), s)
+        near = flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps, rows=rows, tol=s.vf_tol)
+        return e_sig, e_slope, near, first // s.vf_window
+    h, e_sig, e_slope, w0 = window_energies_xp(x, first, s)
+    return e_sig, e_slope, near_fractions_xp(h, xp.arange(h.shape[0]), s), w0
 
 
 def _runs(like, length: int):
@@ -107,19 +138,17 @@ def _runs(like, length: int):
     return episode
 
 
-def flutter_either_lead(first_lead: tuple, second_lead: tuple, fs: float, s: SegmentSamples,
-                        p: SecondLeadParams = SecondLeadParams()):
-    """Rule 1: which windows lie in an episode, from the two leads' :func:`lead_windows` (same number
-    of windows). With ``p.flutter_baseline_ratio = 0``, exactly the first lead's episodes."""
+def flutter_either_lead(first_lead: tuple, second_lead: tuple, s: SegmentSamples, q: SecondLeadSamples):
+    """Rule 1: which windows lie in an episode, from the two leads' ``(e_signal, e_slope, near)`` of
+    :func:`lead_windows` (the same windows). With ``q.baseline = 0``, exactly the first lead's episodes."""
     (es0, ed0, nr0), (es1, ed1, nr1) = first_lead, second_lead
     xp = namespace_of(es0)
     c = s.vf_context
     count = _context_sum(xp.ones(es0.shape[0], dtype=xp.float64), c)
     b0, b1 = _context_sum(nr0, c) / count, _context_sum(nr1, c) / count
     smooth0 = _context_sum(ed0, c) < s.vf_omega**2 * _context_sum(es0, c)
-    omega1 = 2.0 * math.pi * float(p.flutter_max_freq_hz) / fs
-    smooth1 = _context_sum(ed1, c) < omega1**2 * _context_sum(es1, c)
-    like = (smooth0 & (b0 < s.vf_baseline)) | (smooth1 & (b1 < p.flutter_baseline_ratio) & (b0 < p.flutter_gate_ratio))
+    smooth1 = _context_sum(ed1, c) < q.omega**2 * _context_sum(es1, c)
+    like = (smooth0 & (b0 < s.vf_baseline)) | (smooth1 & (b1 < q.baseline) & (b0 < q.gate))
     return _runs(like, s.vf_runs)
 
 
@@ -153,32 +182,68 @@ def _ratio(num, den):
     return xp.where(ok, num / xp.where(ok, den, 1.0), xp.where(xp.isnan(den), xp.nan, xp.inf))
 
 
-def doubtful_features(env0, env1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams = SecondLeadParams()):
-    """Rule 2's measures of every peak (sorted sample indices into the leads' QRS envelopes ``env0``,
-    ``env1``): ``(weak, quiet, quality)``, the first lead's envelope at the peak over the median of
-    its neighbours'; the second lead's envelope maximum within ``±reach_s`` over the lower quartile
-    of its neighbours'; the median of that at the neighbours over the second lead's median envelope
-    in the peak's window of ``s.vf_window`` samples."""
-    xp = namespace_of(env0)
+def peak_measures(x0, x1, peaks, first: int, n_total: int, s: SegmentSamples, q: SecondLeadSamples):
+    """Rule 2's measures of each peak that need the signal, all within ``s.vf_window`` of the peak
+    (a partition's halo covers them): ``(h0, h1, background)``, the first lead's QRS envelope at the
+    peak, the second lead's envelope maximum within ``±q.reach``, and the median of the second lead's
+    envelope over the peak's window (windows of ``s.vf_window`` samples aligned to the recording, the
+    last one completed with the recording's last value). ``x0``, ``x1``: samples ``[first, first +
+    len)`` of a recording of ``n_total`` samples; ``peaks``: global indices inside them."""
+    from .segment import qrs_envelope
+
+    xp = namespace_of(x0)
     _, ndimage = scipy_for(xp)
-    k = max(1, int(p.neighbours))
-    reach = max(0, int(round(p.reach_s * fs)))
-    m1 = ndimage.maximum_filter1d(env1, 2 * reach + 1, mode="nearest")
-    h0, h1 = env0[peaks].astype(xp.float64), m1[peaks].astype(xp.float64)
-    (med0,) = _neighbour_quantiles(h0, k, (0.5,))
-    q25, med1 = _neighbour_quantiles(h1, k, (0.25, 0.5))
-    W, n = s.vf_window, env1.shape[0]
-    nw = -(-n // W)
-    windows = xp.pad(env1, (0, nw * W - n), mode="edge").reshape(nw, W)
-    background = xp.maximum(xp.median(windows, axis=1), 1e-12)[peaks // W]
-    return _ratio(h0, med0), _ratio(h1, q25), _ratio(med1, background)
+    peaks = xp.asarray(peaks, dtype=xp.int64)
+    if peaks.shape[0] == 0:
+        z = xp.zeros(0, dtype=xp.float64)
+        return z, z, z
+    env0, env1 = qrs_envelope(x0, s), qrs_envelope(x1, s)
+    m1 = ndimage.maximum_filter1d(env1, 2 * q.reach + 1, mode="nearest")
+    local = peaks - first
+    W, n = s.vf_window, x0.shape[0]
+    w = peaks // W
+    # each peak's window, as positions in x (clipped to the recording's end: its last value repeats)
+    cols = xp.minimum(w[:, None] * W + xp.arange(W)[None, :], n_total - 1) - first
+    background = xp.median(env1[xp.clip(cols, 0, n - 1)], axis=1)
+    return env0[local].astype(xp.float64), m1[local].astype(xp.float64), background.astype(xp.float64)
+
+
+def doubtful(h0, h1, background, q: SecondLeadSamples):
+    """Rule 2 over the measures of consecutive peaks of one recording (:func:`peak_measures`, in
+    order): True for the peaks to drop (weak on the first lead, quiet on a usable second lead)."""
+    xp = namespace_of(h0)
+    if h0.shape[0] == 0 or not q.weak > 0:
+        return xp.zeros(h0.shape[0], dtype=bool)
+    (med0,) = _neighbour_quantiles(h0, q.neighbours, (0.5,))
+    q25, med1 = _neighbour_quantiles(h1, q.neighbours, (0.25, 0.5))
+    weak, quiet = _ratio(h0, med0), _ratio(h1, q25)
+    quality = _ratio(med1, xp.maximum(background, 1e-12))
+    return (weak < q.weak) & (quiet < q.quiet) & (quality > q.quality)
+
+
+def flutter_keep(x0, x1, peaks, first: int, s: SegmentSamples, q: SecondLeadSamples, span: tuple[int, int]):
+    """Rule 1 on ``x0``, ``x1`` (samples ``[first, first + len)`` of a recording): ``(keep, episodes)``,
+    which ``peaks`` (global, inside ``x0``) lie outside the episodes, and the episodes as ``[start,
+    end)`` ranges clipped to ``span``. Decisions within ``span`` are those of the whole recording
+    where ``x0`` reaches ``s.halo`` beyond it (the first lead's rule reaches as far)."""
+    xp = namespace_of(x0)
+    peaks = xp.asarray(peaks, dtype=xp.int64)
+    keep = xp.ones(peaks.shape[0], dtype=bool)
+    if x0.shape[0] < 3 or not (q.baseline > 0 and s.vf_baseline > 0):
+        return keep, xp.zeros((0, 2), dtype=xp.int64)
+    es0, ed0, nr0, w0 = lead_windows(x0, first, s)
+    es1, ed1, nr1, _ = lead_windows(x1, first, s)
+    episode = flutter_either_lead((es0, ed0, nr0), (es1, ed1, nr1), s, q)
+    keep &= ~episode[xp.clip(peaks // s.vf_window - w0, 0, episode.shape[0] - 1)]
+    return keep, episode_spans(episode, w0, s.vf_window, int(span[0]), int(span[1]))
 
 
 def second_lead_keep(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams = SecondLeadParams()):
     """The two rules on a whole recording: ``(keep, episodes)``, which of the first lead's detected
     ``peaks`` (:func:`beatflow.segment.detect_peaks` of ``x0``) to keep, and the flutter episodes of
     rule 1 as ``[start, end)`` sample ranges (``(m, 2)`` int64). ``x1``: the second lead, as long as
-    ``x0``.
+    ``x0``. (The flow runs the same steps per partition: :func:`beatflow.partitions.segment_partition`
+    with a second lead, then :func:`doubtful` on the gathered measures.)
 
     Raises
     ------
@@ -188,21 +253,12 @@ def second_lead_keep(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadP
     xp = namespace_of(x0)
     if x1.shape != x0.shape:
         raise ValueError(f"the two leads differ in length ({x0.shape[0]} and {x1.shape[0]} samples)")
-    peaks = xp.asarray(peaks, dtype=xp.int64)
-    keep = xp.ones(peaks.shape[0], dtype=bool)
-    episodes = xp.zeros((0, 2), dtype=xp.int64)
-    if x0.shape[0] < 3:
-        return keep, episodes
-    if p.flutter_baseline_ratio > 0 and s.vf_baseline > 0:
-        episode = flutter_either_lead(lead_windows(x0, s), lead_windows(x1, s), fs, s, p)
-        keep &= ~episode[xp.clip(peaks // s.vf_window, 0, episode.shape[0] - 1)]
-        episodes = episode_spans(episode, 0, s.vf_window, 0, x0.shape[0])
-    if p.weak_ratio > 0:
-        from .segment import qrs_envelope
-
+    q = p.samples(fs)
+    n = int(x0.shape[0])
+    keep, episodes = flutter_keep(x0, x1, peaks, 0, s, q, (0, n))
+    if q.weak > 0 and n >= 3:
         rest = xp.flatnonzero(keep)
         if rest.shape[0]:
-            weak, quiet, quality = doubtful_features(qrs_envelope(x0, s), qrs_envelope(x1, s), peaks[rest], fs, s, p)
-            doubt = (weak < p.weak_ratio) & (quiet < p.quiet_ratio) & (quality > p.quality_ratio)
-            keep[rest[doubt]] = False
+            h0, h1, background = peak_measures(x0, x1, xp.asarray(peaks, dtype=xp.int64)[rest], 0, n, s, q)
+            keep[rest[doubtful(h0, h1, background, q)]] = False
     return keep, episodes

@@ -63,13 +63,49 @@ def extend(core, left, right):
     return xp.concatenate([xp.asarray(left, dtype=core.dtype), core, xp.asarray(right, dtype=core.dtype)])
 
 
-def segment_partition(core, left, right, first: int, s: SegmentSamples, *, episodes: bool = False):
+def segment_partition(core, left, right, first: int, s: SegmentSamples, *, episodes: bool = False, second=None,
+                      q=None, n_total: int | None = None):
     """Peaks (global sample indices in the recording) whose position lies in this partition's core;
     with ``episodes``, also the ventricular flutter/fibrillation episodes within the core
-    (``[start, end)`` ranges, :func:`beatflow.segment.detect_beats`)."""
+    (``[start, end)`` ranges, :func:`beatflow.segment.detect_beats`).
+
+    With ``second = (core, left, right)`` of a second lead (the same halos) and its rules ``q``
+    (:class:`beatflow.leads.SecondLeadSamples`; ``n_total``: the recording's length):
+    ``(peaks, episodes, measures)``, the peaks outside the flutter episodes of either lead, those
+    episodes, and the peaks' ``(h0, h1, background)`` for the doubtful-peak rule, which compares
+    each peak with its neighbours and so runs once the partitions' peaks are gathered
+    (:func:`drop_doubtful`)."""
     x = extend(core, left, right)
-    out = detect_beats(x, s, first=first - left.shape[0], core=(first, first + core.shape[0]))
-    return out if episodes else out[0]
+    x_first, span = first - left.shape[0], (first, first + core.shape[0])
+    peaks, eps = detect_beats(x, s, first=x_first, core=span)
+    if second is None:
+        return (peaks, eps) if episodes else peaks
+    from .leads import flutter_keep, peak_measures
+
+    x1 = extend(*second)
+    if x1.shape != x.shape:
+        raise ValueError(f"the two leads' partitions differ in length ({x.shape[0]} and {x1.shape[0]} samples)")
+    keep, both = flutter_keep(x, x1, peaks, x_first, s, q, span)
+    if q.baseline > 0 and s.vf_baseline > 0:  # (the first lead's episodes lie within both leads')
+        peaks, eps = peaks[keep], both
+    return peaks, eps, peak_measures(x, x1, peaks, x_first, int(n_total), s, q)
+
+
+def drop_doubtful(specs: list[PartitionSpec], peaks: list, measures: list, q) -> tuple[list, int]:
+    """The doubtful-peak rule of the second lead (:func:`beatflow.leads.doubtful`) over each
+    recording's gathered peaks (its partitions in order): ``(peaks per partition, number dropped)``."""
+    from .leads import doubtful
+
+    out, dropped = list(peaks), 0
+    for rec in sorted({sp.recording for sp in specs}):
+        idx = [k for k, sp in enumerate(specs) if sp.recording == rec]
+        h0, h1, bg = (np.concatenate([to_host(measures[k][i]) for k in idx]) for i in range(3))
+        drop = doubtful(h0, h1, bg, q)
+        ends = np.cumsum([len(peaks[k]) for k in idx])
+        for k, a, b in zip(idx, ends - [len(peaks[k]) for k in idx], ends):
+            out[k] = peaks[k][~drop[a:b]]
+        dropped += int(drop.sum())
+    return out, dropped
 
 
 def embed_partition(core, left, right, first: int, start, length, s: SegmentSamples):

@@ -345,3 +345,40 @@ def open_source(path, *, column: str | None = None, fs: float | None = None, lea
             raise InputError(f"{p}: expected a non-empty 1-D array, got shape {arr.shape}")
         return NpySource(str(p), (Recording(p.stem, rate, int(arr.shape[0])),))
     return _open_csv(p, column, rate)
+
+
+def open_second_lead(source: Source, path, fs: float | None = None, *, lead: int = 0, column: str | None = None,
+                     confirm_lead: int | None = None, confirm_column: str | None = None) -> Source | None:
+    """The second lead of ``source`` that checks its beats (:mod:`beatflow.leads`): WFDB channel
+    ``confirm_lead`` or CSV/Parquet column ``confirm_column`` of the same input, with the same
+    recordings and lengths; None when neither is given.
+
+    Raises
+    ------
+    InputError
+        Both or the wrong one given for the input's kind, the first lead again, a missing channel or
+        column, or recordings of other lengths or rates.
+    """
+    if confirm_lead is None and not confirm_column:
+        return None
+    if confirm_lead is not None and confirm_column:
+        raise InputError("give --confirm-lead (WFDB) or --confirm-column (CSV/Parquet), not both")
+    if source.kind == "wfdb":
+        if confirm_lead is None:
+            raise InputError(f"{source.path}: WFDB input takes --confirm-lead N, not --confirm-column")
+        if confirm_lead == lead:
+            raise InputError(f"--confirm-lead {confirm_lead}: the second lead must differ from --lead {lead}")
+        second = open_source(path, fs=fs, lead=confirm_lead)
+    elif source.kind in ("csv", "parquet"):
+        if not confirm_column:
+            raise InputError(f"{source.path}: {source.kind.upper()} input takes --confirm-column NAME, not --confirm-lead")
+        if confirm_column == (column or getattr(source, "column", None)):
+            raise InputError(f"--confirm-column {confirm_column}: the second lead must differ from the first")
+        second = open_source(path, column=confirm_column, fs=fs)
+    else:
+        raise InputError(f"{source.path}: a .npy stream has one lead; a second lead needs WFDB or CSV/Parquet input")
+    a = [(r.name, r.n_samples, r.fs) for r in source.recordings]
+    b = [(r.name, r.n_samples, r.fs) for r in second.recordings]
+    if a != b:
+        raise InputError(f"{source.path}: the second lead's recordings differ from the first's (lengths or rates)")
+    return second

@@ -26,8 +26,9 @@ from beatflow.beats import MODEL_INPUT
 from beatflow.errors import InputError
 from beatflow.metrics import match_truth
 from beatflow.params import DEFAULT_FS, SegmentParams
-from beatflow.partitions import assemble_halos, plan_beats
-from beatflow.reading import open_source
+from beatflow.leads import SecondLeadParams
+from beatflow.partitions import assemble_halos, drop_doubtful, plan_beats
+from beatflow.reading import open_second_lead, open_source
 from beatflow.scoring import anomaly_table, robust_threshold
 from tasks import stages as T
 from tasks.caching import cached, code_version, input_digest, token
@@ -101,7 +102,8 @@ def remove_stale_partials(final: Path) -> list[Path]:
 
 @flow(name="beatflow", log_prints=True)
 def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: float | None = None,
-                     lead: int = 0, hours: float = 20.0, seed: int = 0, out: str | None = None,
+                     lead: int = 0, confirm_lead: int | None = None, confirm_column: str | None = None,
+                     hours: float = 20.0, seed: int = 0, out: str | None = None,
                      device: str = "cpu", workers: int | None = 2, partitions: int | None = None,
                      epochs: int = 10, batch_size: int = 1024, store: str | None = None,
                      cache: str | None = None, engine_backend: str = "auto", precision: str = "fp32",
@@ -116,6 +118,10 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
         CSV / Parquet / ``.npy`` file or WFDB folder; synthetic ECG (``hours`` long) when omitted.
     column, fs, lead : optional
         Column of a CSV/Parquet file, its sampling rate (default 250 Hz), WFDB channel.
+    confirm_lead, confirm_column : optional
+        A second lead of the input (WFDB channel, or CSV/Parquet column) that checks the first one's
+        beats (:mod:`beatflow.leads`: flutter seen on either lead, weak peaks with no QRS on the second
+        lead are dropped); default: one lead.
     hours, seed : float, int
         Length and seed of the synthetic ECG (the seed also fixes the train/test split).
     out : str, optional
@@ -159,7 +165,7 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     try:
         summary = _run(log, sw, work, input, column, fs, lead, hours, seed, device, workers, partitions,
                        epochs, batch_size, cache, engine_backend, precision, train_precision, train_compile,
-                       rmm_pool_size, rmm_allocator)
+                       rmm_pool_size, rmm_allocator, confirm=(confirm_lead, confirm_column))
         if store:
             from beatflow.store import Store
 
@@ -189,7 +195,7 @@ def _run(*args, **kwargs) -> dict:
 
 def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions,
               epochs, batch_size, cache=None, engine_backend="auto", precision="fp32", train_precision="auto",
-              train_compile=None, rmm_pool_size=None, rmm_allocator="async") -> dict:
+              train_compile=None, rmm_pool_size=None, rmm_allocator="async", confirm=(None, None)) -> dict:
     threads = max(1, os.cpu_count() or 1)
     truth_path = None
     wait_for_workers(1)  # a cluster whose workers cannot start is an error, not a hang
@@ -204,13 +210,16 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         input, truth_path = T.synthesize(hours, fs or DEFAULT_FS, seed, str(work))
         sw.lap("synthesize")
     source = open_source(input, column=column, fs=fs, lead=lead)
+    second = open_second_lead(source, input, fs, lead=lead, column=column, confirm_lead=confirm[0],
+                              confirm_column=confirm[1])
     fs = source.fs
     s = SegmentParams().samples(fs)
+    q = SecondLeadParams().samples(fs) if second is not None else None
     base_token = None
     if cache:
         digest = (token("synthetic", hours, fs, seed, code_version()) if truth_path
                   else input_digest(input))
-        base_token = token(digest, column, fs, lead, s, code_version())
+        base_token = token(digest, column, fs, lead, s, code_version(), *((confirm, q) if second is not None else ()))
         log.info("cache: %s (input %s)", cache, digest[:12])
     specs = source.plan(partitions or 2 * max(1, workers))
     log.info("%s: %d recording(s), %d partitions, fs %g Hz", source.path, len(source.recordings), len(specs), fs)
@@ -228,6 +237,12 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         raise InputError(f"{source.path}: {total} samples is too short for a beat "
                          f"(need at least {2 * s.upper + s.kernel} at {fs:g} Hz)")
     lefts, rights, firsts = assemble_halos(specs, lengths, [e[1] for e in edges], [e[2] for e in edges], s.halo)
+    seconds = None
+    if second is not None:  # the second lead's partitions, beside the first's, with the same halos
+        parts2, edges2 = T.load(second, specs, device, s.halo, flow_run.id)
+        if [e[0] for e in edges2] != lengths:
+            raise InputError(f"{source.path}: the second lead's partitions differ in length from the first's")
+        seconds = (parts2, *assemble_halos(specs, lengths, [e[1] for e in edges2], [e[2] for e in edges2], s.halo)[:2])
     rec_offset, acc = {}, 0
     for r in range(len(source.recordings)):
         rec_offset[r] = acc
@@ -241,10 +256,18 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     # segmentation
     seg_token = (token(base_token, "segment", [(sp.recording, firsts[k], lengths[k]) for k, sp in enumerate(specs)])
                  if cache else None)
-    segmented = cached(T.segment, cache)(parts, lefts, rights, firsts, s, cache_token=seg_token)
-    peaks = [p for p, _ in segmented]
+    segmented = cached(T.segment, cache)(parts, lefts, rights, firsts, s, cache_token=seg_token, second=seconds,
+                                         n_totals=[n_samples[sp.recording] for sp in specs], q=q)
+    peaks = [r[0] for r in segmented]
+    second_lead = None
+    if second is not None:  # the doubtful-peak rule compares each peak with its neighbours: over the gathered peaks
+        peaks, dropped = drop_doubtful(specs, peaks, [r[2] for r in segmented], q)
+        second_lead = {"lead": confirm[0], "column": confirm[1], "params": SecondLeadParams().to_dict(),
+                       "doubtful_peaks_dropped": dropped}
+        log.info("second lead %s: %d doubtful peak(s) dropped (no QRS on the second lead)",
+                 confirm[0] if confirm[0] is not None else confirm[1], dropped)
     plan = plan_beats(specs, firsts, n_samples, peaks, s)
-    episodes = _flutter_episodes(specs, [e for _, e in segmented], source, fs)
+    episodes = _flutter_episodes(specs, [r[1] for r in segmented], source, fs)
     episodes.to_csv(work / "rhythm_episodes.csv", index=False)
     if len(episodes):
         log.warning("ventricular flutter/fibrillation: %d episode(s), %.1f s in all (rhythm_episodes.csv); "
@@ -348,6 +371,8 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     ph.mark("context")
     summary = _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers,
                        specs, truth, episodes)
+    if second_lead is not None:
+        summary["second_lead"] = second_lead
     if gpu_workers:
         summary["gpu_workers"] = gpu_workers
     if truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end

@@ -86,14 +86,23 @@ def partition_edges(core, halo: int):
     return int(core.shape[0]), to_host(head), to_host(tail)
 
 
-def segment_partition(core, left, right, first: int, s: SegmentSamples):
+def segment_partition(core, left, right, first: int, core2=None, left2=None, right2=None, n_total: int | None = None,
+                      *, s: SegmentSamples, q=None):
     """Peaks of one partition (QRS envelope, non-maximum suppression, local thresholds; see beatflow.segment)
-    and the ventricular flutter/fibrillation episodes in its core: ``(peaks, episodes)``, host arrays."""
+    and the ventricular flutter/fibrillation episodes in its core: ``(peaks, episodes)``, host arrays.
+    With a second lead's partition (``core2``, its halos; ``q``: its rules, ``n_total``: the
+    recording's length) also the peaks' measures for the doubtful-peak rule:
+    ``(peaks, episodes, (h0, h1, background))`` (:func:`beatflow.partitions.segment_partition`)."""
     xp = namespace(_device_of(core))
     with device_memory(f"segmenting a partition of {core.shape[0]:,} samples", core.nbytes, xp is not np):
-        peaks, episodes = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, s,
-                                              episodes=True)
-    return to_host(peaks), to_host(episodes)
+        if core2 is None:
+            peaks, episodes = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, s,
+                                                  episodes=True)
+            return to_host(peaks), to_host(episodes)
+        second = (to_namespace(core2, xp), to_namespace(left2, xp), to_namespace(right2, xp))
+        peaks, episodes, measures = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first,
+                                                        s, episodes=True, second=second, q=q, n_total=n_total)
+    return to_host(peaks), to_host(episodes), tuple(to_host(m) for m in measures)
 
 
 def embed_partition(core, left, right, first: int, start, length, s: SegmentSamples):
@@ -182,10 +191,16 @@ def _holders(futures) -> set:
 
 @partition_task(name="segment")
 def segment(parts: list, lefts: list, rights: list, firsts: list, s: SegmentSamples,
-            cache_token: str | None = None) -> list:
+            cache_token: str | None = None, second: tuple | None = None, n_totals: list | None = None,
+            q=None) -> list:
     """Peaks and flutter episodes of every partition (:func:`segment_partition`), host arrays.
-    ``cache_token`` keys the persisted result where the flow caches (``tasks.caching.cached``)."""
-    return gather(map_partitions(segment_partition, parts, lefts, rights, firsts, name="segment-partition", s=s))
+    ``cache_token`` keys the persisted result where the flow caches (``tasks.caching.cached``).
+    ``second``: the second lead's ``(parts, lefts, rights)``, with ``n_totals`` (each partition's
+    recording length) and its rules ``q``: then each result also holds the peaks' measures."""
+    if second is None:
+        return gather(map_partitions(segment_partition, parts, lefts, rights, firsts, name="segment-partition", s=s))
+    return gather(map_partitions(segment_partition, parts, lefts, rights, firsts, *second, n_totals,
+                                 name="segment-partition", s=s, q=q))
 
 
 @partition_task(name="embed")

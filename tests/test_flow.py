@@ -5,6 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from beatflow.params import SegmentParams
 from conftest import run_cli
 
 SUMMARY_KEYS = {"samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "train_loss", "test_loss",
@@ -121,6 +122,43 @@ def test_cli_on_one_mitbih_record(prefect_server, mitdb, tmp_path):
     assert "report.html" in r.stdout
 
 
+def test_cli_second_lead_on_mitbih_207(prefect_server, mitdb, tmp_path):
+    """``--confirm-lead 1`` on record 207 (flutter, bundle branch blocks), cut into 5 partitions: the
+    flow keeps exactly the beats that the whole record's rules keep (beatflow.leads)."""
+    import shutil
+
+    from beatflow.beats import beats_from_peaks
+    from beatflow.evaluate import load_record
+    from beatflow.leads import second_lead_keep
+    from beatflow.segment import detect_peaks
+
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    for ext in ("hea", "dat"):
+        shutil.copy(mitdb / f"207.{ext}", rec)
+    for args, message in ((["--confirm-lead", "0"], "must differ from --lead 0"),
+                          (["--confirm-lead", "2"], "lead 2 does not exist"),
+                          (["--confirm-column", "MLII"], "WFDB input takes --confirm-lead")):
+        r = run_cli(["run", "--input", rec, *args, "--out", tmp_path / "bad"], "http://127.0.0.1:9/api", timeout=120)
+        assert r.returncode == 2 and message in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr[-2000:]
+    out = tmp_path / "out"
+    r = run_cli(["run", "--input", rec, "--confirm-lead", "1", "--epochs", "1", "--device", "cpu", "--workers", "2",
+                 "--partitions", "5", "--out", out], prefect_server)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    r0 = load_record(str(mitdb / "207"), 0, second=1)
+    seg = SegmentParams().samples(r0.fs)
+    peaks = detect_peaks(r0.signal, seg)
+    keep, episodes = second_lead_keep(r0.signal, r0.second, peaks, r0.fs, seg)
+    beats = beats_from_peaks(peaks[keep], seg, r0.signal.shape[0])[0]  # (the last peak makes no beat)
+    assert s["beats_detected"] == len(beats) and keep.sum() < len(peaks) - 20
+    assert s["second_lead"]["lead"] == 1 and s["second_lead"]["doubtful_peaks_dropped"] >= 1
+    assert "second_lead" in (out / "report.html").read_text()  # (the report's table of other settings)
+    assert s["flutter_episodes"]["count"] == len(episodes)
+    table = pd.read_parquet(out / "anomalies.parquet")
+    assert np.isin(table["peak"].to_numpy(), peaks[keep]).all()
+
+
 @pytest.mark.parametrize("content,message", [
     ("heartbeats\n" + "0.1\n" * 300 + "zz\n" + "0.2\n" * 300, "line 302: cannot parse 'zz' as a number"),
     ("heartbeats\n" + "0.5\n" * 20000, "no heartbeats found"),
@@ -147,6 +185,10 @@ def test_cli_bad_input_inside_the_flow(prefect_server, tmp_path, content, messag
     (None, ["--device", "cpu", "--train-precision", "bf16"], "--train-precision bf16 is for GPUs"),
     (None, ["--device", "cpu", "--engine", "compiled"], "backend compiled does not do fp32 on the CPU"),
     (None, ["--device", "cpu", "--precision", "fp16"], "precision fp16 is for GPUs"),
+    (None, ["--confirm-lead", "1"], "need --input (the synthetic ECG has one lead)"),
+    ("a,b\n1,2\n", ["--input", "{d}/in.csv", "--column", "a", "--confirm-lead", "1"], "takes --confirm-column"),
+    ("a,b\n1,2\n", ["--input", "{d}/in.csv", "--column", "a", "--confirm-column", "a"], "must differ"),
+    ("a,b\n1,2\n", ["--input", "{d}/in.csv", "--column", "a", "--confirm-column", "c"], "unknown column 'c'"),
 ])
 def test_cli_bad_input_before_the_flow(tmp_path, setup, args, message):
     if setup == "mkdir":

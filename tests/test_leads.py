@@ -122,3 +122,55 @@ def test_second_lead_on_cupy_equals_numpy():
             gkeep, gep = LD.second_lead_keep(cupy.asarray(x0), cupy.asarray(x1), cupy.asarray(peaks), fs, s, p)
             np.testing.assert_array_equal(cupy.asnumpy(gkeep), keep)
             np.testing.assert_array_equal(cupy.asnumpy(gep), ep)
+
+
+def _partitioned(x0, x1, n_parts, s, q):
+    """The flow's steps: each partition (with halos of both leads) segmented with the second lead,
+    then the doubtful-peak rule over the gathered measures."""
+    from beatflow.partitions import assemble_halos, drop_doubtful, edges, segment_partition
+    from beatflow.reading import PartitionSpec, _split_even
+    from beatflow.rhythm import merge_spans
+
+    spans = _split_even(len(x0), n_parts)
+    specs = [PartitionSpec(0, k, lo, hi) for k, (lo, hi) in enumerate(spans)]
+    halos = []
+    for x in (x0, x1):
+        parts = [x[lo:hi] for lo, hi in spans]
+        e = [edges(p, s.halo) for p in parts]
+        halos.append((parts, *assemble_halos(specs, [len(p) for p in parts], [h for h, _ in e], [t for _, t in e],
+                                             s.halo)))
+    (p0, l0, r0, firsts), (p1, l1, r1, _) = halos
+    got = [segment_partition(p0[k], l0[k], r0[k], firsts[k], s, episodes=True, second=(p1[k], l1[k], r1[k]), q=q,
+                             n_total=len(x0)) for k in range(n_parts)]
+    peaks, dropped = drop_doubtful(specs, [g[0] for g in got], [g[2] for g in got], q)
+    return np.concatenate(peaks), merge_spans([g[1] for g in got]), dropped
+
+
+def test_second_lead_partition_invariance():
+    """Any partitioning gives the whole recording's peaks and episodes (the flow's path)."""
+    fs = 125.0
+    s = SegmentParams().samples(fs)
+    for params in (LD.SecondLeadParams(), LD.SecondLeadParams(
+            flutter_max_freq_hz=6.0, flutter_baseline_ratio=0.5, flutter_gate_ratio=0.45, weak_ratio=1.0,
+            quiet_ratio=1.0, quality_ratio=1.0, neighbours=3)):
+        x0, x1 = _two_leads(2, fs, 120.0)
+        peaks = detect_peaks(x0, s)
+        keep, episodes = LD.second_lead_keep(x0, x1, peaks, fs, s, params)
+        for n_parts in (1, 3, 8):
+            got, got_ep, dropped = _partitioned(x0, x1, n_parts, s, params.samples(fs))
+            np.testing.assert_array_equal(got, peaks[keep], err_msg=f"{n_parts} partitions")
+            np.testing.assert_array_equal(got_ep, episodes, err_msg=f"{n_parts} partitions")
+
+
+def test_second_lead_partition_invariance_mitbih_207(mitdb):
+    from beatflow.evaluate import load_record
+
+    rec = load_record(str(mitdb / "207"), 0, max_seconds=900.0, second=1)
+    s = SegmentParams().samples(rec.fs)
+    peaks = detect_peaks(rec.signal, s)
+    keep, episodes = LD.second_lead_keep(rec.signal, rec.second, peaks, rec.fs, s)
+    assert (~keep).sum() > 10  # (the rules act on this stretch)
+    for n_parts in (4, 11):
+        got, got_ep, _ = _partitioned(rec.signal, rec.second, n_parts, s, LD.SecondLeadParams().samples(rec.fs))
+        np.testing.assert_array_equal(got, peaks[keep])
+        np.testing.assert_array_equal(got_ep, episodes)
