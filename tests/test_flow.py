@@ -232,3 +232,29 @@ def test_cache_reuses_segmentation_and_training(prefect_server, tmp_path):
     p.write_text("heartbeats\n" + "\n".join(f"{v:.5f}" for v in x[::-1]) + "\n")
     third = run_cli([*args, "--out", tmp_path / "c"], prefect_server)
     assert third.returncode == 0 and "Finished in state Cached" not in third.stdout + third.stderr
+
+
+def test_flow_second_lead_from_csv(harness, tmp_path):
+    """``confirm_column``: the second lead from another CSV column, 3 partitions: the beats of the
+    whole recording's rules (beatflow.leads); a bad pair of leads is one clear error, no output."""
+    from beatflow.beats import beats_from_peaks
+    from beatflow.errors import InputError
+    from beatflow.leads import second_lead_keep
+    from beatflow.segment import detect_peaks
+    from test_leads import _two_leads
+
+    x0, x1 = _two_leads(3, 250.0, 240.0)  # (its noise bursts leave doubtful peaks on the first lead)
+    p = tmp_path / "two.csv"
+    p.write_text("a,b\n" + "\n".join(f"{u:.5f},{v:.5f}" for u, v in zip(x0, x1)) + "\n")
+    back = pd.read_csv(p, dtype=np.float32)  # the values as the flow reads them (float32)
+    a, b = back["a"].to_numpy(), back["b"].to_numpy()
+    s = SegmentParams().samples(250.0)
+    peaks = detect_peaks(a, s)
+    keep, _ = second_lead_keep(a, b, peaks, 250.0, s)
+    summary = run_flow(tmp_path / "out", input=str(p), column="a", confirm_column="b", partitions=3, epochs=1)
+    assert summary["beats_detected"] == len(beats_from_peaks(peaks[keep], s, a.shape[0])[0])
+    assert summary["second_lead"]["column"] == "b" and summary["second_lead"]["lead"] is None
+    assert summary["second_lead"]["doubtful_peaks_dropped"] == int((~keep).sum()) > 0
+    with pytest.raises(InputError, match="must differ"):
+        run_flow(tmp_path / "bad", input=str(p), column="a", confirm_column="a", epochs=1)
+    assert not (tmp_path / "bad").exists()
