@@ -42,7 +42,7 @@ import numpy as np
 
 from .backend import namespace_of, scipy_for
 from .params import SegmentSamples
-from .rhythm import _context_sum, episode_spans, near_fractions_xp, window_energies_xp
+from .rhythm import _context_sum, episode_spans, near_fractions_xp, runs_of, window_energies_xp
 
 
 @dataclass(frozen=True)
@@ -123,21 +123,6 @@ def lead_windows(x, first: int, s: SegmentSamples):
     return e_sig, e_slope, near_fractions_xp(h, xp.arange(h.shape[0]), s), w0
 
 
-def _runs(like, length: int):
-    """The windows in a run of at least ``length`` consecutive True (:func:`beatflow.rhythm.flutter_windows`)."""
-    xp = namespace_of(like)
-    L, nw = max(1, int(length)), like.shape[0]
-    padded = xp.pad(like, (0, L - 1), constant_values=False)
-    full = xp.ones(nw, dtype=bool)
-    for i in range(L):
-        full &= padded[i : i + nw]
-    padded = xp.pad(full, (L - 1, 0), constant_values=False)
-    episode = xp.zeros(nw, dtype=bool)
-    for i in range(L):
-        episode |= padded[i : i + nw]
-    return episode
-
-
 def flutter_either_lead(first_lead: tuple, second_lead: tuple, s: SegmentSamples, q: SecondLeadSamples):
     """Rule 1: which windows lie in an episode, from the two leads' ``(e_signal, e_slope, near)`` of
     :func:`lead_windows` (the same windows). With ``q.baseline = 0``, exactly the first lead's episodes."""
@@ -149,7 +134,7 @@ def flutter_either_lead(first_lead: tuple, second_lead: tuple, s: SegmentSamples
     smooth0 = _context_sum(ed0, c) < s.vf_omega**2 * _context_sum(es0, c)
     smooth1 = _context_sum(ed1, c) < q.omega**2 * _context_sum(es1, c)
     like = (smooth0 & (b0 < s.vf_baseline)) | (smooth1 & (b1 < q.baseline) & (b0 < q.gate))
-    return _runs(like, s.vf_runs)
+    return runs_of(like, s.vf_runs)
 
 
 def _neighbour_quantiles(v, k: int, qs: tuple):

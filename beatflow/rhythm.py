@@ -151,11 +151,14 @@ def flutter_windows(x, first: int, s: SegmentSamples):
         ``s.vf_runs`` consecutive flutter-like windows (low mean frequency and low baseline
         fraction: :func:`window_features`).
     """
-    xp = namespace_of(x)
     smooth, base, w0 = window_features(x, first, s)
-    like = smooth & (base < s.vf_baseline)
-    L = max(1, s.vf_runs)
-    nw = like.shape[0]
+    return runs_of(smooth & (base < s.vf_baseline), s.vf_runs), w0
+
+
+def runs_of(like, length: int):
+    """Which windows lie in a run of at least ``length`` consecutive True of ``like`` (bool array)."""
+    xp = namespace_of(like)
+    L, nw = max(1, int(length)), like.shape[0]
     # full[j]: windows j .. j + L - 1 are all flutter-like; episode[k]: some full[j] with k - L < j <= k
     padded = xp.pad(like, (0, L - 1), constant_values=False)
     full = xp.ones(nw, dtype=bool)
@@ -165,7 +168,7 @@ def flutter_windows(x, first: int, s: SegmentSamples):
     episode = xp.zeros(nw, dtype=bool)
     for i in range(L):
         episode |= padded[i : i + nw]
-    return episode, w0
+    return episode
 
 
 def episode_spans(episode, w0: int, window: int, lo: int, hi: int):
