@@ -63,6 +63,10 @@ def _score_parser(sub) -> None:
                    help="results store holding the trained model (default $BEATFLOW_STORE or .beatflow)")
     p.add_argument("--fs", type=float, help="sampling rate of CSV/Parquet/npy files (default 250)")
     p.add_argument("--lead", type=int, default=0)
+    p.add_argument("--column", help="column of CSV/Parquet files with several")
+    p.add_argument("--confirm-lead", type=int, metavar="N",
+                   help="a second WFDB channel that checks the beats (as beatflow run --confirm-lead)")
+    p.add_argument("--confirm-column", metavar="NAME", help="the same for CSV/Parquet files: a second column")
 
 
 def cmd_score(args) -> int:
@@ -70,7 +74,8 @@ def cmd_score(args) -> int:
     from tasks.cluster import prefect_api
 
     with prefect_api():
-        res = score_new_recordings(inbox=args.inbox, store=args.store, fs=args.fs, lead=args.lead)
+        res = score_new_recordings(inbox=args.inbox, store=args.store, fs=args.fs, lead=args.lead, column=args.column,
+                                   confirm_lead=args.confirm_lead, confirm_column=args.confirm_column)
     for r in res["processed"]:
         print(f"{r['status']:6s} {r['item']}: {r['beats']} beats, {r['flagged']} flagged {r['reason']}".rstrip())
     return 0

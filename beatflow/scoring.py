@@ -60,7 +60,7 @@ def anomaly_table(beat, recording, peak, start, length, score, fs: float, thresh
 
 
 def score_recording(x, fs: float, infer, scale: float, threshold: float, width: int, name: str = "recording",
-                    params=None):
+                    params=None, second=None):
     """Segment, embed and score one whole recording with an already trained model.
 
     As in training, the model sees each scaled row minus the recording's dominant beat
@@ -74,6 +74,9 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
         ``infer(rows) -> (score, mu)``: an engine's ``infer``.
     scale, threshold, width : float, float, int
         From the trained model's metadata (``model.json``).
+    second : array, 1-D, optional
+        A second lead of the recording, as long as ``x``, that checks the beats
+        (:func:`beatflow.leads.second_lead_keep`).
 
     Returns
     -------
@@ -94,8 +97,14 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
     if s.width != width:
         raise InputError(f"{name}: sampling rate {fs:g} Hz gives beat rows of {s.width} samples, "
                          f"the model was trained on {width}")
-    kb, peak, start, length, rows, _ = beat_rows(x, detect_peaks(x, s), s, x.shape[0],
-                                                  baseline_samples=max(1, s.pre // 2))
+    peaks = detect_peaks(x, s)
+    if second is not None:  # the second lead checks the beats (beatflow.leads), as `beatflow run --confirm-lead`
+        from .leads import second_lead_keep
+
+        if second.shape != x.shape:
+            raise InputError(f"{name}: the second lead has {second.shape[0]} samples, the first {x.shape[0]}")
+        peaks = peaks[second_lead_keep(x, second, peaks, fs, s)[0]]
+    kb, peak, start, length, rows, _ = beat_rows(x, peaks, s, x.shape[0], baseline_samples=max(1, s.pre // 2))
     if kb.shape[0] == 0:
         raise InputError(f"{name}: no heartbeats found (flat line or no QRS-like peaks)")
     rows = np.asarray(rows) / np.float32(scale)

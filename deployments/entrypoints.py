@@ -14,12 +14,17 @@ from tasks.cluster import make_task_runner
 
 @flow(name="train-and-score", log_prints=True)
 def train_and_score(input: str | None = None, device: str = "auto", workers: int = 2, hours: float = 20.0,
-                    seed: int = 0, out: str | None = None, epochs: int = 10, store: str | None = ".beatflow") -> dict:
-    """Run the full pipeline (segment, embed, train, build the engine, score, report)."""
+                    seed: int = 0, out: str | None = None, epochs: int = 10, store: str | None = ".beatflow",
+                    lead: int = 0, column: str | None = None, confirm_lead: int | None = None,
+                    confirm_column: str | None = None) -> dict:
+    """Run the full pipeline (segment, embed, train, build the engine, score, report); ``lead`` /
+    ``column`` choose the input's lead, ``confirm_lead`` / ``confirm_column`` a second one that checks
+    the beats (``beatflow run --confirm-lead``)."""
     dev = resolve_device(device)
     runner = make_task_runner(dev, workers)
     return ecg_anomaly_flow.with_options(task_runner=runner)(
-        input=input, hours=hours, seed=seed, out=out, device=dev, workers=workers, epochs=epochs, store=store)
+        input=input, hours=hours, seed=seed, out=out, device=dev, workers=workers, epochs=epochs, store=store,
+        lead=lead, column=column, confirm_lead=confirm_lead, confirm_column=confirm_column)
 
 
 @flow(name="benchmark", log_prints=True)

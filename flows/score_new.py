@@ -27,8 +27,14 @@ def cached_engine(store: Store, model_path: Path, meta: dict) -> str:
 
 
 @flow(name="score-new-recordings", log_prints=True)
-def score_new_recordings(inbox: str, store: str = ".beatflow", fs: float | None = None, lead: int = 0) -> dict:
-    """Score every new recording in ``inbox`` and move it to ``inbox/done`` or ``inbox/failed``."""
+def score_new_recordings(inbox: str, store: str = ".beatflow", fs: float | None = None, lead: int = 0,
+                         column: str | None = None, confirm_lead: int | None = None,
+                         confirm_column: str | None = None) -> dict:
+    """Score every new recording in ``inbox`` and move it to ``inbox/done`` or ``inbox/failed``.
+
+    ``lead`` / ``column``: the WFDB channel / CSV or Parquet column to read. ``confirm_lead`` (WFDB) and
+    ``confirm_column`` (CSV/Parquet): a second lead that checks the beats, as ``beatflow run
+    --confirm-lead`` does (:mod:`beatflow.leads`)."""
     log = get_run_logger()
     st = Store(store)
     model_path, meta = st.latest_model()
@@ -37,7 +43,8 @@ def score_new_recordings(inbox: str, store: str = ".beatflow", fs: float | None 
     log.info("%d new recording(s) in %s; model %s", len(items), inbox, meta["id"])
     done, failed = str(Path(inbox) / "done"), str(Path(inbox) / "failed")
     futures = score_inbox_item.map([str(p) for p in items], unmapped(str(st.root)), unmapped(str(engine_path)),
-                                   unmapped(meta), unmapped(fs), unmapped(lead), unmapped(done), unmapped(failed))
+                                   unmapped(meta), unmapped(fs), unmapped(lead), unmapped(done), unmapped(failed),
+                                   unmapped(column), unmapped(confirm_lead), unmapped(confirm_column))
     results = [f.result() for f in futures]
     if results:
         from prefect.artifacts import create_table_artifact

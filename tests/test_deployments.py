@@ -34,6 +34,9 @@ def test_deploy_worker_and_scheduled_scoring(prefect_server, trained_store, tmp_
     with get_client(sync_client=True) as client:
         dep = client.read_deployment_by_name("score-new-recordings/score-new-recordings")
         assert dep.schedules and dep.schedules[0].schedule.cron == "0 2 * * *"
+        for name in ("score-new-recordings/score-new-recordings", "train-and-score/train-and-score"):
+            props = client.read_deployment_by_name(name).parameter_openapi_schema["properties"]
+            assert {"lead", "column", "confirm_lead", "confirm_column"} <= set(props)  # (settable in the UI)
 
     inbox = tmp_path / "inbox"
     inbox.mkdir()

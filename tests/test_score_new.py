@@ -60,3 +60,41 @@ def test_score_new_recordings(prefect_server, trained_store, tmp_path, mitdb):
     engines = sorted(p.name for p in Store(trained_store).engines.iterdir())
     again = score_new_recordings(inbox=str(inbox), store=str(trained_store))
     assert again["processed"] == [] and sorted(p.name for p in Store(trained_store).engines.iterdir()) == engines
+
+
+def test_score_new_recordings_with_a_second_lead(prefect_server, trained_store, tmp_path):
+    """``column`` and ``confirm_column``: a two-column CSV is scored on its first lead with the beats
+    the second lead confirms (beatflow.leads); a file without that column goes to failed/."""
+    import sys
+    from pathlib import Path
+
+    from beatflow.leads import second_lead_keep
+    from beatflow.params import SegmentParams
+    from beatflow.segment import detect_peaks
+    from flows.score_new import score_new_recordings
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_leads import _two_leads
+
+    x0, x1 = _two_leads(3, 250.0, 240.0)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "two.csv").write_text("a,b\n" + "\n".join(f"{u:.5f},{v:.5f}" for u, v in zip(x0, x1)) + "\n")
+    (inbox / "one.csv").write_text("a\n" + "\n".join(f"{u:.5f}" for u in x0) + "\n")
+    before = len(Store(trained_store).read_results())
+    res = score_new_recordings(inbox=str(inbox), store=str(trained_store), column="a", confirm_column="b")
+    status = {r["item"]: r for r in res["processed"]}
+    assert status["two.csv"]["status"] == "done" and status["one.csv"]["status"] == "failed"
+    assert "unknown column 'b'" in (inbox / "failed" / "one.csv.reason.txt").read_text()
+    import pandas as pd
+
+    back = pd.read_csv(inbox / "done" / "two.csv", dtype=np.float32)
+    a, b = back["a"].to_numpy(), back["b"].to_numpy()
+    s = SegmentParams().samples(250.0)
+    peaks = detect_peaks(a, s)
+    keep, _ = second_lead_keep(a, b, peaks, 250.0, s)
+    assert keep.sum() < len(peaks)  # (the second lead drops some of this stream's peaks)
+    df = Store(trained_store).read_results()
+    two = df[df["recording"].astype(str) == "two"]
+    assert len(df) - before == len(two) == status["two.csv"]["beats"]
+    assert np.isin(two["peak"].to_numpy(), peaks[keep]).all() and not np.isin(peaks[~keep], two["peak"]).any()
