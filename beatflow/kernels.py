@@ -2064,6 +2064,7 @@ def _sm_count(dev: int) -> int:
 
     return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, dev))
 
+
 #: blocks of vf_near (launched before the number of listed windows is known; grid-stride over them)
 _VF_NEAR_BLOCKS = 2048
 

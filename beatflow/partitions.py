@@ -101,8 +101,8 @@ def drop_doubtful(specs: list[PartitionSpec], peaks: list, measures: list, q) ->
         idx = [k for k, sp in enumerate(specs) if sp.recording == rec]
         h0, h1, bg = (np.concatenate([to_host(measures[k][i]) for k in idx]) for i in range(3))
         drop = doubtful(h0, h1, bg, q)
-        ends = np.cumsum([len(peaks[k]) for k in idx])
-        for k, a, b in zip(idx, ends - [len(peaks[k]) for k in idx], ends):
+        bounds = np.cumsum([0] + [len(peaks[k]) for k in idx])
+        for k, a, b in zip(idx, bounds[:-1], bounds[1:]):
             out[k] = peaks[k][~drop[a:b]]
         dropped += int(drop.sum())
     return out, dropped

@@ -237,12 +237,13 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         raise InputError(f"{source.path}: {total} samples is too short for a beat "
                          f"(need at least {2 * s.upper + s.kernel} at {fs:g} Hz)")
     lefts, rights, firsts = assemble_halos(specs, lengths, [e[1] for e in edges], [e[2] for e in edges], s.halo)
-    seconds = None
-    if second is not None:  # the second lead's partitions, beside the first's, with the same halos
-        parts2, edges2 = T.load(second, specs, device, s.halo, flow_run.id)
+    second_parts = None
+    if second is not None:  # the second lead's partitions, on the first's workers, with the same halos
+        parts2, edges2 = T.load(second, specs, device, s.halo, flow_run.id, beside=parts)
         if [e[0] for e in edges2] != lengths:
             raise InputError(f"{source.path}: the second lead's partitions differ in length from the first's")
-        seconds = (parts2, *assemble_halos(specs, lengths, [e[1] for e in edges2], [e[2] for e in edges2], s.halo)[:2])
+        second_parts = (parts2, *assemble_halos(specs, lengths, [e[1] for e in edges2], [e[2] for e in edges2],
+                                                s.halo)[:2])
     rec_offset, acc = {}, 0
     for r in range(len(source.recordings)):
         rec_offset[r] = acc
@@ -256,7 +257,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     # segmentation
     seg_token = (token(base_token, "segment", [(sp.recording, firsts[k], lengths[k]) for k, sp in enumerate(specs)])
                  if cache else None)
-    segmented = cached(T.segment, cache)(parts, lefts, rights, firsts, s, cache_token=seg_token, second=seconds,
+    segmented = cached(T.segment, cache)(parts, lefts, rights, firsts, s, cache_token=seg_token, second=second_parts,
                                          n_totals=[n_samples[sp.recording] for sp in specs], q=q)
     peaks = [r[0] for r in segmented]
     second_lead = None

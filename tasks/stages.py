@@ -141,6 +141,22 @@ def map_partitions(fn, *iterables, name: str, **constants) -> list:
     return _client().map(fn, *iterables, key=[f"{name}-{k}-{tag}" for k in range(n)], pure=False, **constants)
 
 
+def map_beside(fn, beside: list, items: list, name: str, **constants) -> list:
+    """``fn(item, **constants)`` for each item, each on the worker that holds the future at the same
+    place in ``beside`` (the same partition of another lead: the two meet there, and nothing of the
+    size of a partition moves). Placed explicitly: Dask places a small group of tasks that hang off
+    one group of futures without regard to where those live ("root-ish" tasks)."""
+    client = _client()
+    tag = uuid.uuid4().hex[:8]
+    holders = client.who_has(beside)
+    out = []
+    for k, (f, item) in enumerate(zip(beside, items)):
+        where = sorted(holders.get(f.key, ()))[:1]
+        placed = {"workers": where, "allow_other_workers": True} if where else {}  # (another, if it is gone)
+        out.append(client.submit(fn, item, key=f"{name}-{k}-{tag}", pure=False, **placed, **constants))
+    return out
+
+
 def _client():
     """The flow's Dask client (the stages run in the flow's process, on its Dask task runner)."""
     from tasks.cluster import flow_client
@@ -171,10 +187,16 @@ def gather(futures) -> list:
 # --- the stages: Prefect tasks run in the flow's process ---
 
 @partition_task(name="load")
-def load(source: Source, specs: list, device: str, halo: int, run_id=None) -> tuple[list, list]:
+def load(source: Source, specs: list, device: str, halo: int, run_id=None, beside: list | None = None) -> tuple[list, list]:
     """Read every partition onto a worker (where it stays); ``(partition futures, edges)``, the
-    edges being each partition's length and the halos it lends (:func:`partition_edges`)."""
-    parts = map_partitions(load_partition, list(specs), name="load-partition", source=source, device=device,
+    edges being each partition's length and the halos it lends (:func:`partition_edges`). ``beside``:
+    the futures of another lead's partitions, each read here onto the worker that holds that one
+    (:func:`load_beside`)."""
+    if beside is None:
+        parts = map_partitions(load_partition, list(specs), name="load-partition", source=source, device=device,
+                               run_id=run_id)
+    else:
+        parts = map_beside(load_partition, beside, list(specs), name="load-partition", source=source, device=device,
                            run_id=run_id)
     wait_partitions(parts)
     edges = gather(map_partitions(partition_edges, parts, name="partition-edges", halo=halo))

@@ -318,3 +318,25 @@ print(json.dumps(out))
                             "0.00 GB in use) can give: raise --rmm-pool-size or cut the stream into more --partitions"), \
             (lib, got[lib])
     assert got["after"][1] >= 1_000_000
+
+
+def test_map_beside_places_each_task_with_its_partition(monkeypatch, tmp_path):
+    """The second lead's partitions are read on the workers holding the first lead's (``map_beside``),
+    whatever the first lead's placement: here the reverse of the workers' order."""
+    import numpy as np
+    from distributed import Client, LocalCluster, get_worker
+
+    import tasks.cluster as C
+    import tasks.stages as S
+
+    def where(item):
+        return item, get_worker().address
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        monkeypatch.setattr(C, "flow_client", lambda: client)
+        workers = sorted(client.scheduler_info()["workers"])
+        placed = [workers[1], workers[1], workers[0], workers[1]]
+        beside = [client.scatter(np.full(10, k), workers=[w], hash=False) for k, w in enumerate(placed)]
+        got = client.gather(S.map_beside(where, beside, ["a", "b", "c", "d"], name="where"))
+        assert got == list(zip("abcd", placed))
