@@ -18,7 +18,8 @@ def _run_parser(sub) -> None:
     p.add_argument("--lead", type=int, default=0, help="WFDB channel (default 0)")
     p.add_argument("--confirm-lead", type=int, metavar="N",
                    help="a second WFDB channel that checks the first one's beats (beatflow.leads: flutter on "
-                        "either lead, weak peaks with no QRS on the second lead are dropped)")
+                        "either lead, weak peaks with no QRS on the second lead are dropped, a noise peak "
+                        "beside a QRS of the second lead is moved to it)")
     p.add_argument("--confirm-column", metavar="NAME",
                    help="the same for CSV/Parquet input: the column of the second lead")
     p.add_argument("--hours", type=float, default=20.0, help="length of the synthetic ECG (default 20)")

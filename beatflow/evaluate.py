@@ -225,7 +225,7 @@ class RecordBeats:
 
 def record_beats(rec: Record, params: SegmentParams | None = None, second_params=None) -> RecordBeats:
     """Segment a record and embed its beats exactly as the pipeline does (no scaling yet); with a
-    second lead (:attr:`Record.second`) the peaks are checked on it (:func:`beatflow.leads.second_lead_keep`,
+    second lead (:attr:`Record.second`) the peaks are checked on it (:func:`beatflow.leads.second_lead_peaks`,
     ``second_params`` or the defaults).
 
     The pipeline keeps beats of at least ``min_length_s``, a beat longer than ``max_length_s`` (a
@@ -237,9 +237,9 @@ def record_beats(rec: Record, params: SegmentParams | None = None, second_params
     t = time.perf_counter()
     peaks = np.asarray(detect_peaks(rec.signal, s))
     if rec.second is not None:
-        from .leads import SecondLeadParams, second_lead_keep
+        from .leads import SecondLeadParams, second_lead_peaks
 
-        peaks = peaks[second_lead_keep(rec.signal, rec.second, peaks, rec.fs, s, second_params or SecondLeadParams())[0]]
+        peaks = second_lead_peaks(rec.signal, rec.second, peaks, rec.fs, s, second_params or SecondLeadParams())[0]
     seconds = time.perf_counter() - t
     peak, start, length = beats_from_peaks(peaks, s, rec.signal.shape[0])
     kept = kept_mask(length, s)
@@ -495,7 +495,7 @@ def register(sub) -> dict:
     p.add_argument("--lead", type=int, default=0, help="WFDB channel (default 0)")
     p.add_argument("--confirm-lead", type=int, metavar="N",
                    help="a second WFDB channel that checks the first one's beats (beatflow.leads: flutter on "
-                        "either lead, peaks with no QRS on the second lead)")
+                        "either lead, peaks with no QRS on the second lead dropped, misplaced ones moved)")
     p.add_argument("--out", help="write the metrics to this JSON file")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=1024)

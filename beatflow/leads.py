@@ -3,8 +3,8 @@
 Beats are detected on one lead (:func:`beatflow.segment.detect_peaks`, with its flutter-episode rule).
 Holter and MIT-BIH recordings have a second lead, which sees the same heart from another angle: a QRS
 complex shows on both, while a noise burst or an electrode artefact on one lead is often quiet on the
-other, and ventricular flutter may lose its last bits of baseline on one lead only. Two rules use it
-(:func:`second_lead_keep`), both on quantities the detection already computes, per lead:
+other, and ventricular flutter may lose its last bits of baseline on one lead only. Three rules use it
+(:func:`second_lead_peaks`), all on quantities the detection already computes, per lead:
 
 1. **flutter on either lead.** A 1 s window (aligned to the stream, as in :mod:`beatflow.rhythm`) is
    flutter-like when it is so on the first lead (the detection's rule), or when it is so on the second
@@ -19,24 +19,33 @@ other, and ventricular flutter may lose its last bits of baseline on one lead on
    quartile of the same at the neighbouring peaks), and the second lead is usable there (its
    neighbouring beats stand ``quality_ratio`` times above the median of its envelope over the peak's
    window; a flat or noisy second lead says nothing, and the peak is kept).
+3. **misplaced peaks.** A noise peak of the first lead 0.15-0.35 s beside a QRS can win the
+   detection's suppression window: one false beat and one missed. A peak is moved to the second
+   lead's QRS when that lead is usable and quiet at the peak (below ``move_quiet_ratio`` × the lower
+   quartile of its neighbours') but has a QRS ``move_min_s`` to ``move_max_s`` away (an envelope
+   maximum of at least ``move_found_ratio`` × the neighbours' median), where the first lead has some
+   QRS energy too (``move_first_ratio`` × the peak's), more than the detection's T-wave window after
+   the previous peak and more than its refractory period before the next (:func:`misplaced`).
 
-MIT-BIH, 22 non-paced records, lead 0 checked by lead 1 (``bench/RESULTS_mitdb.md``, session 18): the
-false positives 90 -> 55 (19 of them inside the annotated flutter of 207, 42 before), one true beat
-lost; the 4 paced records 17 -> 10 false positives, none lost. The defaults were chosen on those
-records (``bench/two_lead_study.py``: the grid, and the cross-validation by record).
+MIT-BIH, 22 non-paced records, lead 0 checked by lead 1 (``bench/RESULTS_mitdb.md``, sessions 18 and
+19): false positives 90 -> 55 (rules 1 and 2; 19 of them inside the annotated flutter of 207) -> 44
+(rule 3: 11 peaks moved, each from a false beat onto a missed one, so the missed beats 90 -> 79);
+the 4 paced records 17 -> 10 -> 9 false positives, none lost. The defaults were chosen on those
+records and checked by cross-validation over records (``bench/two_lead_study.py``,
+``bench/misplaced_lead_study.py``).
 
 Array code for NumPy and CuPy (the namespace comes from the input); the loop references are in
-``tests/naive.py``. On a whole recording: :func:`second_lead_keep` (``beatflow evaluate
+``tests/naive.py``. On a whole recording: :func:`second_lead_peaks` (``beatflow evaluate
 --confirm-lead``). In the flow (``beatflow run --confirm-lead`` / ``--confirm-column``) each partition,
 with the halos of both leads, runs rule 1 and measures its peaks (:func:`flutter_keep`,
-:func:`peak_measures`: both look no further than the first lead's flutter rule), and rule 2, which
-compares a peak with its neighbouring peaks, runs on the gathered measures (:func:`doubtful`): any
-partitioning gives the whole recording's beats.
+:func:`peak_measures`: both look no further than the first lead's flutter rule), and rules 2 and 3,
+which compare a peak with its neighbouring peaks, run on the gathered measures (:func:`doubtful`,
+:func:`misplaced`): any partitioning gives the whole recording's beats.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -63,6 +72,10 @@ class SecondLeadParams:
         The peaks on either side a peak is compared with.
     reach_s : float
         The second lead's QRS energy is its envelope's maximum within ``±`` this of the peak.
+    move_quiet_ratio, move_found_ratio, move_first_ratio : float
+        Rule 3's limits (the module's docstring); ``move_quiet_ratio=0`` switches it off.
+    move_min_s, move_max_s : float
+        Rule 3 looks for the second lead's QRS this far from the peak, on either side.
     """
 
     flutter_max_freq_hz: float = 4.5
@@ -73,6 +86,11 @@ class SecondLeadParams:
     quality_ratio: float = 3.0
     neighbours: int = 4
     reach_s: float = 0.1
+    move_quiet_ratio: float = 0.7
+    move_found_ratio: float = 0.6
+    move_first_ratio: float = 0.2
+    move_min_s: float = 0.15
+    move_max_s: float = 0.4
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,7 +103,11 @@ class SecondLeadParams:
                                  baseline=float(self.flutter_baseline_ratio), gate=float(self.flutter_gate_ratio),
                                  weak=float(self.weak_ratio), quiet=float(self.quiet_ratio),
                                  quality=float(self.quality_ratio), neighbours=max(1, int(self.neighbours)),
-                                 reach=max(0, int(round(self.reach_s * fs))))
+                                 reach=max(0, int(round(self.reach_s * fs))),
+                                 move_quiet=float(self.move_quiet_ratio), move_found=float(self.move_found_ratio),
+                                 move_first=float(self.move_first_ratio),
+                                 move_min=max(1, int(round(self.move_min_s * fs))),
+                                 move_max=max(1, int(round(self.move_max_s * fs))))
 
 
 @dataclass(frozen=True)
@@ -100,6 +122,11 @@ class SecondLeadSamples:
     quality: float
     neighbours: int
     reach: int
+    move_quiet: float = 0.0
+    move_found: float = 0.0
+    move_first: float = 0.0
+    move_min: int = 1
+    move_max: int = 1
 
 
 def lead_windows(x, first: int, s: SegmentSamples):
@@ -167,13 +194,46 @@ def _ratio(num, den):
     return xp.where(ok, num / xp.where(ok, den, 1.0), xp.where(xp.isnan(den), xp.nan, xp.inf))
 
 
+def _ring_maxima(env1, m1, local, q: SecondLeadSamples):
+    """For every peak (``local``: positions in ``env1``): the largest maximum of ``env1`` (a position
+    where it equals its sliding maximum ``m1`` over ``±q.reach`` and rises into it: a plateau counts
+    once, at its first sample) that lies ``q.move_min`` to ``q.move_max`` samples away on either side,
+    and its position: ``(value, position)``, ``(-inf, -1)`` where there is none; of equal values the
+    earliest. The maxima are sparse (at most one per ``q.reach`` samples of a peaked envelope), so
+    each peak's ring holds a few: one pass per ring slot, vectorised over the peaks."""
+    xp = namespace_of(env1)
+    n = local.shape[0]
+    rise = xp.concatenate([xp.ones(1, dtype=bool), env1[1:] > env1[:-1]])
+    at = xp.flatnonzero((env1 >= m1) & rise)
+    val = env1[at].astype(xp.float64)
+    best = xp.full(n, -xp.inf, dtype=xp.float64)
+    where = xp.full(n, -1, dtype=xp.int64)
+    if at.shape[0] == 0 or n == 0:
+        return best, where
+    for lo_off, hi_off in ((-q.move_max, -q.move_min), (q.move_min, q.move_max)):  # in position order
+        lo = xp.searchsorted(at, local + lo_off, side="left")
+        hi = xp.searchsorted(at, local + hi_off, side="right")
+        for j in range(int((hi - lo).max())):
+            idx = lo + j
+            ok = idx < hi
+            safe = xp.minimum(idx, at.shape[0] - 1)
+            v = xp.where(ok, val[safe], -xp.inf)
+            better = v > best
+            best = xp.where(better, v, best)
+            where = xp.where(better, at[safe], where)
+    return best, where
+
+
 def peak_measures(x0, x1, peaks, first: int, n_total: int, s: SegmentSamples, q: SecondLeadSamples):
-    """Rule 2's measures of each peak that need the signal, all within ``s.vf_window`` of the peak
-    (a partition's halo covers them): ``(h0, h1, background)``, the first lead's QRS envelope at the
-    peak, the second lead's envelope maximum within ``±q.reach``, and the median of the second lead's
-    envelope over the peak's window (windows of ``s.vf_window`` samples aligned to the recording, the
-    last one completed with the recording's last value). ``x0``, ``x1``: samples ``[first, first +
-    len)`` of a recording of ``n_total`` samples; ``peaks``: global indices inside them."""
+    """The measures of each peak that rules 2 and 3 need from the signal, all within ``s.vf_window``
+    of the peak (a partition's halo covers them): ``(h0, h1, background, far1, far_at, far0)``, the
+    first lead's QRS envelope at the peak, the second lead's envelope maximum within ``±q.reach``,
+    the median of the second lead's envelope over the peak's window (windows of ``s.vf_window``
+    samples aligned to the recording, the last one completed with the recording's last value), and
+    for rule 3 the second lead's largest QRS maximum ``q.move_min`` to ``q.move_max`` samples away
+    (:func:`_ring_maxima`), its position (global; -1 if none) and the first lead's envelope there.
+    ``x0``, ``x1``: samples ``[first, first + len)`` of a recording of ``n_total`` samples;
+    ``peaks``: global indices inside them."""
     from .segment import qrs_envelope
 
     xp = namespace_of(x0)
@@ -181,7 +241,7 @@ def peak_measures(x0, x1, peaks, first: int, n_total: int, s: SegmentSamples, q:
     peaks = xp.asarray(peaks, dtype=xp.int64)
     if peaks.shape[0] == 0:
         z = xp.zeros(0, dtype=xp.float64)
-        return z, z, z
+        return z, z, z, z, xp.zeros(0, dtype=xp.int64), z
     env0, env1 = qrs_envelope(x0, s), qrs_envelope(x1, s)
     m1 = ndimage.maximum_filter1d(env1, 2 * q.reach + 1, mode="nearest")
     local = peaks - first
@@ -190,7 +250,16 @@ def peak_measures(x0, x1, peaks, first: int, n_total: int, s: SegmentSamples, q:
     # each peak's window, as positions in x (clipped to the recording's end: its last value repeats)
     cols = xp.minimum(w[:, None] * W + xp.arange(W)[None, :], n_total - 1) - first
     background = xp.median(env1[xp.clip(cols, 0, n - 1)], axis=1)
-    return env0[local].astype(xp.float64), m1[local].astype(xp.float64), background.astype(xp.float64)
+    if q.move_quiet > 0:
+        far1, far_local = _ring_maxima(env1, m1, local, q)
+        found = far_local >= 0
+        far0 = xp.where(found, env0[xp.maximum(far_local, 0)].astype(xp.float64), 0.0)
+        far_at = xp.where(found, far_local + first, -1)
+    else:
+        far1 = xp.full(peaks.shape[0], -xp.inf, dtype=xp.float64)
+        far_at, far0 = xp.full(peaks.shape[0], -1, dtype=xp.int64), xp.zeros(peaks.shape[0], dtype=xp.float64)
+    return (env0[local].astype(xp.float64), m1[local].astype(xp.float64), background.astype(xp.float64),
+            far1, far_at, far0)
 
 
 def doubtful(h0, h1, background, q: SecondLeadSamples):
@@ -204,6 +273,40 @@ def doubtful(h0, h1, background, q: SecondLeadSamples):
     weak, quiet = _ratio(h0, med0), _ratio(h1, q25)
     quality = _ratio(med1, xp.maximum(background, 1e-12))
     return (weak < q.weak) & (quiet < q.quiet) & (quality > q.quality)
+
+
+def misplaced(peaks, h0, h1, background, far1, far_at, far0, q: SecondLeadSamples, refractory: int, twave: int):
+    """Rule 3 over the measures of consecutive peaks of one recording (:func:`peak_measures`, in
+    order, after rule 2): ``(move, peaks)``, which peaks to move and the peaks with those moved to
+    the second lead's QRS. A peak moves when the second lead is usable there (rule 2's quality) and
+    quiet at the peak (its QRS energy below ``q.move_quiet`` × the lower quartile of the same at the
+    neighbouring peaks) but shows a QRS ``q.move_min`` to ``q.move_max`` samples away (at least
+    ``q.move_found`` × the median of the neighbours'), where the first lead has some QRS energy too
+    (``q.move_first`` × the peak's) and which lies more than ``twave`` samples after the previous
+    peak (a bump closer behind a beat may be its T wave: the detection's T-wave window) and more
+    than ``refractory`` samples before the next, where they are and where they would move. The
+    order of the peaks stays, and so does their number."""
+    xp = namespace_of(h0)
+    peaks = xp.asarray(peaks, dtype=xp.int64)
+    n = peaks.shape[0]
+    if n == 0 or not q.move_quiet > 0:
+        return xp.zeros(n, dtype=bool), peaks
+    q25, med1 = _neighbour_quantiles(h1, q.neighbours, (0.25, 0.5))
+    usable = _ratio(med1, xp.maximum(background, 1e-12)) > q.quality
+    quiet = _ratio(h1, q25) < q.move_quiet
+    found = (far_at >= 0) & (_ratio(far1, med1) > q.move_found) & (_ratio(far0, h0) > q.move_first)
+    pos = peaks.astype(xp.float64)
+    inf = xp.full(1, xp.inf, dtype=xp.float64)
+    prev, nxt = xp.concatenate([-inf, pos[:-1]]), xp.concatenate([pos[1:], inf])
+    at = far_at.astype(xp.float64)
+    move = usable & quiet & found & (at - prev > twave) & (nxt - at > refractory)
+    # where a neighbour moves too, its new place must be as far away (then either place is)
+    no = xp.zeros(1, dtype=bool)
+    prev_moves, next_moves = xp.concatenate([no, move[:-1]]), xp.concatenate([move[1:], no])
+    prev = xp.where(prev_moves, xp.concatenate([-inf, at[:-1]]), prev)
+    nxt = xp.where(next_moves, xp.concatenate([at[1:], inf]), nxt)
+    move &= (at - prev > twave) & (nxt - at > refractory)
+    return move, xp.where(move, far_at, peaks)
 
 
 def flutter_keep(x0, x1, peaks, first: int, s: SegmentSamples, q: SecondLeadSamples, span: tuple[int, int]):
@@ -224,7 +327,7 @@ def flutter_keep(x0, x1, peaks, first: int, s: SegmentSamples, q: SecondLeadSamp
 
 
 def second_lead_keep(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams = SecondLeadParams()):
-    """The two rules on a whole recording: ``(keep, episodes)``, which of the first lead's detected
+    """Rules 1 and 2 on a whole recording: ``(keep, episodes)``, which of the first lead's detected
     ``peaks`` (:func:`beatflow.segment.detect_peaks` of ``x0``) to keep, and the flutter episodes of
     rule 1 as ``[start, end)`` sample ranges (``(m, 2)`` int64). ``x1``: the second lead, as long as
     ``x0``. (The flow runs the same steps per partition: :func:`beatflow.partitions.segment_partition`
@@ -244,6 +347,33 @@ def second_lead_keep(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadP
     if q.weak > 0 and n >= 3:
         rest = xp.flatnonzero(keep)
         if rest.shape[0]:
-            h0, h1, background = peak_measures(x0, x1, xp.asarray(peaks, dtype=xp.int64)[rest], 0, n, s, q)
+            h0, h1, background = peak_measures(x0, x1, xp.asarray(peaks, dtype=xp.int64)[rest], 0, n, s,
+                                               replace(q, move_quiet=0.0))[:3]
             keep[rest[doubtful(h0, h1, background, q)]] = False
     return keep, episodes
+
+
+def second_lead_peaks(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams = SecondLeadParams()):
+    """The three rules on a whole recording: ``(peaks, episodes, dropped, moved)``, the first lead's
+    detected ``peaks`` (:func:`beatflow.segment.detect_peaks` of ``x0``) that rules 1 and 2 keep,
+    with those of rule 3 moved to the second lead's QRS (sorted, as many as kept), rule 1's flutter
+    episodes (as :func:`second_lead_keep`), and how many peaks rule 2 dropped and rule 3 moved.
+    (The flow runs the same steps per partition and on the gathered measures:
+    :func:`beatflow.partitions.second_lead_gathered`.)"""
+    xp = namespace_of(x0)
+    if x1.shape != x0.shape:
+        raise ValueError(f"the two leads differ in length ({x0.shape[0]} and {x1.shape[0]} samples)")
+    q = p.samples(fs)
+    n = int(x0.shape[0])
+    peaks = xp.asarray(peaks, dtype=xp.int64)
+    keep, episodes = flutter_keep(x0, x1, peaks, 0, s, q, (0, n))
+    rest = peaks[keep]
+    dropped = moved = 0
+    if (q.weak > 0 or q.move_quiet > 0) and n >= 3 and rest.shape[0]:
+        measures = peak_measures(x0, x1, rest, 0, n, s, q)
+        drop = doubtful(*measures[:3], q)
+        dropped = int(drop.sum())
+        rest, measures = rest[~drop], tuple(m[~drop] for m in measures)
+        move, rest = misplaced(rest, *measures, q, s.refractory, s.twave)
+        moved = int(move.sum())
+    return rest, episodes, dropped, moved

@@ -72,9 +72,9 @@ def segment_partition(core, left, right, first: int, s: SegmentSamples, *, episo
     With ``second = (core, left, right)`` of a second lead (the same halos) and its rules ``q``
     (:class:`beatflow.leads.SecondLeadSamples`; ``n_total``: the recording's length):
     ``(peaks, episodes, measures)``, the peaks outside the flutter episodes of either lead, those
-    episodes, and the peaks' ``(h0, h1, background)`` for the doubtful-peak rule, which compares
-    each peak with its neighbours and so runs once the partitions' peaks are gathered
-    (:func:`drop_doubtful`)."""
+    episodes, and the peaks' measures (:func:`beatflow.leads.peak_measures`) for rules 2 and 3, which
+    compare each peak with its neighbours and so run once the partitions' peaks are gathered
+    (:func:`second_lead_gathered`)."""
     x = extend(core, left, right)
     x_first, span = first - left.shape[0], (first, first + core.shape[0])
     peaks, eps = detect_beats(x, s, first=x_first, core=span)
@@ -91,21 +91,29 @@ def segment_partition(core, left, right, first: int, s: SegmentSamples, *, episo
     return peaks, eps, peak_measures(x, x1, peaks, x_first, int(n_total), s, q)
 
 
-def drop_doubtful(specs: list[PartitionSpec], peaks: list, measures: list, q) -> tuple[list, int]:
-    """The doubtful-peak rule of the second lead (:func:`beatflow.leads.doubtful`) over each
-    recording's gathered peaks (its partitions in order): ``(peaks per partition, number dropped)``."""
-    from .leads import doubtful
+def second_lead_gathered(specs: list[PartitionSpec], peaks: list, measures: list, q, s: SegmentSamples):
+    """Rules 2 and 3 of the second lead (:func:`beatflow.leads.doubtful`, :func:`beatflow.leads.misplaced`),
+    which compare each peak with its neighbours, over each recording's gathered peaks and measures
+    (its partitions in order): ``(peaks per partition, number dropped, number moved)``. A moved peak
+    stays in its partition's list (its place between its neighbours keeps the concatenation sorted;
+    :func:`plan_beats` gives it to the partition that holds its new position)."""
+    from .leads import doubtful, misplaced
 
-    out, dropped = list(peaks), 0
+    out, dropped, moved = list(peaks), 0, 0
     for rec in sorted({sp.recording for sp in specs}):
         idx = [k for k, sp in enumerate(specs) if sp.recording == rec]
-        h0, h1, bg = (np.concatenate([to_host(measures[k][i]) for k in idx]) for i in range(3))
-        drop = doubtful(h0, h1, bg, q)
+        m = [np.concatenate([to_host(measures[k][i]) for k in idx]) for i in range(6)]
+        pk = np.concatenate([to_host(peaks[k]).astype(np.int64) for k in idx])
+        keep = ~doubtful(*m[:3], q)
+        move, new = misplaced(pk[keep], *(v[keep] for v in m), q, s.refractory, s.twave)
+        full = pk.copy()
+        full[np.flatnonzero(keep)] = new
         bounds = np.cumsum([0] + [len(peaks[k]) for k in idx])
         for k, a, b in zip(idx, bounds[:-1], bounds[1:]):
-            out[k] = peaks[k][~drop[a:b]]
-        dropped += int(drop.sum())
-    return out, dropped
+            out[k] = full[a:b][keep[a:b]]
+        dropped += int((~keep).sum())
+        moved += int(move.sum())
+    return out, dropped, moved
 
 
 def embed_partition(core, left, right, first: int, start, length, s: SegmentSamples):

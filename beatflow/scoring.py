@@ -76,7 +76,7 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
         From the trained model's metadata (``model.json``).
     second : array, 1-D, optional
         A second lead of the recording, as long as ``x``, that checks the beats
-        (:func:`beatflow.leads.second_lead_keep`).
+        (:func:`beatflow.leads.second_lead_peaks`).
 
     Returns
     -------
@@ -99,11 +99,11 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
                          f"the model was trained on {width}")
     peaks = detect_peaks(x, s)
     if second is not None:  # the second lead checks the beats (beatflow.leads), as `beatflow run --confirm-lead`
-        from .leads import second_lead_keep
+        from .leads import second_lead_peaks
 
         if second.shape != x.shape:
             raise InputError(f"{name}: the second lead has {second.shape[0]} samples, the first {x.shape[0]}")
-        peaks = peaks[second_lead_keep(x, second, peaks, fs, s)[0]]
+        peaks = second_lead_peaks(x, second, peaks, fs, s)[0]
     kb, peak, start, length, rows, _ = beat_rows(x, peaks, s, x.shape[0], baseline_samples=max(1, s.pre // 2))
     if kb.shape[0] == 0:
         raise InputError(f"{name}: no heartbeats found (flat line or no QRS-like peaks)")

@@ -124,7 +124,8 @@ def report(results: list[dict], folds: list[list[str]], paced_res: dict | None, 
     """The Markdown report of a cross-validation run."""
     n = sum(len(f) for f in folds)
     labels = [f"{k + 1} ({' '.join(f)})" for k, f in enumerate(folds)]
-    out = [f"## MIT-BIH, lead {args['lead']}: {len(folds)}-fold leave-records-out cross-validation "
+    lead = f"lead {args['lead']}" + (f", checked on lead {args['confirm_lead']}" if args.get("confirm_lead") is not None else "")
+    out = [f"## MIT-BIH, {lead}: {len(folds)}-fold leave-records-out cross-validation "
            f"({n} non-paced records)",
            "", detection_table(results, f"Detection, {n} non-paced records"), "", per_record_table(results), "",
            f"**Anomaly ranking per fold** (LightVAE {args['epochs']} epochs, batch {args['batch_size']}, seed "
@@ -149,6 +150,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "mitdb"))
     ap.add_argument("--lead", type=int, default=0)
+    ap.add_argument("--confirm-lead", type=int, default=None,
+                    help="a second channel that checks the beats (beatflow.leads, as beatflow evaluate --confirm-lead)")
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=1024)
@@ -168,7 +171,7 @@ def main(argv=None) -> int:
     names = sorted(Path(p).name for p in list_records(args.data))
     non_paced = [n for n in names if n not in PACED_RECORDS]
     paced = [n for n in names if n in PACED_RECORDS]
-    recs = {n: load_record(str(Path(args.data) / n), args.lead) for n in names}
+    recs = {n: load_record(str(Path(args.data) / n), args.lead, second=args.confirm_lead) for n in names}
     folds = [non_paced[k:: args.folds] for k in range(args.folds)]
     cache: dict = {}
     kw = dict(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, scale=args.scale, cache=cache,

@@ -27,7 +27,7 @@ from beatflow.errors import InputError
 from beatflow.metrics import match_truth
 from beatflow.params import DEFAULT_FS, SegmentParams
 from beatflow.leads import SecondLeadParams
-from beatflow.partitions import assemble_halos, drop_doubtful, plan_beats
+from beatflow.partitions import assemble_halos, plan_beats, second_lead_gathered
 from beatflow.reading import open_second_lead, open_source
 from beatflow.scoring import anomaly_table, robust_threshold
 from tasks import stages as T
@@ -121,7 +121,8 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     confirm_lead, confirm_column : optional
         A second lead of the input (WFDB channel, or CSV/Parquet column) that checks the first one's
         beats (:mod:`beatflow.leads`: flutter seen on either lead, weak peaks with no QRS on the second
-        lead are dropped); default: one lead.
+        lead are dropped, a noise peak beside a QRS seen on the second lead is moved to it); default:
+        one lead.
     hours, seed : float, int
         Length and seed of the synthetic ECG (the seed also fixes the train/test split).
     out : str, optional
@@ -261,12 +262,12 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
                                          n_totals=[n_samples[sp.recording] for sp in specs], q=q)
     peaks = [r[0] for r in segmented]
     second_lead = None
-    if second is not None:  # the doubtful-peak rule compares each peak with its neighbours: over the gathered peaks
-        peaks, dropped = drop_doubtful(specs, peaks, [r[2] for r in segmented], q)
+    if second is not None:  # rules 2 and 3 compare each peak with its neighbours: over the gathered peaks
+        peaks, dropped, moved = second_lead_gathered(specs, peaks, [r[2] for r in segmented], q, s)
         second_lead = {"lead": confirm[0], "column": confirm[1], "params": SecondLeadParams().to_dict(),
-                       "doubtful_peaks_dropped": dropped}
-        log.info("second lead %s: %d doubtful peak(s) dropped (no QRS on the second lead)",
-                 confirm[0] if confirm[0] is not None else confirm[1], dropped)
+                       "doubtful_peaks_dropped": dropped, "peaks_moved": moved}
+        log.info("second lead %s: %d doubtful peak(s) dropped (no QRS on the second lead), %d moved to the "
+                 "second lead's QRS", confirm[0] if confirm[0] is not None else confirm[1], dropped, moved)
     plan = plan_beats(specs, firsts, n_samples, peaks, s)
     episodes = _flutter_episodes(specs, [r[1] for r in segmented], source, fs)
     episodes.to_csv(work / "rhythm_episodes.csv", index=False)

@@ -309,6 +309,53 @@ def second_lead_keep(x0, x1, peaks, fs: float, s, p) -> np.ndarray:
     return np.asarray(keep, dtype=bool)
 
 
+def second_lead_peaks(x0, x1, peaks, fs: float, s, p) -> np.ndarray:
+    """``beatflow.leads.second_lead_peaks`` by loops: rules 1 and 2 (:func:`second_lead_keep`), then
+    rule 3 peak by peak (a peak moves to the second lead's largest envelope maximum 0.15-0.4 s away)."""
+    rest = [int(q) for q, ok in zip(peaks, second_lead_keep(x0, x1, peaks, fs, s, p)) if ok]
+    if not (p.move_quiet_ratio > 0 and rest):
+        return np.asarray(rest, dtype=np.int64)
+    n, W = len(x0), s.vf_window
+    env0, env1 = (energy_envelope(wavelet_response(x, s), s.box) for x in (x0, x1))
+    reach, k = int(round(p.reach_s * fs)), p.neighbours
+    lo_r, hi_r = max(1, int(round(p.move_min_s * fs))), max(1, int(round(p.move_max_s * fs)))
+
+    def is_maximum(i):  # equals the envelope's max over ±reach, and rises into it (a plateau's first sample)
+        return (env1[i] >= max(env1[max(0, i - reach):i + reach + 1])) and (i == 0 or env1[i] > env1[i - 1])
+
+    h1 = [max(env1[max(0, q - reach):q + reach + 1]) for q in rest]
+    target = []
+    for i, q in enumerate(rest):
+        best, at = -math.inf, -1
+        for j in range(q - hi_r, q + hi_r + 1):
+            if lo_r <= abs(j - q) and 0 <= j < n and is_maximum(j) and env1[j] > best:
+                best, at = float(env1[j]), j
+        nb = [h1[j] for j in range(i - k, i + k + 1) if j != i and 0 <= j < len(rest)]
+        if at < 0 or not nb:
+            target.append(None)
+            continue
+        q25, med1 = np.quantile(nb, 0.25), np.median(nb)
+        w = q // W
+        background = max(float(np.median([env1[min(w * W + j, n - 1)] for j in range(W)])), 1e-12)
+        ok = (med1 / background > p.quality_ratio and (h1[i] / q25 if q25 > 0 else math.inf) < p.move_quiet_ratio
+              and (best / med1 if med1 > 0 else math.inf) > p.move_found_ratio
+              and env0[at] / env0[q] > p.move_first_ratio)
+        target.append(at if ok else None)
+
+    def apart(i, at, moved_too):  # far enough behind the previous peak and before the next, where each stands
+        for j, side in ((i - 1, -1), (i + 1, 1)):
+            if 0 <= j < len(rest):
+                where = [rest[j]] + ([target[j]] if moved_too and target[j] is not None else [])
+                limit = s.twave if side < 0 else s.refractory
+                if any(abs(at - w) <= limit or (w > at) != (side > 0) for w in where):
+                    return False
+        return True
+
+    target = [t if t is not None and apart(i, t, False) else None for i, t in enumerate(target)]
+    final = [t if t is not None and apart(i, t, True) else None for i, t in enumerate(target)]
+    return np.asarray([t if t is not None else q for q, t in zip(rest, final)], dtype=np.int64)
+
+
 def imported(names) -> dict:
     """Which of ``names`` this process has imported (a job for the flow's figure processes)."""
     import sys

@@ -124,12 +124,12 @@ def test_cli_on_one_mitbih_record(prefect_server, mitdb, tmp_path):
 
 def test_cli_second_lead_on_mitbih_207(prefect_server, mitdb, tmp_path):
     """``--confirm-lead 1`` on record 207 (flutter, bundle branch blocks), cut into 5 partitions: the
-    flow keeps exactly the beats that the whole record's rules keep (beatflow.leads)."""
+    flow gives exactly the beats of the whole record's rules (beatflow.leads: dropped and moved)."""
     import shutil
 
     from beatflow.beats import beats_from_peaks
     from beatflow.evaluate import load_record
-    from beatflow.leads import second_lead_keep
+    from beatflow.leads import second_lead_peaks
     from beatflow.segment import detect_peaks
 
     rec = tmp_path / "rec"
@@ -149,14 +149,15 @@ def test_cli_second_lead_on_mitbih_207(prefect_server, mitdb, tmp_path):
     r0 = load_record(str(mitdb / "207"), 0, second=1)
     seg = SegmentParams().samples(r0.fs)
     peaks = detect_peaks(r0.signal, seg)
-    keep, episodes = second_lead_keep(r0.signal, r0.second, peaks, r0.fs, seg)
-    beats = beats_from_peaks(peaks[keep], seg, r0.signal.shape[0])[0]  # (the last peak makes no beat)
-    assert s["beats_detected"] == len(beats) and keep.sum() < len(peaks) - 20
-    assert s["second_lead"]["lead"] == 1 and s["second_lead"]["doubtful_peaks_dropped"] >= 1
+    want, episodes, dropped, moved = second_lead_peaks(r0.signal, r0.second, peaks, r0.fs, seg)
+    beats = beats_from_peaks(want, seg, r0.signal.shape[0])[0]  # (the last peak makes no beat)
+    assert s["beats_detected"] == len(beats) and len(want) < len(peaks) - 20
+    assert s["second_lead"]["lead"] == 1 and s["second_lead"]["doubtful_peaks_dropped"] == dropped >= 1
+    assert s["second_lead"]["peaks_moved"] == moved >= 1  # (207's misplaced peaks: beatflow.leads.misplaced)
     assert "second_lead" in (out / "report.html").read_text()  # (the report's table of other settings)
     assert s["flutter_episodes"]["count"] == len(episodes)
     table = pd.read_parquet(out / "anomalies.parquet")
-    assert np.isin(table["peak"].to_numpy(), peaks[keep]).all()
+    assert np.isin(table["peak"].to_numpy(), want).all()
 
 
 @pytest.mark.parametrize("content,message", [
@@ -239,7 +240,7 @@ def test_flow_second_lead_from_csv(harness, tmp_path):
     whole recording's rules (beatflow.leads); a bad pair of leads is one clear error, no output."""
     from beatflow.beats import beats_from_peaks
     from beatflow.errors import InputError
-    from beatflow.leads import second_lead_keep
+    from beatflow.leads import second_lead_peaks
     from beatflow.segment import detect_peaks
     from test_leads import _two_leads
 
@@ -250,11 +251,12 @@ def test_flow_second_lead_from_csv(harness, tmp_path):
     a, b = back["a"].to_numpy(), back["b"].to_numpy()
     s = SegmentParams().samples(250.0)
     peaks = detect_peaks(a, s)
-    keep, _ = second_lead_keep(a, b, peaks, 250.0, s)
+    want, _, dropped, moved = second_lead_peaks(a, b, peaks, 250.0, s)
     summary = run_flow(tmp_path / "out", input=str(p), column="a", confirm_column="b", partitions=3, epochs=1)
-    assert summary["beats_detected"] == len(beats_from_peaks(peaks[keep], s, a.shape[0])[0])
+    assert summary["beats_detected"] == len(beats_from_peaks(want, s, a.shape[0])[0])
     assert summary["second_lead"]["column"] == "b" and summary["second_lead"]["lead"] is None
-    assert summary["second_lead"]["doubtful_peaks_dropped"] == int((~keep).sum()) > 0
+    assert summary["second_lead"]["doubtful_peaks_dropped"] == dropped > 0
+    assert summary["second_lead"]["peaks_moved"] == moved
     with pytest.raises(InputError, match="must differ"):
         run_flow(tmp_path / "bad", input=str(p), column="a", confirm_column="a", epochs=1)
     assert not (tmp_path / "bad").exists()

@@ -32,6 +32,26 @@ def _two_leads(seed, fs, seconds):
     return x0, x1
 
 
+def _misplaced_leads(seed, fs, seconds, n_spikes=8):
+    """Two leads where noise spikes on the first lead, 0.2-0.3 s beside ``n_spikes`` of its QRS
+    complexes, win the detection's suppression window (a misplaced peak: one false beat, one missed);
+    the second lead (a scaled, noisy copy of the clean first) shows every QRS. Returns the leads and
+    the clean first lead's peaks."""
+    from beatflow.synth import synthesize_ecg
+
+    rng = np.random.default_rng(seed)
+    x0 = synthesize_ecg(hours=seconds / 3600.0, fs=fs, seed=seed).signal.astype(np.float32).copy()
+    x1 = (0.6 * x0 + 0.02 * rng.normal(size=x0.shape[0])).astype(np.float32)
+    clean = detect_peaks(x0, SegmentParams().samples(fs))
+    amp = float(np.percentile(np.abs(x0), 99.5))
+    w = max(3, int(0.03 * fs))
+    burst = (2.5 * amp * np.sin(np.pi * np.arange(w) / w) * np.sign(np.sin(6 * np.pi * np.arange(w) / w)))
+    for q in clean[rng.choice(np.arange(5, len(clean) - 5), size=n_spikes, replace=False)]:
+        c = q + int(rng.uniform(0.2, 0.3) * fs) * (1 if rng.random() < 0.5 else -1)
+        x0[c:c + w] += burst.astype(np.float32)
+    return x0, x1, clean
+
+
 @pytest.mark.parametrize("params", [
     LD.SecondLeadParams(),
     # looser limits: both rules drop some of the peaks of these short streams (and keep others)
@@ -58,6 +78,36 @@ def test_second_lead_matches_loop_reference(params):
         assert episodes.ndim == 2 and episodes.shape[1] == 2 and (episodes[:, 1] > episodes[:, 0]).all()
     if params.flutter_baseline_ratio > 0.4:  # (the comparisons are not of two all-True or all-False masks)
         assert 0 < by_flutter < total and 0 < by_doubt < total - by_flutter
+
+
+@pytest.mark.parametrize("params", [
+    LD.SecondLeadParams(),
+    LD.SecondLeadParams(move_quiet_ratio=1.0, move_found_ratio=0.3, move_first_ratio=0.0, quality_ratio=1.5,
+                        move_min_s=0.1, move_max_s=0.5, neighbours=3),
+    LD.SecondLeadParams(move_quiet_ratio=0.0),  # rule 3 off
+])
+def test_misplaced_peaks_match_loop_reference(params):
+    """Rule 3 against its loop reference; with the defaults it moves the misplaced peaks back onto
+    the QRS complexes (on the first lead's streams with noise spikes) and no other."""
+    fs = 125.0
+    s = SegmentParams().samples(fs)
+    moved_total = 0
+    for seed in range(3):
+        for x0, x1, clean in (_misplaced_leads(seed, fs, 60.0), (*_two_leads(seed, fs, 40.0), None)):
+            peaks = detect_peaks(x0, s)
+            got, _, _, moved = LD.second_lead_peaks(x0, x1, peaks, fs, s, params)
+            np.testing.assert_array_equal(got, naive.second_lead_peaks(x0, x1, peaks, fs, s, params),
+                                          err_msg=f"seed {seed}")
+            assert (np.diff(got) > 0).all()
+            keep, _ = LD.second_lead_keep(x0, x1, peaks, fs, s, params)
+            assert got.shape[0] == int(keep.sum()) and moved == int((got != peaks[keep]).sum())
+            moved_total += moved
+            if clean is not None and params == LD.SecondLeadParams():
+                on_qrs = lambda v: np.abs(v[:, None] - clean[None, :]).min(axis=1) <= 0.05 * fs  # noqa: E731
+                new = got[got != peaks[keep]]
+                assert moved >= 4 and on_qrs(new).all(), (seed, moved)
+                assert on_qrs(got).sum() == on_qrs(peaks[keep]).sum() + moved
+    assert (moved_total > 0) == (params.move_quiet_ratio > 0)
 
 
 def test_neighbour_quantiles_match_numpy():
@@ -122,12 +172,18 @@ def test_second_lead_on_cupy_equals_numpy():
             gkeep, gep = LD.second_lead_keep(cupy.asarray(x0), cupy.asarray(x1), cupy.asarray(peaks), fs, s, p)
             np.testing.assert_array_equal(cupy.asnumpy(gkeep), keep)
             np.testing.assert_array_equal(cupy.asnumpy(gep), ep)
+        x0, x1, _ = _misplaced_leads(seed, fs, 60.0)
+        peaks = detect_peaks(x0, s)
+        want, _, _, moved = LD.second_lead_peaks(x0, x1, peaks, fs, s)
+        got, _, _, gmoved = LD.second_lead_peaks(cupy.asarray(x0), cupy.asarray(x1), cupy.asarray(peaks), fs, s)
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)
+        assert gmoved == moved > 0
 
 
 def _partitioned(x0, x1, n_parts, s, q):
     """The flow's steps: each partition (with halos of both leads) segmented with the second lead,
-    then the doubtful-peak rule over the gathered measures."""
-    from beatflow.partitions import assemble_halos, drop_doubtful, edges, segment_partition
+    then rules 2 and 3 over the gathered measures."""
+    from beatflow.partitions import assemble_halos, edges, second_lead_gathered, segment_partition
     from beatflow.reading import PartitionSpec, _split_even
     from beatflow.rhythm import merge_spans
 
@@ -142,24 +198,27 @@ def _partitioned(x0, x1, n_parts, s, q):
     (p0, l0, r0, firsts), (p1, l1, r1, _) = halos
     got = [segment_partition(p0[k], l0[k], r0[k], firsts[k], s, episodes=True, second=(p1[k], l1[k], r1[k]), q=q,
                              n_total=len(x0)) for k in range(n_parts)]
-    peaks, dropped = drop_doubtful(specs, [g[0] for g in got], [g[2] for g in got], q)
-    return np.concatenate(peaks), merge_spans([g[1] for g in got]), dropped
+    peaks, dropped, moved = second_lead_gathered(specs, [g[0] for g in got], [g[2] for g in got], q, s)
+    return np.concatenate(peaks), merge_spans([g[1] for g in got]), (dropped, moved)
 
 
 def test_second_lead_partition_invariance():
-    """Any partitioning gives the whole recording's peaks and episodes (the flow's path)."""
+    """Any partitioning gives the whole recording's peaks and episodes (the flow's path), with the
+    peaks that rule 2 drops and rule 3 moves."""
     fs = 125.0
     s = SegmentParams().samples(fs)
     for params in (LD.SecondLeadParams(), LD.SecondLeadParams(
             flutter_max_freq_hz=6.0, flutter_baseline_ratio=0.5, flutter_gate_ratio=0.45, weak_ratio=1.0,
             quiet_ratio=1.0, quality_ratio=1.0, neighbours=3)):
-        x0, x1 = _two_leads(2, fs, 120.0)
-        peaks = detect_peaks(x0, s)
-        keep, episodes = LD.second_lead_keep(x0, x1, peaks, fs, s, params)
-        for n_parts in (1, 3, 8):
-            got, got_ep, dropped = _partitioned(x0, x1, n_parts, s, params.samples(fs))
-            np.testing.assert_array_equal(got, peaks[keep], err_msg=f"{n_parts} partitions")
-            np.testing.assert_array_equal(got_ep, episodes, err_msg=f"{n_parts} partitions")
+        for x0, x1 in (_two_leads(2, fs, 120.0), _misplaced_leads(4, fs, 120.0, n_spikes=16)[:2]):
+            peaks = detect_peaks(x0, s)
+            want, episodes, dropped, moved = LD.second_lead_peaks(x0, x1, peaks, fs, s, params)
+            for n_parts in (1, 3, 8):
+                got, got_ep, counts = _partitioned(x0, x1, n_parts, s, params.samples(fs))
+                np.testing.assert_array_equal(got, want, err_msg=f"{n_parts} partitions")
+                np.testing.assert_array_equal(got_ep, episodes, err_msg=f"{n_parts} partitions")
+                assert counts == (dropped, moved)
+        assert moved >= 8  # (rule 3 acts on the second stream, whose misplaced peaks lie in all partitions)
 
 
 def test_second_lead_partition_invariance_mitbih_207(mitdb):
@@ -168,9 +227,32 @@ def test_second_lead_partition_invariance_mitbih_207(mitdb):
     rec = load_record(str(mitdb / "207"), 0, max_seconds=900.0, second=1)
     s = SegmentParams().samples(rec.fs)
     peaks = detect_peaks(rec.signal, s)
-    keep, episodes = LD.second_lead_keep(rec.signal, rec.second, peaks, rec.fs, s)
-    assert (~keep).sum() > 10  # (the rules act on this stretch)
+    want, episodes, _, _ = LD.second_lead_peaks(rec.signal, rec.second, peaks, rec.fs, s)
+    assert want.shape[0] < peaks.shape[0] - 10  # (the rules act on this stretch)
     for n_parts in (4, 11):
         got, got_ep, _ = _partitioned(rec.signal, rec.second, n_parts, s, LD.SecondLeadParams().samples(rec.fs))
-        np.testing.assert_array_equal(got, peaks[keep])
+        np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(got_ep, episodes)
+
+
+def test_mitbih_misplaced_peaks_move_onto_reference_beats(mitdb):
+    """Records 108 and 203 (noise on lead 0): every peak that rule 3 moves was a false beat beside a
+    missed one, and lands on a reference beat (150 ms)."""
+    from beatflow.evaluate import detection_of, load_record
+
+    moved_total = 0
+    for name in ("108", "203"):
+        rec = load_record(str(mitdb / name), 0, second=1)
+        s = SegmentParams().samples(rec.fs)
+        peaks = detect_peaks(rec.signal, s)
+        keep, _ = LD.second_lead_keep(rec.signal, rec.second, peaks, rec.fs, s)
+        got, _, _, moved = LD.second_lead_peaks(rec.signal, rec.second, peaks, rec.fs, s)
+        before, after = detection_of(peaks[keep], rec), detection_of(got, rec)
+        assert moved >= 3 and after.tp == before.tp + moved and after.fp == before.fp - moved, (name, moved)
+        ref = rec.beats[0]
+        tol = int(round(0.15 * rec.fs))
+        old, new = peaks[keep][got != peaks[keep]], got[got != peaks[keep]]
+        assert (np.abs(new[:, None] - ref[None, :]).min(axis=1) <= tol).all()
+        assert (np.abs(old[:, None] - ref[None, :]).min(axis=1) > tol).all()
+        moved_total += moved
+    assert moved_total >= 8

@@ -68,7 +68,7 @@ def test_score_new_recordings_with_a_second_lead(prefect_server, trained_store, 
     import sys
     from pathlib import Path
 
-    from beatflow.leads import second_lead_keep
+    from beatflow.leads import second_lead_peaks
     from beatflow.params import SegmentParams
     from beatflow.segment import detect_peaks
     from flows.score_new import score_new_recordings
@@ -92,9 +92,10 @@ def test_score_new_recordings_with_a_second_lead(prefect_server, trained_store, 
     a, b = back["a"].to_numpy(), back["b"].to_numpy()
     s = SegmentParams().samples(250.0)
     peaks = detect_peaks(a, s)
-    keep, _ = second_lead_keep(a, b, peaks, 250.0, s)
+    want = second_lead_peaks(a, b, peaks, 250.0, s)[0]
+    keep = np.isin(peaks, want)
     assert keep.sum() < len(peaks)  # (the second lead drops some of this stream's peaks)
     df = Store(trained_store).read_results()
     two = df[df["recording"].astype(str) == "two"]
     assert len(df) - before == len(two) == status["two.csv"]["beats"]
-    assert np.isin(two["peak"].to_numpy(), peaks[keep]).all() and not np.isin(peaks[~keep], two["peak"]).any()
+    assert np.isin(two["peak"].to_numpy(), want).all() and not np.isin(peaks[~keep], two["peak"]).any()
