@@ -101,14 +101,14 @@ def test_detection_on_a_whole_record(mitdb):
 
 
 def test_confirm_lead_on_a_whole_record(mitdb, tmp_path, capsys):
-    """Record 207 with lead 1 checking lead 0 (beatflow.leads): the same reference beats found, fewer
-    false ones (flutter waves); the CLI reports the lead and the rules' parameters."""
+    """Record 207 with lead 1 checking lead 0 (beatflow.leads): no reference beat lost, fewer false
+    ones (flutter waves); the CLI reports the lead and the rules' parameters."""
     one = E.load_record(str(mitdb / "207"), 0)
     two = E.load_record(str(mitdb / "207"), 0, second=1)
     assert one.second is None and two.second.shape == two.signal.shape
     np.testing.assert_array_equal(two.signal, one.signal)
     a, b = E.detection_of(E.record_beats(one).peaks, one), E.detection_of(E.record_beats(two).peaks, two)
-    assert b.tp == a.tp and b.fn == a.fn and b.fp <= a.fp - 15, (a.to_dict(), b.to_dict())
+    assert b.tp >= a.tp and b.fn <= a.fn and b.fp <= a.fp - 15, (a.to_dict(), b.to_dict())
     out = tmp_path / "m.json"
     rc = main(["evaluate", "--train", str(mitdb), "--train-records", "106", "--test", str(mitdb),
                "--test-records", "207", "--max-seconds", "600", "--epochs", "1", "--confirm-lead", "1",
