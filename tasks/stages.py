@@ -91,8 +91,9 @@ def segment_partition(core, left, right, first: int, core2=None, left2=None, rig
     """Peaks of one partition (QRS envelope, non-maximum suppression, local thresholds; see beatflow.segment)
     and the ventricular flutter/fibrillation episodes in its core: ``(peaks, episodes)``, host arrays.
     With a second lead's partition (``core2``, its halos; ``q``: its rules, ``n_total``: the
-    recording's length) also the peaks' measures for the doubtful-peak rule:
-    ``(peaks, episodes, (h0, h1, background))`` (:func:`beatflow.partitions.segment_partition`)."""
+    recording's length) also the peaks' measures for the second lead's rules 2 and 3:
+    ``(peaks, episodes, measures)`` (:func:`beatflow.partitions.segment_partition`,
+    :func:`beatflow.leads.peak_measures`)."""
     xp = namespace(_device_of(core))
     with device_memory(f"segmenting a partition of {core.shape[0]:,} samples", core.nbytes, xp is not np):
         if core2 is None:
