@@ -1,11 +1,13 @@
 """GPU: the detection kernels against the CPU path on real MIT-BIH records (peaks identical?).
 
-The shared records are not sent to the GPU machine; ``--prepare`` (here) writes channel 0 of a few
-records as float32 in one compressed file under the ignored ``.devdata/`` (carried with the run),
-and the plain run (there) detects with ``segment.detect_peaks`` on NumPy and on CuPy and compares
-the peaks, with the detection counts against the reference beats.
+The shared records are not sent to the GPU machine; ``--prepare`` (here) writes channels 0 and 1 of
+a few records as float32 in one compressed file under the ignored ``.devdata/`` (carried with the
+run), and the plain run (there) detects with ``segment.detect_peaks`` on NumPy and on CuPy and
+compares the peaks, with the detection counts against the reference beats; then the second lead's
+three rules (``leads.second_lead_peaks``, lead 1 checking lead 0) on both, with the peaks they drop
+and move. ``--numpy`` runs the same comparison with NumPy on both sides (a check of the script).
 
-    .venv/bin/python bench/gpu_mitdb_check.py --prepare 108 203 116      # here
+    .venv/bin/python bench/gpu_mitdb_check.py --prepare 108 203 207      # here
     python3 bench/gpu_mitdb_check.py                                     # on the GPU machine
 """
 from __future__ import annotations
@@ -26,8 +28,9 @@ def prepare(names):
 
     data = {}
     for name in names:
-        rec = load_record(os.path.join(ROOT, "..", "shared", "data", "mitdb", name))
+        rec = load_record(os.path.join(ROOT, "..", "shared", "data", "mitdb", name), second=1)
         data[f"x{name}"] = rec.signal.astype(np.float32)
+        data[f"y{name}"] = rec.second.astype(np.float32)
         data[f"ann{name}"] = rec.ann_sample.astype(np.int64)
         data[f"sym{name}"] = np.asarray(rec.ann_symbol).astype("U2")
     os.makedirs(os.path.dirname(FILE), exist_ok=True)
@@ -35,9 +38,16 @@ def prepare(names):
     print(FILE, os.path.getsize(FILE))
 
 
-def check():
-    import cupy
+def check(numpy_only: bool = False):
+    if numpy_only:
+        import types
 
+        cupy = types.SimpleNamespace(asarray=np.asarray, asnumpy=np.asarray, cuda=types.SimpleNamespace(
+            Device=lambda: types.SimpleNamespace(synchronize=lambda: None)))
+    else:
+        import cupy
+
+    from beatflow import leads as LD
     from beatflow import segment as S
     from beatflow.evaluate import Record, detection_of
     from beatflow.params import SegmentParams
@@ -61,10 +71,25 @@ def check():
         det = detection_of(pg, rec, exclude_vf=True)
         print(f"{name:8s} {len(pc):9d} {len(pg):9d} {np.setxor1d(pc, pg).size:9d} {100 * det.se:7.2f} "
               f"{100 * det.ppv:7.2f} {tc * 1e3:7.1f} {tg * 1e3:7.2f} {len(ec):10d}/{len(eg)} {np.array_equal(ec, eg)}")
+        if f"y{name}" not in d:
+            continue
+        y = d[f"y{name}"]
+        t = time.perf_counter()
+        qc, epc, dc, mc = LD.second_lead_peaks(x, y, pc, float(d["fs"]), s)
+        tc = time.perf_counter() - t
+        yg = cupy.asarray(y)
+        t = time.perf_counter()
+        qg, epg, dg, mg = LD.second_lead_peaks(xg, yg, cupy.asarray(pc), float(d["fs"]), s)
+        qg, epg = cupy.asnumpy(qg), cupy.asnumpy(epg)
+        tg = time.perf_counter() - t
+        det = detection_of(qg, rec)
+        print(f"{'+ lead 1':8s} {len(qc):9d} {len(qg):9d} {np.setxor1d(qc, qg).size:9d} {100 * det.se:7.2f} "
+              f"{100 * det.ppv:7.2f} {tc * 1e3:7.1f} {tg * 1e3:7.2f} {len(epc):10d}/{len(epg)} "
+              f"{np.array_equal(epc, epg)}  dropped {dc}/{dg}, moved {mc}/{mg}")
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--prepare":
         prepare(sys.argv[2:])
     else:
-        check()
+        check(numpy_only="--numpy" in sys.argv[1:])
