@@ -165,6 +165,9 @@ def cmd_run(args) -> int:
         t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
     e = summary["engine"]
     t.add_row("engine", f"{e['backend']} {e['precision']}, max abs err {e['max_abs_err']:.1e}")
+    sl = summary.get("second_lead")
+    if sl:
+        t.add_row("second lead", _second_lead_text(sl))
     if "truth" in summary:
         tr = summary["truth"]
         t.add_row("truth", f"Se {tr['se']:.4f}  PPV {tr['ppv']:.4f}  ROC-AUC {tr['auc']:.4f}")
@@ -173,6 +176,13 @@ def cmd_run(args) -> int:
     con.print(t)
     con.print(f"open {os.path.join(summary['out'], 'report.html')}")
     return 0
+
+
+def _second_lead_text(sl: dict) -> str:
+    """``summary.json["second_lead"]`` in one line: which lead checked the beats and what it changed."""
+    which = f"lead {sl['lead']}" if sl.get("lead") is not None else f"column {sl.get('column')}"
+    return (f"{which}: {sl.get('doubtful_peaks_dropped', 0)} doubtful peak(s) dropped, "
+            f"{sl.get('peaks_moved', 0)} moved to its QRS")
 
 
 def main(argv=None) -> int:

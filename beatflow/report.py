@@ -638,6 +638,11 @@ def _summary_cards(d: ReportData) -> str:
         n = int(vf.get("count") or 0)
         cards.append(_card("VF / flutter episodes", f"{n} ({_fmt_hms(float(vf.get('seconds') or 0))})" if n else "none",
                            alert=n > 0))
+    sl = s.get("second_lead")
+    if isinstance(sl, dict):  # a second lead checked the beats (beatflow.leads)
+        which = f"lead {sl.get('lead')}" if sl.get("lead") is not None else f"column {sl.get('column')}"
+        cards.append(_card(f"second lead ({which})", f"{_fmt_num(sl.get('doubtful_peaks_dropped', 0))} dropped, "
+                           f"{_fmt_num(sl.get('peaks_moved', 0))} moved"))
     cards.append(_card("test loss", _fmt_num(s.get("test_loss", d.test_loss))))
     cards.append(_card("device", _fmt_num(s.get("device"))))
     cards.append(_card("workers", _fmt_num(s.get("workers"))))

@@ -154,7 +154,9 @@ def test_cli_second_lead_on_mitbih_207(prefect_server, mitdb, tmp_path):
     assert s["beats_detected"] == len(beats) and len(want) < len(peaks) - 20
     assert s["second_lead"]["lead"] == 1 and s["second_lead"]["doubtful_peaks_dropped"] == dropped >= 1
     assert s["second_lead"]["peaks_moved"] == moved >= 1  # (207's misplaced peaks: beatflow.leads.misplaced)
-    assert "second_lead" in (out / "report.html").read_text()  # (the report's table of other settings)
+    html = (out / "report.html").read_text()
+    assert "second_lead" in html and "second lead (lead 1)" in html  # (the settings table, a summary card)
+    assert "second lead" in r.stdout  # (the CLI's closing table)
     assert s["flutter_episodes"]["count"] == len(episodes)
     table = pd.read_parquet(out / "anomalies.parquet")
     assert np.isin(table["peak"].to_numpy(), want).all()
@@ -257,6 +259,7 @@ def test_flow_second_lead_from_csv(harness, tmp_path):
     assert summary["second_lead"]["column"] == "b" and summary["second_lead"]["lead"] is None
     assert summary["second_lead"]["doubtful_peaks_dropped"] == dropped > 0
     assert summary["second_lead"]["peaks_moved"] == moved
+    assert "second lead (column b)" in (tmp_path / "out" / "report.html").read_text()
     with pytest.raises(InputError, match="must differ"):
         run_flow(tmp_path / "bad", input=str(p), column="a", confirm_column="a", epochs=1)
     assert not (tmp_path / "bad").exists()
