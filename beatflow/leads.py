@@ -326,6 +326,27 @@ def flutter_keep(x0, x1, peaks, first: int, s: SegmentSamples, q: SecondLeadSamp
     return keep, episode_spans(episode, w0, s.vf_window, int(span[0]), int(span[1]))
 
 
+def _rules_1_and_2(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams, rule3: bool):
+    """Rules 1 and 2 on a whole recording: ``(keep, episodes, dropped, measures)``, which ``peaks``
+    to keep, rule 1's episodes, how many peaks rule 2 dropped, and the kept peaks' measures
+    (:func:`peak_measures`, rule 3's too when ``rule3``; None when rule 2 and, with ``rule3``, rule 3
+    are off or no peak is left)."""
+    xp = namespace_of(x0)
+    if x1.shape != x0.shape:
+        raise ValueError(f"the two leads differ in length ({x0.shape[0]} and {x1.shape[0]} samples)")
+    q = p.samples(fs) if rule3 else replace(p.samples(fs), move_quiet=0.0)
+    n = int(x0.shape[0])
+    peaks = xp.asarray(peaks, dtype=xp.int64)
+    keep, episodes = flutter_keep(x0, x1, peaks, 0, s, q, (0, n))
+    rest = xp.flatnonzero(keep)
+    if not (q.weak > 0 or q.move_quiet > 0) or n < 3 or rest.shape[0] == 0:
+        return keep, episodes, 0, None
+    measures = peak_measures(x0, x1, peaks[rest], 0, n, s, q)
+    drop = doubtful(*measures[:3], q)
+    keep[rest[drop]] = False
+    return keep, episodes, int(drop.sum()), tuple(m[~drop] for m in measures)
+
+
 def second_lead_keep(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams = SecondLeadParams()):
     """Rules 1 and 2 on a whole recording: ``(keep, episodes)``, which of the first lead's detected
     ``peaks`` (:func:`beatflow.segment.detect_peaks` of ``x0``) to keep, and the flutter episodes of
@@ -338,18 +359,7 @@ def second_lead_keep(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadP
     ValueError
         The leads differ in length.
     """
-    xp = namespace_of(x0)
-    if x1.shape != x0.shape:
-        raise ValueError(f"the two leads differ in length ({x0.shape[0]} and {x1.shape[0]} samples)")
-    q = p.samples(fs)
-    n = int(x0.shape[0])
-    keep, episodes = flutter_keep(x0, x1, peaks, 0, s, q, (0, n))
-    if q.weak > 0 and n >= 3:
-        rest = xp.flatnonzero(keep)
-        if rest.shape[0]:
-            h0, h1, background = peak_measures(x0, x1, xp.asarray(peaks, dtype=xp.int64)[rest], 0, n, s,
-                                               replace(q, move_quiet=0.0))[:3]
-            keep[rest[doubtful(h0, h1, background, q)]] = False
+    keep, episodes, _, _ = _rules_1_and_2(x0, x1, peaks, fs, s, p, rule3=False)
     return keep, episodes
 
 
@@ -361,19 +371,10 @@ def second_lead_peaks(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLead
     (The flow runs the same steps per partition and on the gathered measures:
     :func:`beatflow.partitions.second_lead_gathered`.)"""
     xp = namespace_of(x0)
-    if x1.shape != x0.shape:
-        raise ValueError(f"the two leads differ in length ({x0.shape[0]} and {x1.shape[0]} samples)")
-    q = p.samples(fs)
-    n = int(x0.shape[0])
-    peaks = xp.asarray(peaks, dtype=xp.int64)
-    keep, episodes = flutter_keep(x0, x1, peaks, 0, s, q, (0, n))
-    rest = peaks[keep]
-    dropped = moved = 0
-    if (q.weak > 0 or q.move_quiet > 0) and n >= 3 and rest.shape[0]:
-        measures = peak_measures(x0, x1, rest, 0, n, s, q)
-        drop = doubtful(*measures[:3], q)
-        dropped = int(drop.sum())
-        rest, measures = rest[~drop], tuple(m[~drop] for m in measures)
-        move, rest = misplaced(rest, *measures, q, s.refractory, s.twave)
+    keep, episodes, dropped, measures = _rules_1_and_2(x0, x1, peaks, fs, s, p, rule3=True)
+    rest = xp.asarray(peaks, dtype=xp.int64)[keep]
+    moved = 0
+    if measures is not None:
+        move, rest = misplaced(rest, *measures, p.samples(fs), s.refractory, s.twave)
         moved = int(move.sum())
     return rest, episodes, dropped, moved

@@ -43,30 +43,21 @@ def default_out_dir() -> Path:
 
 
 class _Stopwatch:
-    def __init__(self):
+    """Seconds between named laps (``timings_s`` over the stages, rounded to ``digits``; inside one
+    stage, ``timings_detail_s``: where its time goes)."""
+
+    def __init__(self, digits: int = 3):
         self.t0 = self.last = time.perf_counter()
+        self.digits = digits
         self.times: dict[str, float] = {}
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
-        self.times[name] = round(now - self.last, 3)
+        self.times[name] = round(now - self.last, self.digits)
         self.last = now
 
     def total(self) -> dict:
-        return {**self.times, "total": round(time.perf_counter() - self.t0, 3)}
-
-
-class _Phases:
-    """Seconds between named marks inside one stage (``timings_detail_s``: where its time goes)."""
-
-    def __init__(self):
-        self.last = time.perf_counter()
-        self.times: dict[str, float] = {}
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.times[name] = round(now - self.last, 4)
-        self.last = now
+        return {**self.times, "total": round(time.perf_counter() - self.t0, self.digits)}
 
 
 _OWNER = ".owner"  # "<host> <pid>" of the run writing a .partial folder
@@ -330,25 +321,25 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     sw.lap("engine")
 
     # scoring goes back out to the partitions' workers; offsets of recordings on one time axis
-    ph = _Phases()
+    ph = _Stopwatch(4)
     dominant = np.asarray(trained["dominant"], np.float32)
     scored = T.score(embedded, engine["path"], trained["scale"], [dominant[sp.recording] for sp in specs])
     scores = np.concatenate([sc for sc, _ in scored]) if scored else np.zeros(0, np.float32)
     mu = np.concatenate([m for _, m in scored]) if scored else np.zeros((0, 2), np.float32)
-    ph.mark("engine")  # the partitions' rows through the engine, on their workers
+    ph.lap("engine")  # the partitions' rows through the engine, on their workers
     threshold = robust_threshold(scores)
     flagged_mask = scores > threshold
     truth = None
     if truth_path:  # the check against the synthetic truth
         truth = T.evaluate_truth(matching.result(), scores)
         log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
-        ph.mark("truth")
+        ph.lap("truth")
     # the report's figures that need the scores start first, in the figure processes; the anomaly
     # table, its file and the top anomalies' context are made while they are drawn
     view, per_kept = _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged_mask,
                                   T.gather(overview_futures), truth, kb, rec_offset)
     late = figures.draw(SimpleNamespace(**view), LATE_FIGURES)
-    ph.mark("figures_started")
+    ph.lap("figures_started")
     names = [r.name for r in source.recordings]
     table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
                           threshold, names)
@@ -358,8 +349,8 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     (work / "model.json").write_text(json.dumps(meta, indent=1))
     flagged = int(flagged_mask.sum())
     log.info("scoring: %d of %d beats flagged (threshold %.4g)", flagged, len(table), threshold)
-    ph.mark("table")
-    detail["score"], ph = ph.times, _Phases()
+    ph.lap("table")
+    detail["score"], ph = ph.times, _Stopwatch(4)
     sw.lap("score")
 
     # report: the top anomalies' context from their partitions, the summary, the remaining figures
@@ -370,7 +361,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         pad = int(fs)
         windows[int(plan.owner[b])].append((int(row["start"]) - pad, int(row["start"]) + int(row["length"]) + pad))
     ctx = dict(enumerate(T.context_snippets(parts, lefts, rights, firsts, [windows[k] for k in range(len(specs))])))
-    ph.mark("context")
+    ph.lap("context")
     summary = _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers,
                        specs, truth, episodes)
     if second_lead is not None:
@@ -383,11 +374,11 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     from beatflow.report import FIGURES
 
     last = figures.draw(data, [name for name in FIGURES if name not in early and name not in late])  # the rest
-    ph.mark("data")
+    ph.lap("data")
     drawn = figures.collect({**early, **late, **last})
-    ph.mark("figures_wait")
+    ph.lap("figures_wait")
     T.write_report(str(work / "report.html"), data, drawn)
-    ph.mark("write")
+    ph.lap("write")
     detail["report"] = ph.times
     sw.lap("report")
 
