@@ -133,9 +133,9 @@ def lead_windows(x, first: int, s: SegmentSamples):
     """Per window of ``s.vf_window`` samples aligned to the recording (``x[0]`` is its sample
     ``first``; the windows at the ends of ``x`` completed with its end samples), not summed with its
     neighbours: ``(e_signal, e_slope, near, w0)``, the energies of the high-passed signal and of its
-    slope and the fraction of near-median samples of every window, and the number of the first window
-    (:mod:`beatflow.rhythm`'s quantities; on NumPy by the fused loops of
-    :func:`beatflow.cpu_kernels.flutter_features_cpu`)."""
+    slope, ``near(rows)``: the fractions of near-median samples of the windows ``rows`` (0 for the
+    others), and the number of the first window (:mod:`beatflow.rhythm`'s quantities; on NumPy by
+    the fused loops of :func:`beatflow.cpu_kernels.flutter_features_cpu`)."""
     xp = namespace_of(x)
     if xp is np and x.shape[0] >= 3:
         from .cpu_kernels import flutter_features_cpu
@@ -143,24 +143,37 @@ def lead_windows(x, first: int, s: SegmentSamples):
 
         taps = gaussian_derivative(s.kernel, s.a)
         e_sig, e_slope = flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps)
-        rows = np.arange(e_sig.shape[0], dtype=np.int64)
-        near = flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps, rows=rows, tol=s.vf_tol)
+
+        def near(rows):
+            return flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps, rows=rows, tol=s.vf_tol)
+
         return e_sig, e_slope, near, first // s.vf_window
     h, e_sig, e_slope, w0 = window_energies_xp(x, first, s)
-    return e_sig, e_slope, near_fractions_xp(h, xp.arange(h.shape[0]), s), w0
+    return e_sig, e_slope, lambda rows: near_fractions_xp(h, rows, s), w0
 
 
 def flutter_either_lead(first_lead: tuple, second_lead: tuple, s: SegmentSamples, q: SecondLeadSamples):
     """Rule 1: which windows lie in an episode, from the two leads' ``(e_signal, e_slope, near)`` of
-    :func:`lead_windows` (the same windows). With ``q.baseline = 0``, exactly the first lead's episodes."""
-    (es0, ed0, nr0), (es1, ed1, nr1) = first_lead, second_lead
+    :func:`lead_windows` (the same windows). With ``q.baseline = 0``, exactly the first lead's episodes.
+
+    The near-median fractions (a median and two percentiles per window: most of the rule's cost)
+    are asked only for the windows within ``±s.vf_context`` of a window whose baseline fraction the
+    rule reads (as :func:`beatflow.rhythm.window_features` does): the second lead's around its smooth
+    windows, the first lead's around its own smooth ones and the second lead's candidates."""
+    (es0, ed0, near0), (es1, ed1, near1) = first_lead, second_lead
     xp = namespace_of(es0)
     c = s.vf_context
     count = _context_sum(xp.ones(es0.shape[0], dtype=xp.float64), c)
-    b0, b1 = _context_sum(nr0, c) / count, _context_sum(nr1, c) / count
+
+    def around(mask):
+        return xp.flatnonzero(_context_sum(mask.astype(xp.float64), c) > 0)
+
     smooth0 = _context_sum(ed0, c) < s.vf_omega**2 * _context_sum(es0, c)
     smooth1 = _context_sum(ed1, c) < q.omega**2 * _context_sum(es1, c)
-    like = (smooth0 & (b0 < s.vf_baseline)) | (smooth1 & (b1 < q.baseline) & (b0 < q.gate))
+    b1 = _context_sum(near1(around(smooth1)), c) / count
+    candidate1 = smooth1 & (b1 < q.baseline)
+    b0 = _context_sum(near0(around(smooth0 | candidate1)), c) / count
+    like = (smooth0 & (b0 < s.vf_baseline)) | (candidate1 & (b0 < q.gate))
     return runs_of(like, s.vf_runs)
 
 
