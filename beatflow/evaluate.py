@@ -301,6 +301,26 @@ def anomaly_metrics(scores, labels) -> dict:
     return out
 
 
+def flag_metrics(scores, labels, records) -> dict:
+    """The beats the pipeline would flag (:func:`beatflow.scoring.robust_threshold` of these scores,
+    with their recordings) against the AAMI classes: how many, the share of the V beats flagged
+    (``v_recall``), the share of flagged beats that are V (``v_precision``) or of any labelled class
+    but N (``not_n_precision``, over the flagged beats matched to a reference beat), and the share of
+    N beats flagged."""
+    from .scoring import robust_threshold
+
+    scores, labels = np.asarray(scores, np.float64), np.asarray(labels)
+    threshold = robust_threshold(scores, recording=np.asarray(records))
+    flag = scores > threshold
+    labelled = flag & np.isin(labels, list(AAMI_CLASSES))
+    v, n = labels == "V", labels == "N"
+    return {"threshold": threshold, "flagged": int(flag.sum()),
+            "v_recall": float((flag & v).sum() / v.sum()) if v.any() else None,
+            "v_precision": float((flag & v).sum() / flag.sum()) if flag.any() else None,
+            "not_n_precision": float((labelled & ~n).sum() / labelled.sum()) if labelled.any() else None,
+            "n_flagged": float((flag & n).sum() / n.sum()) if n.any() else None}
+
+
 def baseline_scores(train_rows, test_sets: list, seed: int = 0) -> dict:
     """PyOD detectors fitted on the training rows; ``name -> ([scores of each test set], seconds)``
     (higher = more anomalous)."""
@@ -440,7 +460,9 @@ def evaluate(train: list[Record], test: list[Record], *, epochs: int = 10, batch
             c = aami_class(y)
             if c:
                 ref_counts[c] += 1
+    records = np.concatenate([[r.name] * len(b.label) for r, b in zip(test, te)])
     result["anomaly"] = {**anomaly_metrics(scores, labels), "reference_counts": ref_counts,
+                         "flagged": flag_metrics(scores, labels, records),
                          "score": "LightVAE reconstruction MSE of the beat minus its record's dominant beat",
                          "scale": scale, "beats_scored": int(len(x_test)),
                          "beats": "kept beats (as the pipeline scores them)"}
@@ -572,6 +594,10 @@ def summary_text(res: dict) -> str:
                          f"{_auc(a['prauc_s'])}   {_auc(a['auc_f'])} / {_auc(a['prauc_f'])}")
         c = res[key]["counts"]
         lines.append(f"  scored beats by class: N {c['N']}  S {c['S']}  V {c['V']}  F {c['F']}  Q {c['Q']}")
+    f = res["anomaly"].get("flagged")
+    if f:
+        lines.append(f"  flagged (score > {f['threshold']:.4g}): {f['flagged']} beats, {_pct(f['v_recall'])} % of the V "
+                     f"beats; {_pct(f['v_precision'])} % of them V, {_pct(f['not_n_precision'])} % not N")
     r = res["anomaly"].get("reference_counts")
     if r:
         lines.append(f"  reference beats by class: N {r['N']}  S {r['S']}  V {r['V']}  F {r['F']}  Q {r['Q']}")

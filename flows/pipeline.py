@@ -327,7 +327,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     scores = np.concatenate([sc for sc, _ in scored]) if scored else np.zeros(0, np.float32)
     mu = np.concatenate([m for _, m in scored]) if scored else np.zeros((0, 2), np.float32)
     ph.lap("engine")  # the partitions' rows through the engine, on their workers
-    threshold = robust_threshold(scores)
+    threshold = robust_threshold(scores, recording=plan.recording[kb])  # (the spread within recordings)
     flagged_mask = scores > threshold
     truth = None
     if truth_path:  # the check against the synthetic truth

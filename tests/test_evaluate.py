@@ -82,6 +82,9 @@ def test_metrics_json_structure(mitdb, tmp_path, capsys):
         assert k in res["anomaly"]
     assert res["anomaly"]["counts"]["V"] > 50 and 0.5 < res["anomaly"]["auc_v"] <= 1.0
     assert res["anomaly"]["auc_s"] is None  # no S beats in these 300 s: NaN -> null
+    flagged = res["anomaly"]["flagged"]  # the beats the pipeline's threshold flags, against the classes
+    assert 0 < flagged["flagged"] < res["anomaly"]["counts"]["N"] + res["anomaly"]["counts"]["V"]
+    assert 0 < flagged["v_recall"] <= 1 and 0 < flagged["v_precision"] <= 1 and 0 <= flagged["n_flagged"] < 0.05
     assert res["anomaly_all_beats"]["counts"]["V"] >= res["anomaly"]["counts"]["V"]
     assert set(res["baselines"]) == {"isolation_forest", "ecod"}
     for b in res["baselines"].values():

@@ -263,3 +263,28 @@ def test_flow_second_lead_from_csv(harness, tmp_path):
     with pytest.raises(InputError, match="must differ"):
         run_flow(tmp_path / "bad", input=str(p), column="a", confirm_column="a", epochs=1)
     assert not (tmp_path / "bad").exists()
+
+
+def test_flow_threshold_spread_within_recordings(harness, tmp_path):
+    """A folder of two recordings whose normal beats differ in noise: the flagging threshold takes
+    its spread within recordings (beatflow.scoring.robust_threshold with the beats' recordings), which
+    the difference between the recordings' levels does not widen."""
+    import wfdb
+
+    from beatflow.scoring import robust_threshold
+    from beatflow.synth import synthesize_ecg
+
+    folder = tmp_path / "records"
+    folder.mkdir()
+    for name, seed, noise in (("clean", 1, 0.01), ("noisy", 2, 0.15)):
+        e = synthesize_ecg(hours=0.15, fs=250.0, seed=seed, pvc_rate=0.03, noise_mv=noise)
+        wfdb.wrsamp(name, fs=250, units=["mV"], sig_name=["ECG"], p_signal=e.signal[:, None].astype(np.float64),
+                    fmt=["16"], write_dir=str(folder))
+    out = tmp_path / "run"
+    summary = run_flow(out, input=str(folder), epochs=2, partitions=3)
+    table = pd.read_parquet(out / "anomalies.parquet")
+    assert set(table["recording"].astype(str)) == {"clean", "noisy"}
+    want = robust_threshold(table["score"], recording=table["recording"].astype(str).to_numpy())
+    assert summary["threshold"] == pytest.approx(want, rel=1e-6)
+    assert want < robust_threshold(table["score"])  # (the spread around one median is the wider)
+    assert table["flagged"].sum() == summary["anomalies_flagged"] == int((table["score"] > want).sum())

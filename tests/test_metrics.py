@@ -39,6 +39,29 @@ def test_auc_and_threshold():
     assert flagged[:20].all() and flagged[20:].mean() < 0.01
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_threshold_spread_within_recordings(seed):
+    """With the scores' recordings, the spread is taken around each recording's own median (a loop
+    reference); recordings whose normal beats differ in level no longer push the threshold above the
+    abnormal beats, and one recording gives the threshold of no recordings."""
+    rng = np.random.default_rng(seed)
+    n_rec = int(rng.integers(2, 6))
+    rec = rng.integers(0, n_rec, 3000)
+    level = rng.uniform(-8.0, -4.0, n_rec)  # each recording's normal score level (log)
+    s = np.exp(level[rec] + 0.4 * rng.normal(size=rec.size))
+    s[:30] = np.exp(level.max() + 3.0)  # abnormal beats, well above every recording's normal ones
+    names = np.asarray([f"r{k}" for k in range(n_rec)])[rec]
+    ls = np.log(s)
+    dev = [float(v - np.median(ls[rec == rec[i]])) for i, v in enumerate(ls)]  # loop reference
+    want = float(np.exp(np.median(ls) + 4.0 * 1.4826 * np.median(np.abs(dev))))
+    assert robust_threshold(s, recording=names) == pytest.approx(want, rel=1e-12)
+    assert robust_threshold(s, recording=rec) == pytest.approx(want, rel=1e-12)
+    if np.ptp(level) > 2.0:  # levels far apart: only the spread within recordings flags them
+        assert (s[:30] > robust_threshold(s, recording=rec)).all()
+        assert not (s[:30] > robust_threshold(s)).all()
+    assert robust_threshold(s, recording=np.zeros(s.size, int)) == robust_threshold(s)
+
+
 def test_anomaly_table_ranks():
     t = anomaly_table([3, 5, 9], [0, 0, 1], [30, 50, 90], [20, 40, 80], [100, 110, 120], [0.1, 0.5, 0.3], 250.0,
                       0.2, ["a", "b"])
