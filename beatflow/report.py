@@ -21,7 +21,7 @@ import html
 import io
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
@@ -198,6 +198,9 @@ class ReportData:
     top: list[dict]
     anomaly_times_s: np.ndarray
     truth_labels: np.ndarray | None = None
+    #: the input's recordings on the stream's time axis (several: the stream figure marks where each starts)
+    recording_names: list = field(default_factory=list)
+    recording_starts_s: list = field(default_factory=list)
 
 
 _DPI = 100
@@ -300,7 +303,20 @@ def _fig_stream(d: ReportData) -> str:
         _no_data(ax)
     ax.set_xlim(0, dur_h if dur_h > 0 else 1)
     ax.set_ylabel("amplitude", fontsize=9)
-    _title(ax, f"Whole recording, min/max envelope over {ncols:,} pixel columns (y clipped to 0.2–99.8 percentile)")
+    names = list(getattr(d, "recording_names", None) or [])
+    what = "Whole recording" if len(names) < 2 else f"{len(names)} recordings, one after the other"
+    _title(ax, f"{what}, min/max envelope over {ncols:,} pixel columns (y clipped to 0.2–99.8 percentile)")
+    if len(names) > 1:  # where each recording starts, and (while they fit) its name
+        starts = np.asarray(getattr(d, "recording_starts_s", None) or [], dtype=np.float64) / 3600.0
+        for h in starts[1:]:
+            for a in (ax, rug):
+                a.axvline(h, color="#555555", lw=0.6, alpha=0.8)
+        if len(names) <= 40:
+            ends = np.append(starts[1:], dur_h)
+            for name, a, b in zip(names, starts, ends):
+                ax.text((a + b) / 2, 0.985, str(name)[:12], transform=ax.get_xaxis_transform(), ha="center",
+                        va="top", fontsize=7 if len(names) <= 16 else 5.5, color="#222222",
+                        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.7, "pad": 0.8})
     _style(ax)
     ax.tick_params(labelbottom=False)
     t = np.asarray(d.anomaly_times_s, dtype=np.float64).reshape(-1) / 3600.0
@@ -662,8 +678,25 @@ def _summary_cards(d: ReportData) -> str:
 
 _CONSUMED = {
     "samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss", "anomalies_flagged",
-    "device", "workers", "engine", "timings_s", "truth", "flutter_episodes",
+    "device", "workers", "engine", "timings_s", "truth", "flutter_episodes", "per_recording",
 }
+
+
+def _recordings_table(d: ReportData) -> str:
+    """Per recording (when there are several): hours, kept beats, flagged beats and their share."""
+    rows = (d.summary or {}).get("per_recording") or []
+    if len(rows) < 2:
+        return ""
+    body = []
+    for r in rows:
+        beats, flagged = int(r.get("beats") or 0), int(r.get("flagged") or 0)
+        cells = [str(r.get("recording")), _fmt_hms(3600.0 * float(r.get("hours") or 0.0)), f"{beats:,}",
+                 f"{flagged:,}", f"{100.0 * flagged / beats:.1f} %" if beats else "–"]
+        body.append("<tr>" + "".join(f'<td{" class=l" if j == 0 else ""}>{html.escape(c)}</td>'
+                                     for j, c in enumerate(cells)) + "</tr>")
+    head = ["recording", "duration", "beats", "flagged", "flagged share"]
+    return ("<table><thead><tr>" + "".join(f'<th{" class=l" if j == 0 else ""}>{h}</th>' for j, h in enumerate(head))
+            + "</tr></thead><tbody>" + "".join(body) + "</tbody></table>")
 
 
 def _timings_table(d: ReportData) -> str:
@@ -849,7 +882,11 @@ def render_report_html(data: ReportData, figures: dict | None = None) -> str:
     parts.append('<section id="stream"><h2>Whole stream</h2><div class="panel">')
     parts.append(_img(fig("stream"), "min/max envelope of the whole recording with flagged beats"))
     parts.append('<p class="note">Each pixel column shows the minimum and maximum of the samples it covers; '
-                 "red ticks below mark the start of every flagged beat.</p></div></section>")
+                 "red ticks below mark the start of every flagged beat.</p></div>")
+    rt = _recordings_table(d)
+    if rt:
+        parts.append(f'<div class="panel" style="margin-top:14px"><h3>Recordings</h3>{rt}</div>')
+    parts.append("</section>")
 
     parts.append('<section id="beats"><h2>Beats</h2><div class="row">')
     parts.append('<div class="panel"><h3>Beat-length histogram</h3>' + _img(fig("lengths"), "beat length histogram")

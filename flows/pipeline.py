@@ -336,11 +336,11 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         ph.lap("truth")
     # the report's figures that need the scores start first, in the figure processes; the anomaly
     # table, its file and the top anomalies' context are made while they are drawn
+    names = [r.name for r in source.recordings]
     view, per_kept = _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged_mask,
-                                  T.gather(overview_futures), truth, kb, rec_offset)
+                                  T.gather(overview_futures), truth, kb, rec_offset, names)
     late = figures.draw(SimpleNamespace(**view), LATE_FIGURES)
     ph.lap("figures_started")
-    names = [r.name for r in source.recordings]
     table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
                           threshold, names)
     table.to_parquet(work / "anomalies.parquet", index=False)
@@ -364,6 +364,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     ph.lap("context")
     summary = _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers,
                        specs, truth, episodes)
+    summary["per_recording"] = _per_recording(source, fs, n_samples, table)
     if second_lead is not None:
         summary["second_lead"] = second_lead
     if gpu_workers:
@@ -434,6 +435,15 @@ def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshol
     if truth is not None:
         out["truth"] = {k: v for k, v in truth.items() if not k.startswith("_")}
     return out
+
+
+def _per_recording(source, fs, n_samples: dict, table) -> list[dict]:
+    """Per recording of the input: its name, hours (``n_samples``: its length as read), kept beats and
+    flagged beats (from the anomaly table)."""
+    rec = table["recording"].astype(str).to_numpy()
+    flagged = table["flagged"].to_numpy()
+    return [{"recording": r.name, "hours": n_samples.get(k, 0) / fs / 3600.0, "beats": int((rec == r.name).sum()),
+             "flagged": int(flagged[rec == r.name].sum())} for k, r in enumerate(source.recordings)]
 
 
 def _length_histogram(plan, s):
@@ -551,7 +561,8 @@ def _draw_early_figures(figures: FigurePool, fs, s, plan, trained) -> dict:
 LATE_FIGURES = ("stream", "scores", "latent")
 
 
-def _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged, overview, truth, kb, rec_offset):
+def _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged, overview, truth, kb, rec_offset,
+                 names=()):
     """``(fields, per_kept)``: the report's fields that the scores decide (what :data:`LATE_FIGURES`
     draw: the stream's picture with the flagged beats' times, every score, and a sample of at most
     20 000 test beats' latent means with their scores and truth labels), and the truth label of every
@@ -573,7 +584,8 @@ def _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged, overv
     times = (plan.start[fb].astype(np.int64) + offsets[plan.recording[fb]]) / fs
     return dict(fs=fs, total_samples=int(total), stream_min=smin, stream_max=smax, latent_mu=mu[sub],
                 latent_score=scores[sub], threshold=threshold, score_all=scores, anomaly_times_s=times,
-                truth_labels=truth_labels), per_kept
+                truth_labels=truth_labels, recording_names=list(names),
+                recording_starts_s=(offsets / fs).tolist()), per_kept
 
 
 def _report_data(source, fs, s, plan, trained, top, ctx, summary, truth, kb, view: dict, per_kept):

@@ -288,3 +288,11 @@ def test_flow_threshold_spread_within_recordings(harness, tmp_path):
     assert summary["threshold"] == pytest.approx(want, rel=1e-6)
     assert want < robust_threshold(table["score"])  # (the spread around one median is the wider)
     assert table["flagged"].sum() == summary["anomalies_flagged"] == int((table["score"] > want).sum())
+    # per recording: the summary's counts, the report's table and the stream figure's boundaries
+    per = {r["recording"]: r for r in summary["per_recording"]}
+    assert set(per) == {"clean", "noisy"} and all(r["hours"] == pytest.approx(0.15) for r in per.values())
+    for name, r in per.items():
+        mine = table[table["recording"].astype(str) == name]
+        assert r["beats"] == len(mine) > 100 and r["flagged"] == int(mine["flagged"].sum())
+    html = (out / "report.html").read_text()
+    assert "<h3>Recordings</h3>" in html and "<td class=l>noisy</td>" in html
