@@ -120,6 +120,19 @@ def mean_table(results: list[dict]) -> str:
     return "\n".join(out)
 
 
+def flagged_table(results: list[dict], labels: list[str]) -> str:
+    """The beats the pipeline's threshold flags per fold (``anomaly.flagged``; older JSON files lack it)."""
+    rows = [(lab, r["anomaly"]["flagged"]) for lab, r in zip(labels, results) if "flagged" in r["anomaly"]]
+    if not rows:
+        return ""
+    out = ["| fold (test records) | threshold | flagged | V recall % | V precision % | not-N precision % | N flagged % |",
+           "|---|---|---|---|---|---|---|"]
+    for lab, f in rows:
+        out.append(f"| {lab} | {f['threshold']:.4g} | {f['flagged']} | {_f(f['v_recall'], 1)} | "
+                   f"{_f(f['v_precision'], 1)} | {_f(f['not_n_precision'], 1)} | {_f(f['n_flagged'], 1)} |")
+    return "\n".join(out)
+
+
 def report(results: list[dict], folds: list[list[str]], paced_res: dict | None, args: dict, total: float) -> str:
     """The Markdown report of a cross-validation run."""
     n = sum(len(f) for f in folds)
@@ -133,6 +146,9 @@ def report(results: list[dict], folds: list[list[str]], paced_res: dict | None, 
            "pipeline scores them:", "", anomaly_table(results, labels), "",
            "All detected beats (longer ones cut to the row):", "", anomaly_table(results, labels, True), "",
            "**Mean ± sd over the folds**", "", mean_table(results), "",
+           "**Flagged beats per fold** (the pipeline's threshold over the fold's scores, `beatflow.scoring.robust_threshold` "
+           "with the spread within records; V recall: share of the V beats flagged; precision: share of the flagged "
+           "beats that are V, or not N):", "", flagged_table(results, labels), "",
            "**Beats scored** (matched to a reference beat; the pipeline keeps beats of at least 0.4 s, cutting rows at 1.024 s):", "",
            coverage_table(results), ""]
     if paced_res is not None:
