@@ -148,6 +148,11 @@ def lead_windows(x, first: int, s: SegmentSamples):
             return flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps, rows=rows, tol=s.vf_tol)
 
         return e_sig, e_slope, near, first // s.vf_window
+    return _lead_windows_xp(x, first, s)
+
+
+def _lead_windows_xp(x, first: int, s: SegmentSamples):
+    """:func:`lead_windows` in array code (CuPy's path; on NumPy the reference of the fused loops)."""
     h, e_sig, e_slope, w0 = window_energies_xp(x, first, s)
     return e_sig, e_slope, lambda rows: near_fractions_xp(h, rows, s), w0
 

@@ -125,6 +125,30 @@ def test_neighbour_quantiles_match_numpy():
                     assert np.isnan(g[i])
 
 
+@pytest.mark.parametrize("first", [0, 1234])
+def test_lead_windows_array_code_matches_fused_loops(first):
+    """The array code of ``lead_windows`` (CuPy's path) against the fused CPU loops on NumPy: the
+    same energies and near-median fractions for any rows asked, and the same episodes of rule 1."""
+    x0, x1 = _two_leads(4, 250.0, 120.0)
+    s = SegmentParams().samples(250.0)
+    q = LD.SecondLeadParams().samples(250.0)
+    rng = np.random.default_rng(first)
+    both = []
+    for x in (x0, x1):
+        fused, array = LD.lead_windows(x, first, s), LD._lead_windows_xp(x, first, s)
+        assert fused[3] == array[3]
+        np.testing.assert_allclose(array[0], fused[0], rtol=1e-9)
+        np.testing.assert_allclose(array[1], fused[1], rtol=1e-9)
+        rows = np.sort(rng.choice(fused[0].shape[0], 17, replace=False))
+        near_f, near_a = fused[2](rows), array[2](rows)
+        np.testing.assert_allclose(near_a, near_f, rtol=1e-12)
+        assert (near_f[rows] > 0).any() and not near_f[np.setdiff1d(np.arange(near_f.shape[0]), rows)].any()
+        both.append((fused, array))
+    episodes = [LD.flutter_either_lead(both[0][i][:3], both[1][i][:3], s, q) for i in (0, 1)]
+    np.testing.assert_array_equal(episodes[0], episodes[1])
+    assert episodes[0].any()  # (the first lead's flutter stretch)
+
+
 def test_rules_off_keep_every_peak_and_bad_input():
     fs = 125.0
     s = SegmentParams().samples(fs)
