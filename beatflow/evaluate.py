@@ -33,6 +33,7 @@ from .beats import beats_from_peaks, dominant_beat, embed, kept_mask, residual_r
 from .errors import InputError
 from .metrics import TOLERANCE_S, Detection, match_beats, pr_auc, roc_auc
 from .params import SegmentParams
+from .scoring import robust_threshold
 from .segment import detect_peaks
 
 #: annotation symbols of beats (all of them are reference beats for detection)
@@ -301,20 +302,16 @@ def anomaly_metrics(scores, labels) -> dict:
     return out
 
 
-def flag_metrics(scores, labels, records) -> dict:
-    """The beats the pipeline would flag (:func:`beatflow.scoring.robust_threshold` of these scores,
-    with their recordings) against the AAMI classes: how many, the share of the V beats flagged
-    (``v_recall``), the share of flagged beats that are V (``v_precision``) or of any labelled class
-    but N (``not_n_precision``, over the flagged beats matched to a reference beat), and the share of
-    N beats flagged."""
-    from .scoring import robust_threshold
-
+def flag_metrics(scores, labels, threshold: float) -> dict:
+    """The beats above ``threshold`` against the AAMI classes: how many, the share of the V beats
+    flagged (``v_recall``), the share of flagged beats that are V (``v_precision``) or of any
+    labelled class but N (``not_n_precision``, over the flagged beats matched to a reference beat),
+    and the share of N beats flagged."""
     scores, labels = np.asarray(scores, np.float64), np.asarray(labels)
-    threshold = robust_threshold(scores, recording=np.asarray(records))
     flag = scores > threshold
     labelled = flag & np.isin(labels, list(AAMI_CLASSES))
     v, n = labels == "V", labels == "N"
-    return {"threshold": threshold, "flagged": int(flag.sum()),
+    return {"threshold": float(threshold), "flagged": int(flag.sum()),
             "v_recall": float((flag & v).sum() / v.sum()) if v.any() else None,
             "v_precision": float((flag & v).sum() / flag.sum()) if flag.any() else None,
             "not_n_precision": float((labelled & ~n).sum() / labelled.sum()) if labelled.any() else None,
@@ -460,9 +457,12 @@ def evaluate(train: list[Record], test: list[Record], *, epochs: int = 10, batch
             c = aami_class(y)
             if c:
                 ref_counts[c] += 1
-    records = np.concatenate([[r.name] * len(b.label) for r, b in zip(test, te)])
+    # the threshold the trained model carries (the flow's model.json: robust_threshold of its training
+    # records' scores), as `beatflow score` applies it to new recordings
+    train_records = np.concatenate([[r.name] * len(b.label) for r, b in zip(train, tr)])
+    threshold = robust_threshold(score_beats(res.model, x_train)[0], recording=train_records)
     result["anomaly"] = {**anomaly_metrics(scores, labels), "reference_counts": ref_counts,
-                         "flagged": flag_metrics(scores, labels, records),
+                         "flagged": flag_metrics(scores, labels, threshold),
                          "score": "LightVAE reconstruction MSE of the beat minus its record's dominant beat",
                          "scale": scale, "beats_scored": int(len(x_test)),
                          "beats": "kept beats (as the pipeline scores them)"}

@@ -39,6 +39,8 @@ def robust_threshold(scores, k: float = DEFAULT_MAD_K, recording=None) -> float:
     if recording is None:
         dev = s - med
     else:
+        if np.shape(recording) != s.shape:
+            raise ValueError(f"{np.size(recording)} recording labels for {s.shape[0]} scores")
         _, which = np.unique(np.asarray(recording), return_inverse=True)
         which = which.reshape(-1)
         dev = np.empty_like(s)

@@ -146,9 +146,9 @@ def report(results: list[dict], folds: list[list[str]], paced_res: dict | None, 
            "pipeline scores them:", "", anomaly_table(results, labels), "",
            "All detected beats (longer ones cut to the row):", "", anomaly_table(results, labels, True), "",
            "**Mean ± sd over the folds**", "", mean_table(results), "",
-           "**Flagged beats per fold** (the pipeline's threshold over the fold's scores, `beatflow.scoring.robust_threshold` "
-           "with the spread within records; V recall: share of the V beats flagged; precision: share of the flagged "
-           "beats that are V, or not N):", "", flagged_table(results, labels), "",
+           "**Flagged beats per fold** (the trained model's threshold, from its training records' scores as in "
+           "`model.json`, which `beatflow score` applies to new recordings; V recall: share of the V beats flagged; "
+           "precision: share of the flagged beats that are V, or not N):", "", flagged_table(results, labels), "",
            "**Beats scored** (matched to a reference beat; the pipeline keeps beats of at least 0.4 s, cutting rows at 1.024 s):", "",
            coverage_table(results), ""]
     if paced_res is not None:

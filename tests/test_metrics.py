@@ -60,6 +60,8 @@ def test_threshold_spread_within_recordings(seed):
         assert (s[:30] > robust_threshold(s, recording=rec)).all()
         assert not (s[:30] > robust_threshold(s)).all()
     assert robust_threshold(s, recording=np.zeros(s.size, int)) == robust_threshold(s)
+    with pytest.raises(ValueError, match="recording labels for 3000 scores"):
+        robust_threshold(s, recording=rec[:-1])
 
 
 def test_anomaly_table_ranks():
