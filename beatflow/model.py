@@ -363,9 +363,12 @@ def train_vae(
     if len(test_index):
         test_idx = torch.from_numpy(test_index).to(data.device)
         total = torch.zeros((), dtype=torch.float64, device=data.device)
+        # on the GPU few large batches (launch-bound); on the CPU the training's own batches: 8192
+        # rows at a time took 2.2x as long (0.77 against 0.35 s for 19 k rows on 2 cores)
+        chunk = max(batch_size, 8192) if on_cuda else batch_size
         with torch.no_grad():
-            for start in range(0, len(test_index), max(batch_size, 8192)):
-                xb = data[test_idx[start:start + max(batch_size, 8192)]]
+            for start in range(0, len(test_index), chunk):
+                xb = data[test_idx[start:start + chunk]]
                 recon, mu, logvar = model(xb)
                 total += vae_loss(xb, recon, mu, logvar)
         test_loss = float(total) / len(test_index)

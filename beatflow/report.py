@@ -706,6 +706,8 @@ def _timings_table(d: ReportData) -> str:
     rows = []
     tot = 0.0
     for k, v in t.items():
+        if k == "total":  # (the sum of the stages, shown as such)
+            continue
         try:
             fv = float(v)
         except (TypeError, ValueError):

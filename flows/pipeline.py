@@ -323,26 +323,37 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     # scoring goes back out to the partitions' workers; offsets of recordings on one time axis
     ph = _Stopwatch(4)
     dominant = np.asarray(trained["dominant"], np.float32)
-    scored = T.score(embedded, engine["path"], trained["scale"], [dominant[sp.recording] for sp in specs])
+    scored = T.score(embedded, engine["path"], trained["scale"], [dominant[sp.recording] for sp in specs], at=parts)
     scores = np.concatenate([sc for sc, _ in scored]) if scored else np.zeros(0, np.float32)
     mu = np.concatenate([m for _, m in scored]) if scored else np.zeros((0, 2), np.float32)
     ph.lap("engine")  # the partitions' rows through the engine, on their workers
     threshold = robust_threshold(scores, recording=plan.recording[kb])  # (the spread within recordings)
     flagged_mask = scores > threshold
+    names = [r.name for r in source.recordings]
+    table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
+                          threshold, names)
+    top = table.nsmallest(N_TOP, "rank")
     truth = None
     if truth_path:  # the check against the synthetic truth
         truth = T.evaluate_truth(matching.result(), scores)
         log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
         ph.lap("truth")
-    # the report's figures that need the scores start first, in the figure processes; the anomaly
-    # table, its file and the top anomalies' context are made while they are drawn
-    names = [r.name for r in source.recordings]
+    # the report's figures that need the scores start first, in the figure processes: the stream, the
+    # scores and the latent space, then the top anomalies (their context from their partitions); the
+    # table's file and the summary are written while they are drawn
     view, per_kept = _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged_mask,
                                   T.gather(overview_futures), truth, kb, rec_offset, names)
     late = figures.draw(SimpleNamespace(**view), LATE_FIGURES)
     ph.lap("figures_started")
-    table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
-                          threshold, names)
+    windows = {k: [] for k in range(len(specs))}
+    for _, row in top.iterrows():
+        b = int(row["beat"])
+        pad = int(fs)
+        windows[int(plan.owner[b])].append((int(row["start"]) - pad, int(row["start"]) + int(row["length"]) + pad))
+    ctx = dict(enumerate(T.context_snippets(parts, lefts, rights, firsts, [windows[k] for k in range(len(specs))])))
+    top_list = _top_list(names, fs, plan, top, ctx, kb, per_kept)
+    late.update(figures.draw(SimpleNamespace(fs=fs, top=top_list), ("top",)))
+    ph.lap("context")
     table.to_parquet(work / "anomalies.parquet", index=False)
     meta = json.loads((work / "model.json").read_text())
     meta.update(threshold=threshold, fs=fs)
@@ -353,15 +364,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     detail["score"], ph = ph.times, _Stopwatch(4)
     sw.lap("score")
 
-    # report: the top anomalies' context from their partitions, the summary, the remaining figures
-    top = table.nsmallest(N_TOP, "rank")
-    windows = {k: [] for k in range(len(specs))}
-    for _, row in top.iterrows():
-        b = int(row["beat"])
-        pad = int(fs)
-        windows[int(plan.owner[b])].append((int(row["start"]) - pad, int(row["start"]) + int(row["length"]) + pad))
-    ctx = dict(enumerate(T.context_snippets(parts, lefts, rights, firsts, [windows[k] for k in range(len(specs))])))
-    ph.lap("context")
+    # report: the summary, the figures that are left, the page
     summary = _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers,
                        specs, truth, episodes)
     summary["per_recording"] = _per_recording(source, fs, n_samples, table)
@@ -371,7 +374,8 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         summary["gpu_workers"] = gpu_workers
     if truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end
         summary["input"] = f"synthetic ECG ({hours:g} h, seed {seed}): input.npy, truth.npz"
-    data = _report_data(source, fs, s, plan, trained, top, ctx, summary, truth, kb, view, per_kept)
+    summary["timings_s"] = dict(sw.times)  # the report's table: the stages up to this one (summary.json: all)
+    data = _report_data(source, fs, s, plan, trained, top_list, summary, truth, view)
     from beatflow.report import FIGURES
 
     last = figures.draw(data, [name for name in FIGURES if name not in early and name not in late])  # the rest
@@ -430,7 +434,7 @@ def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshol
         "engine": {**{k: engine[k] for k in ("backend", "precision", "cache", "max_abs_err", "throughput_beats_per_s")},
                    "latency_batch1_us": prof.get("latency_batch1_us"),
                    "throughput_by_batch": {str(b): v for b, v in (prof.get("throughput_beats_per_s") or {}).items()},
-                   "clock": prof.get("clock")},
+                   "clock": prof.get("clock"), "profile_measured": prof.get("measured")},
     }
     if truth is not None:
         out["truth"] = {k: v for k, v in truth.items() if not k.startswith("_")}
@@ -588,12 +592,10 @@ def _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged, overv
                 recording_starts_s=(offsets / fs).tolist()), per_kept
 
 
-def _report_data(source, fs, s, plan, trained, top, ctx, summary, truth, kb, view: dict, per_kept):
-    from beatflow.report import ReportData
-
-    counts, edges_ = _length_histogram(plan, s)
-    top_list = []
-    names = [r.name for r in source.recordings]
+def _top_list(names, fs, plan, top, ctx, kb, per_kept) -> list[dict]:
+    """The report's top anomalies (rows of ``top``, the anomaly table's highest scores), each with the
+    signal around it from its partition's snippets ``ctx`` and, with a truth, its label."""
+    out = []
     for _, row in top.iterrows():
         b = int(row["beat"])
         pieces = ctx[int(plan.owner[b])]
@@ -602,10 +604,17 @@ def _report_data(source, fs, s, plan, trained, top, ctx, summary, truth, kb, vie
         label = None
         if per_kept is not None:
             label = {0: "normal", 1: "pvc", 2: "artifact"}[int(per_kept[np.searchsorted(kb, b)])]
-        top_list.append({"beat": b, "start": int(row["start"]), "time_s": float(row["time_s"]),
-                         "length": int(row["length"]), "score": float(row["score"]), "context": piece[1],
-                         "context_start": int(piece[0]),
-                         "label": (f"{names[int(plan.recording[b])]} " if len(names) > 1 else "") + (label or "")})
+        out.append({"beat": b, "start": int(row["start"]), "time_s": float(row["time_s"]),
+                    "length": int(row["length"]), "score": float(row["score"]), "context": piece[1],
+                    "context_start": int(piece[0]),
+                    "label": (f"{names[int(plan.recording[b])]} " if len(names) > 1 else "") + (label or "")})
+    return out
+
+
+def _report_data(source, fs, s, plan, trained, top_list, summary, truth, view: dict):
+    from beatflow.report import ReportData
+
+    counts, edges_ = _length_histogram(plan, s)
     return ReportData(
         title=f"beatflow: {Path(source.path).name if truth is None else 'synthetic ECG'}", summary=summary,
         length_hist_counts=counts, length_hist_edges=edges_, length_bounds=(s.lower, s.upper),

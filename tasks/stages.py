@@ -133,28 +133,32 @@ def _device_of(x) -> str:
     return "gpu" if is_device_array(x) else "cpu"
 
 
-def map_partitions(fn, *iterables, name: str, **constants) -> list:
+def map_partitions(fn, *iterables, name: str, at: list | None = None, **constants) -> list:
     """``fn`` over the partitions on the flow's Dask cluster: Dask futures, one per partition, each
     run where its partition's arrays live (futures among the arguments); ``constants`` go to every
-    call. Keys read ``<name>-<partition>-<run>`` on the Dask dashboard."""
-    tag = uuid.uuid4().hex[:8]
-    n = len(iterables[0]) if iterables else 0
-    return _client().map(fn, *iterables, key=[f"{name}-{k}-{tag}" for k in range(n)], pure=False, **constants)
+    call. Keys read ``<name>-<partition>-<run>`` on the Dask dashboard.
 
-
-def map_beside(fn, beside: list, items: list, name: str, **constants) -> list:
-    """``fn(item, **constants)`` for each item, each on the worker that holds the future at the same
-    place in ``beside`` (the same partition of another lead: the two meet there, and nothing of the
-    size of a partition moves). Placed explicitly: Dask places a small group of tasks that hang off
-    one group of futures without regard to where those live ("root-ish" tasks)."""
+    ``at``: futures, one per partition, each call placed explicitly on the worker holding its own
+    (another, if that one is gone). Dask alone places a call where most of its inputs' bytes are,
+    which goes wrong in two cases: a small group of calls that hang off one group of futures is
+    placed without regard to where those live ("root-ish" tasks: the second lead's partitions are
+    read beside the first's), and inputs copied to one worker draw every later call there
+    (training gathers the beat matrix on the home worker, which then holds a copy of every
+    partition's rows: scoring ran all partitions there, one after the other, 4-5 s instead of a
+    tenth of that on 16 CPU workers).
+    """
     client = _client()
     tag = uuid.uuid4().hex[:8]
-    holders = client.who_has(beside)
+    n = len(iterables[0]) if iterables else 0
+    keys = [f"{name}-{k}-{tag}" for k in range(n)]
+    if at is None:
+        return client.map(fn, *iterables, key=keys, pure=False, **constants)
+    holders = client.who_has(at)
     out = []
-    for k, (f, item) in enumerate(zip(beside, items)):
+    for f, key, args in zip(at, keys, zip(*iterables)):
         where = sorted(holders.get(f.key, ()))[:1]
-        placed = {"workers": where, "allow_other_workers": True} if where else {}  # (another, if it is gone)
-        out.append(client.submit(fn, item, key=f"{name}-{k}-{tag}", pure=False, **placed, **constants))
+        placed = {"workers": where, "allow_other_workers": True} if where else {}
+        out.append(client.submit(fn, *args, key=key, pure=False, **placed, **constants))
     return out
 
 
@@ -192,13 +196,9 @@ def load(source: Source, specs: list, device: str, halo: int, run_id=None, besid
     """Read every partition onto a worker (where it stays); ``(partition futures, edges)``, the
     edges being each partition's length and the halos it lends (:func:`partition_edges`). ``beside``:
     the futures of another lead's partitions, each read here onto the worker that holds that one
-    (:func:`load_beside`)."""
-    if beside is None:
-        parts = map_partitions(load_partition, list(specs), name="load-partition", source=source, device=device,
-                               run_id=run_id)
-    else:
-        parts = map_beside(load_partition, beside, list(specs), name="load-partition", source=source, device=device,
-                           run_id=run_id)
+    (:func:`map_partitions` with ``at``)."""
+    parts = map_partitions(load_partition, list(specs), name="load-partition", at=beside, source=source,
+                           device=device, run_id=run_id)
     wait_partitions(parts)
     edges = gather(map_partitions(partition_edges, parts, name="partition-edges", halo=halo))
     get_run_logger().info("load: %d partitions on %d worker(s)", len(parts), len(_holders(parts)))
@@ -237,9 +237,11 @@ def embed(parts: list, lefts: list, rights: list, firsts: list, starts: list, le
 
 
 @partition_task(name="score")
-def score(embedded: list, engine_path: str, scale: float, dominants: list) -> list:
-    """``(scores, latent means)`` of every partition's rows through the built engine (:func:`score_partition`)."""
-    return gather(map_partitions(score_partition, embedded, dominants, name="score-partition",
+def score(embedded: list, engine_path: str, scale: float, dominants: list, at: list | None = None) -> list:
+    """``(scores, latent means)`` of every partition's rows through the built engine (:func:`score_partition`),
+    each partition on the worker holding the future at its place in ``at`` (its partition: not the home worker,
+    which training gave a copy of every partition's rows; :func:`map_partitions`)."""
+    return gather(map_partitions(score_partition, embedded, dominants, name="score-partition", at=at,
                                  engine_path=engine_path, scale=scale))
 
 

@@ -320,17 +320,22 @@ print(json.dumps(out))
     assert got["after"][1] >= 1_000_000
 
 
-def test_map_beside_places_each_task_with_its_partition(monkeypatch, tmp_path):
-    """The second lead's partitions are read on the workers holding the first lead's (``map_beside``),
-    whatever the first lead's placement: here the reverse of the workers' order."""
+def test_map_partitions_at_places_each_task_with_its_partition(monkeypatch, tmp_path):
+    """``map_partitions(..., at=futures)`` runs each call on the worker holding its future: the second
+    lead's partitions are read beside the first lead's, whatever that placement (here the reverse of the
+    workers' order), and scoring runs on the partitions' workers after training gave one worker a copy
+    of every partition's rows (Dask alone then drew the calls to that worker)."""
     import numpy as np
-    from distributed import Client, LocalCluster, get_worker
+    from distributed import Client, LocalCluster, get_worker, wait
 
     import tasks.cluster as C
     import tasks.stages as S
 
-    def where(item):
+    def where(item, *_):
         return item, get_worker().address
+
+    def train(*rows):  # gathers every partition's rows on its worker, as fit_model does
+        return sum(int(r.sum()) for r in rows)
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
             Client(cluster) as client:
@@ -338,5 +343,14 @@ def test_map_beside_places_each_task_with_its_partition(monkeypatch, tmp_path):
         workers = sorted(client.scheduler_info()["workers"])
         placed = [workers[1], workers[1], workers[0], workers[1]]
         beside = [client.scatter(np.full(10, k), workers=[w], hash=False) for k, w in enumerate(placed)]
-        got = client.gather(S.map_beside(where, beside, ["a", "b", "c", "d"], name="where"))
+        got = client.gather(S.map_partitions(where, ["a", "b", "c", "d"], name="where", at=beside))
         assert got == list(zip("abcd", placed))
+
+        rows = [client.submit(np.full, 100_000, k, workers=[w], pure=False) for k, w in enumerate(placed)]
+        home = client.submit(train, *rows, workers=[workers[0]], pure=False)
+        assert home.result() == 100_000 * 6
+        wait(rows)
+        held = client.who_has(rows)
+        assert all(workers[0] in held[r.key] for r in rows)  # the home worker holds a copy of every partition
+        got = client.gather(S.map_partitions(where, ["a", "b", "c", "d"], rows, name="score", at=beside))
+        assert [w for _, w in got] == placed

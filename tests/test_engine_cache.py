@@ -108,6 +108,29 @@ def test_build_then_cache_hit_without_export(trained, cache, exports):
     np.testing.assert_allclose(eng2.infer(x)[0], score_beats(load_model(trained[0]), x)[0], atol=1e-4)
 
 
+def test_a_hit_reuses_the_profile_measured_at_build(trained, cache, exports, monkeypatch):
+    """The engine's latency and throughput are measured once, when it is built, and kept in its
+    sidecar (with the threads they were measured with); a hit with the same threads reports them
+    without measuring, one with other threads measures (and keeps) its own."""
+    _, info = build(trained, cache)
+    assert isinstance(info["phases_s"]["profile"], float)
+    meta = json.loads(Path(info["path"]).with_suffix(".json").read_text())
+    assert meta["profile"]["threads"] == 1 and meta["profile"]["measured"]
+    exports.fail = True
+    measured = []
+    real = engines.profile_engine
+    monkeypatch.setattr(engines, "profile_engine", lambda *a, **k: measured.append(1) or real(*a, **k))
+    _, hit = build(trained, cache)
+    assert hit["cache"] == "hit" and hit["phases_s"]["profile"] == "stored" and not measured
+    assert hit["profile"]["throughput_beats_per_s"] == info["profile"]["throughput_beats_per_s"]  # (int batch keys)
+    assert hit["profile"]["latency_batch1_us"] == info["profile"]["latency_batch1_us"]
+    assert hit["throughput_beats_per_s"] == info["throughput_beats_per_s"] > 0
+    model, val = trained
+    _, two = build_or_load_engine(model, val, cache_dir=cache, threads=2, batch_profile=PROFILE)
+    assert two["cache"] == "hit" and isinstance(two["phases_s"]["profile"], float) and measured == [1]
+    assert json.loads(Path(info["path"]).with_suffix(".json").read_text())["profile"]["threads"] == 2
+
+
 def test_a_hit_in_the_same_process_reuses_the_loaded_engine(trained, cache, exports):
     """A standing worker that runs the flow again gets the engine object it already loaded (its
     compiled code and graphs); after the file changes, or in another process, it loads anew."""

@@ -61,8 +61,8 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     assert train["train_epochs"] > 0 and all(train[k] >= -1e-3 for k in parts), train
     assert sum(train[k] for k in parts) <= train["work"] + 0.01, train
     # the scoring and report stages' parts
-    assert {"engine", "truth", "figures_started", "table"} == set(detail["score"])
-    assert {"context", "data", "figures_wait", "write"} == set(detail["report"])
+    assert {"engine", "truth", "figures_started", "context", "table"} == set(detail["score"])
+    assert {"data", "figures_wait", "write"} == set(detail["report"])
     for stage in ("score", "report"):
         assert all(v >= 0 for v in detail[stage].values())
         assert sum(detail[stage].values()) <= saved["timings_s"][stage] + 0.01
@@ -72,6 +72,9 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64") >= 6
     assert "Inference engine" in html and "latency, batch 1" in html
+    # the stages' times up to the report's own, and the top anomalies' panels (drawn before the table's file)
+    assert "Per-stage timings" in html and '<td class="l">train</td>' in html and '<td class="l">total</td>' not in html
+    assert f"<h3>Top {min(12, saved['beats_kept'])} in context</h3>" in html
     assert summary["beats_kept"] == saved["beats_kept"]
 
     # any partition count gives the same beats and (up to float noise) the same scores
