@@ -323,7 +323,8 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     # scoring goes back out to the partitions' workers; offsets of recordings on one time axis
     ph = _Stopwatch(4)
     dominant = np.asarray(trained["dominant"], np.float32)
-    scored = T.score(embedded, engine["path"], trained["scale"], [dominant[sp.recording] for sp in specs], at=parts)
+    scored, score_workers = T.score(embedded, engine["path"], trained["scale"], [dominant[sp.recording] for sp in specs],
+                                    at=parts)
     scores = np.concatenate([sc for sc, _ in scored]) if scored else np.zeros(0, np.float32)
     mu = np.concatenate([m for _, m in scored]) if scored else np.zeros((0, 2), np.float32)
     ph.lap("engine")  # the partitions' rows through the engine, on their workers
@@ -370,6 +371,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     summary["per_recording"] = _per_recording(source, fs, n_samples, table)
     if second_lead is not None:
         summary["second_lead"] = second_lead
+    summary["workers_scoring"] = score_workers
     if gpu_workers:
         summary["gpu_workers"] = gpu_workers
     if truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end

@@ -237,12 +237,16 @@ def embed(parts: list, lefts: list, rights: list, firsts: list, starts: list, le
 
 
 @partition_task(name="score")
-def score(embedded: list, engine_path: str, scale: float, dominants: list, at: list | None = None) -> list:
+def score(embedded: list, engine_path: str, scale: float, dominants: list, at: list | None = None) -> tuple[list, int]:
     """``(scores, latent means)`` of every partition's rows through the built engine (:func:`score_partition`),
     each partition on the worker holding the future at its place in ``at`` (its partition: not the home worker,
-    which training gave a copy of every partition's rows; :func:`map_partitions`)."""
-    return gather(map_partitions(score_partition, embedded, dominants, name="score-partition", at=at,
-                                 engine_path=engine_path, scale=scale))
+    which training gave a copy of every partition's rows; :func:`map_partitions`); and how many workers scored."""
+    futures = map_partitions(score_partition, embedded, dominants, name="score-partition", at=at,
+                             engine_path=engine_path, scale=scale)
+    out = gather(futures)
+    n = len(_holders(futures))  # (the results stay where they were computed until released)
+    get_run_logger().info("score: %d partitions on %d worker(s)", len(futures), n)
+    return out, n
 
 
 @partition_task(name="context-snippets")
