@@ -128,8 +128,10 @@ def cmd_run(args) -> int:
         from .errors import InputError
 
         raise InputError("--confirm-lead/--confirm-column need --input (the synthetic ECG has one lead)")
-    from flows.pipeline import ecg_anomaly_flow
+    from flows.pipeline import ecg_anomaly_flow, figure_pool
     from tasks.cluster import make_task_runner, parse_pool_size, prefect_api
+
+    figure_pool()  # the report's figure processes start now, while Prefect and the cluster are set up
 
     if device == "gpu" and args.rmm_pool_size is not None:
         parse_pool_size(args.rmm_pool_size)  # a bad size is an input error, before anything starts

@@ -7,11 +7,13 @@ run leaves no partial output.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -177,12 +179,8 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
 
 
 def _run(*args, **kwargs) -> dict:
-    """:func:`_run_flow` with the report's figure processes (:class:`FigurePool`) around it."""
-    figures = FigurePool()
-    try:
-        return _run_flow(figures, *args, **kwargs)
-    finally:
-        figures.close()
+    """:func:`_run_flow` with the report's figure processes (:func:`figure_pool`)."""
+    return _run_flow(figure_pool(), *args, **kwargs)
 
 
 def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions,
@@ -462,9 +460,9 @@ class FigurePool:
 
     Matplotlib holds the GIL while it lays out and rasterizes, so threads of the flow's process
     draw one figure at a time (the seven took ~3 s in the report stage, the largest stage of a warm
-    GPU flow). The processes are spawned when the flow starts (the flow's process has Dask and
-    Prefect threads: no fork) and import Matplotlib then, so they are ready by the time the first
-    figures can be drawn; each figure is one job. A figure whose job fails (or a pool that cannot
+    GPU flow). The processes are spawned (the flow's process has Dask and Prefect threads: no fork)
+    and import Matplotlib at once, so they are ready by the time the first figures can be drawn
+    (:func:`figure_pool`: one pool per process, kept from run to run); each figure is one job. A figure whose job fails (or a pool that cannot
     start) is simply not handed on: the report task draws it itself.
     """
 
@@ -522,9 +520,37 @@ class FigurePool:
                 pass
         return out
 
+    def broken(self) -> bool:
+        """Whether the pool can take no more jobs (one of its processes died, or it was closed)."""
+        return self.pool is None or bool(getattr(self.pool, "_broken", False)) or \
+            bool(getattr(self.pool, "_shutdown_thread", False))
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+_POOL: FigurePool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def figure_pool() -> FigurePool:
+    """This process's :class:`FigurePool`, started on first use and kept for its later flow runs (a
+    pool broken by a process that died is replaced).
+
+    Its processes take 1-1.5 s to start and import Matplotlib; a pool started with each run was not
+    ready when a warm GPU run (1.3-1.9 s in all) first needed it, and the truth check and the figures
+    waited for it (0.25 s and 0.26-0.30 s of the H200's warm runs). ``beatflow run`` starts it before
+    Prefect sets the flow run up; a process that serves many runs (a deployment) starts it once.
+    """
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL.broken():
+            if _POOL is not None:
+                _POOL.close()
+            _POOL = FigurePool()
+            atexit.register(_POOL.close)
+        return _POOL
 
 
 def _lower_priority(processes: dict) -> None:

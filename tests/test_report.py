@@ -403,3 +403,29 @@ def test_figure_pool_side_work_stays_light(tmp_path):
     assert pool.submit(match_truth, str(tmp_path / "truth.npz"), peaks, kept, 250.0).result()["se"] == here["se"]
     with pytest.raises(FileNotFoundError):
         pool.submit(match_truth, str(tmp_path / "missing.npz"), peaks, kept, 250.0).result()
+
+
+def test_figure_pool_is_kept_from_run_to_run_and_replaced_when_broken():
+    """``figure_pool()``: one pool per process, the same object on the next call (its processes stay
+    warm for the next flow run); when one of its processes dies it is broken and the next call gives a
+    new pool that draws."""
+    import os
+    import signal
+    import time
+
+    import flows.pipeline as P
+    from beatflow.report import render_figures
+
+    first = P.figure_pool()
+    assert P.figure_pool() is first and not first.broken()
+    first.submit(int).result(timeout=120)  # its processes are up
+    victim = next(iter(first.pool._processes))
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not first.broken() and time.monotonic() < deadline:  # the pool notices (its manager thread)
+        time.sleep(0.05)
+    assert first.broken()
+    second = P.figure_pool()
+    assert second is not first and not second.broken()
+    d = _fake_data()
+    assert P.FigurePool.collect(second.draw(d, ["lengths"])) == render_figures(d, ["lengths"])
