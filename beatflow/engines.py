@@ -651,7 +651,8 @@ def _build_or_load(model_path, validation_beats, backend: str, precision: str, d
         t = time.perf_counter()
         prof = profile_engine(engine, check, sorted({b for b in PROFILE_BATCHES if b <= profile.max} | {tput_batch}))
         phases["profile"] = time.perf_counter() - t
-        _store_profile(meta_path, meta, options, prof)
+        prof = {**prof, "threads": _profile_threads(options), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        _store_profile(meta_path, meta, prof)
     else:
         phases["profile"] = "stored"
     info = {
@@ -690,13 +691,12 @@ def _stored_profile(meta: dict, options: dict) -> Optional[dict]:
         return None
 
 
-def _store_profile(meta_path: Path, meta: Optional[dict], options: dict, prof: dict) -> None:
+def _store_profile(meta_path: Path, meta: Optional[dict], prof: dict) -> None:
     """Add ``prof`` (with the threads it was measured with and when) to the entry's sidecar; a sidecar
     that cannot be rewritten only means measuring again next time."""
     if not isinstance(meta, dict):
         return
-    meta = {**meta, "profile": {**prof, "threads": _profile_threads(options),
-                                "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}}
+    meta = {**meta, "profile": prof}
     try:
         _atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())
     except OSError:

@@ -115,7 +115,7 @@ def test_a_hit_reuses_the_profile_measured_at_build(trained, cache, exports, mon
     _, info = build(trained, cache)
     assert isinstance(info["phases_s"]["profile"], float)
     meta = json.loads(Path(info["path"]).with_suffix(".json").read_text())
-    assert meta["profile"]["threads"] == 1 and meta["profile"]["measured"]
+    assert meta["profile"]["threads"] == 1 and meta["profile"]["measured"] == info["profile"]["measured"]
     exports.fail = True
     measured = []
     real = engines.profile_engine

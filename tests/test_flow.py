@@ -47,6 +47,7 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     assert len(pd.read_csv(out / "rhythm_episodes.csv")) == 0
     assert saved["engine"]["max_abs_err"] < 1e-4 and saved["engine"]["backend"] == "onnxruntime"
     assert saved["engine"]["clock"] == "monotonic" and 0 < saved["engine"]["latency_batch1_us"]["p50"] < 1e5
+    assert saved["engine"]["profile_measured"]  # (when: a cache hit reports the profile measured at build)
     assert set(saved["engine"]["throughput_by_batch"]) == {"1", "32", "256", "1024", "8192"}
     assert {"load", "segment", "embed", "train", "engine", "score", "report", "total"} <= set(saved["timings_s"])
     # training and the engine ran on a worker as Dask tasks followed from here: their span and the
