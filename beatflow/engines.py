@@ -692,8 +692,8 @@ def _stored_profile(meta: dict, options: dict) -> Optional[dict]:
 
 
 def _store_profile(meta_path: Path, meta: Optional[dict], prof: dict) -> None:
-    """Add ``prof`` (with the threads it was measured with and when) to the entry's sidecar; a sidecar
-    that cannot be rewritten only means measuring again next time."""
+    """Put ``prof`` (which carries the threads it was measured with and when) in the entry's sidecar;
+    a sidecar that cannot be rewritten only means measuring again next time."""
     if not isinstance(meta, dict):
         return
     meta = {**meta, "profile": prof}

@@ -329,9 +329,6 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     threshold = robust_threshold(scores, recording=plan.recording[kb])  # (the spread within recordings)
     flagged_mask = scores > threshold
     names = [r.name for r in source.recordings]
-    table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
-                          threshold, names)
-    top = table.nsmallest(N_TOP, "rank")
     truth = None
     if truth_path:  # the check against the synthetic truth
         truth = T.evaluate_truth(matching.result(), scores)
@@ -344,6 +341,9 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
                                   T.gather(overview_futures), truth, kb, rec_offset, names)
     late = figures.draw(SimpleNamespace(**view), LATE_FIGURES)
     ph.lap("figures_started")
+    table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
+                          threshold, names)
+    top = table.nsmallest(N_TOP, "rank")
     windows = {k: [] for k in range(len(specs))}
     for _, row in top.iterrows():
         b = int(row["beat"])
@@ -462,8 +462,9 @@ class FigurePool:
     draw one figure at a time (the seven took ~3 s in the report stage, the largest stage of a warm
     GPU flow). The processes are spawned (the flow's process has Dask and Prefect threads: no fork)
     and import Matplotlib at once, so they are ready by the time the first figures can be drawn
-    (:func:`figure_pool`: one pool per process, kept from run to run); each figure is one job. A figure whose job fails (or a pool that cannot
-    start) is simply not handed on: the report task draws it itself.
+    (:func:`figure_pool`: one pool per process, kept from run to run); each figure is one job. A
+    figure whose job fails (or a pool that cannot start) is simply not handed on: the report task
+    draws it itself.
     """
 
     def __init__(self, processes: int | None = None):
