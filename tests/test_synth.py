@@ -266,8 +266,25 @@ def test_cache_of_generated_recordings(tmp_path, monkeypatch):
         np.testing.assert_array_equal(t["r_peaks"], ref.r_peaks)
         np.testing.assert_array_equal(t["labels"], ref.labels)
         assert float(t["fs"]) == 250.0
-    # another seed, or a changed generator, is another entry
+    entry = next(cache.glob("ecg-*[0-9a-f].npy"))
+    assert b[0].stat().st_ino == entry.stat().st_ino  # a hit links the entry (one file system here)
+    # another seed, or a changed generator, is another entry; writing it where a link to an entry
+    # was replaces the link and leaves the entry as it was
     assert not synth.synthesize_cached(*b, hours=0.01, fs=250.0, seed=5, cache_dir=cache)[1]
+    assert b[0].stat().st_ino != entry.stat().st_ino
+    np.testing.assert_array_equal(np.load(entry), ref.signal)
+    np.testing.assert_array_equal(np.load(b[0]), synthesize_ecg(hours=0.01, fs=250.0, seed=5).signal)
+    # where no hard link can be made, the entry is copied
+    c = (tmp_path / "c.npy", tmp_path / "c.npz")
+
+    def no_link(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(synth.os, "link", no_link)
+    assert synth.synthesize_cached(*c, hours=0.01, fs=250.0, seed=4, cache_dir=cache)[1]
+    assert c[0].stat().st_ino != entry.stat().st_ino
+    np.testing.assert_array_equal(np.load(c[0]), ref.signal)
+    monkeypatch.undo()
     real = synth.Path.read_bytes
     monkeypatch.setattr(synth.Path, "read_bytes", lambda self: real(self) + b"# changed")
     assert not synth.synthesize_cached(*b, hours=0.01, fs=250.0, seed=4, cache_dir=cache)[1]
