@@ -86,7 +86,7 @@ if want oom && [ "$(left)" -gt 120 ]; then
   echo "output folder: $(ls -d /tmp/bf-oom /tmp/.bf-oom.* 2>/dev/null || echo none)"
 fi
 if want multi && [ "$(left)" -gt 200 ]; then
-  echo "== several GPUs: bench/gpu_multi.py (GPU sets ${GPU_SETS:-from nvidia-smi}, inputs ${INPUTS:-20 200} h) ($(el))"
+  echo "== several GPUs: bench/gpu_multi.py (GPU sets ${GPU_SETS:-from nvidia-smi}, inputs ${INPUTS:-20 200:10}) ($(el))"
   mkdir -p "$OUT/multi"
   OUT=$OUT/multi timeout $(( $(left) - 10 )) python3 bench/gpu_multi.py 2>&1 | grep -v -i "warn\|sqlalche\|database" | tail -30
 fi
