@@ -128,6 +128,8 @@ def main() -> int:
         size = (lambda g: len(g.split(","))) if device == "gpu" else int
         # the same partitions on every set (results must not depend on how many workers share them)
         parts = os.environ.get("PARTITIONS") or str(2 * max(size(g) for g in sets))
+        worker_env = {k: env[k] for k in ("PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED", "OMP_NUM_THREADS",
+                                          "PYTHONPATH")}  # what every worker gets from here
         for gpus in sets:
             t = time.perf_counter()
             n = size(gpus)
@@ -137,16 +139,14 @@ def main() -> int:
 
                     from tasks.cluster import GPU_WORKER_THREADS, gpu_worker_env
 
-                    gpu_worker_env({k: env[k] for k in ("PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED",
-                                                        "OMP_NUM_THREADS", "PYTHONPATH")}, 0.8)
+                    gpu_worker_env(worker_env, 0.8)
                     kw = {"protocol": protocol} if protocol != "tcp" else {"host": "127.0.0.1"}
                     cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=gpus, rmm_pool_size=0.8, rmm_maximum_pool_size=0.8,
                                                rmm_async=True, rmm_allocator_external_lib_list=["cupy", "torch"],
                                                dashboard_address="127.0.0.1:0", threads_per_worker=GPU_WORKER_THREADS,
                                                **kw)
                 else:
-                    cluster = cpu_cluster(n, {k: env[k] for k in ("PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED",
-                                                                  "OMP_NUM_THREADS", "PYTHONPATH")})
+                    cluster = cpu_cluster(n, worker_env)
             except Exception as e:
                 print(f"{device} set {gpus}: cluster ({protocol}) did not start: {type(e).__name__}: {e}", flush=True)
                 continue
