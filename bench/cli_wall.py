@@ -1,0 +1,113 @@
+"""Where the wall time of a ``beatflow run`` command goes, outside the flow's own stages.
+
+A standing Prefect server and CPU cluster (as ``bench/gpu_flow_persistent.py``), then ``RUNS`` times
+``python -m beatflow.cli run --scheduler ...`` for each tree of ``TREES`` in turn (interleaved, so
+that both see the same machine), the command's own process importing that tree's code (the workers
+keep this tree's). From the process's start and end and its log's timestamps:
+
+* ``start``: from the process's start to Prefect's "Beginning flow run" (imports, the figure
+  processes, the task runner);
+* ``flow``: from there to the flow's "outputs in" (``summary.json``'s total is this, less Prefect's
+  flow-run set-up);
+* ``to completed``: from "outputs in" to "Finished in state Completed()" (Prefect's engine after the
+  flow function has returned);
+* ``exit``: from there to the process's end (the task runner's client, the interpreter's exit).
+
+Run from the repository root::
+
+    TREES="/tmp/base $PWD" RUNS=5 HOURS=2 python bench/cli_wall.py
+
+The first run of each tree is one of a fresh cluster's first runs (workers cold) and is left out of
+the medians.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _clock(line: str) -> float | None:
+    """Seconds since midnight of a Prefect log line's ``HH:MM:SS.mmm`` stamp."""
+    try:
+        h, m, s = line[:12].split(":")
+        return int(h) * 3600 + int(m) * 60 + float(s)
+    except ValueError:
+        return None
+
+
+def _phases(t0: float, t1: float, lines: list[str]) -> dict:
+    day = datetime.fromtimestamp(t0)
+    base = day.hour * 3600 + day.minute * 60 + day.second + day.microsecond / 1e6
+
+    def at(text: str) -> float:
+        hits = [_clock(line) for line in lines if text in line]
+        hits = [h for h in hits if h is not None]
+        if not hits:
+            raise RuntimeError(f"no log line with {text!r}")
+        return hits[-1] - base
+
+    begin, outputs = at("Beginning flow run"), at("outputs in")
+    done = at("Finished in state Completed()")
+    return {"wall": t1 - t0, "start": begin, "flow": outputs - begin, "to completed": done - outputs,
+            "exit": (t1 - t0) - done}
+
+
+def main() -> int:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from distributed import LocalCluster
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from tasks.cluster import _configure_worker_spawn
+
+    trees = (os.environ.get("TREES") or ROOT).split()
+    runs, hours = int(os.environ.get("RUNS", "4")), os.environ.get("HOURS", "2")
+    workers = int(os.environ.get("WORKERS", "2"))
+    server = SubprocessASGIServer()
+    server.start(timeout=120)
+    env = {"PREFECT_API_URL": server.api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": ROOT}
+    _configure_worker_spawn()  # as the flow's own CPU cluster
+    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                           dashboard_address="127.0.0.1:0", env=env)
+    rows: dict[str, list[dict]] = {t: [] for t in trees}
+    try:
+        for r in range(runs):
+            for tree in trees:
+                out = f"/tmp/bf-cli-wall-{r}"
+                shutil.rmtree(out, ignore_errors=True)
+                cmd = [sys.executable, "-m", "beatflow.cli", "run", "--hours", hours, "--epochs", "1", "--device", "cpu",
+                       "--scheduler", cluster.scheduler_address, "--workers", str(workers), "--out", out]
+                t0 = time.time()
+                p = subprocess.run(cmd, env={**os.environ, **env, "PYTHONPATH": tree}, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, cwd=tree)
+                t1 = time.time()
+                shutil.rmtree(out, ignore_errors=True)
+                if p.returncode:
+                    print(p.stdout[-3000:])
+                    raise SystemExit(f"{tree}: run {r} failed (rc {p.returncode})")
+                ph = _phases(t0, t1, p.stdout.splitlines())
+                rows[tree].append(ph)
+                print(f"{tree} run {r}: " + "  ".join(f"{k} {v:.2f}" for k, v in ph.items()), flush=True)
+    finally:
+        cluster.close()
+        server.stop()
+    keys = ["wall", "start", "flow", "to completed", "exit"]
+    print(f"\nmedians of runs 2-{runs} (s), {hours} h synthetic ECG, 1 epoch, CPU cluster of {workers} workers")
+    print("| tree | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for tree in trees:
+        warm = rows[tree][1:] or rows[tree]
+        print(f"| {tree} | " + " | ".join(f"{statistics.median(p[k] for p in warm):.2f}" for k in keys) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

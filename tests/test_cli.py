@@ -1,0 +1,70 @@
+"""The command line's process-level set-up (``beatflow.cli``): the garbage collector around imports
+and at exit. (Its commands are tested end to end in the flow, engine-cache and evaluation tests.)"""
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+
+import pytest
+
+from beatflow.cli import _long_lived_imports
+
+
+@pytest.fixture
+def gc_state():
+    enabled = gc.isenabled()
+    yield
+    gc.unfreeze()
+    (gc.enable if enabled else gc.disable)()
+
+
+class _Node:
+    def __init__(self):
+        self.me = self  # a reference cycle: only the cyclic collector frees it
+
+
+def test_long_lived_imports_pause_the_collector_then_freeze_what_was_made(gc_state):
+    gc.enable()
+    seen = []
+    with _long_lived_imports():
+        seen.append(gc.isenabled())
+        made = _Node()
+        frozen_before = gc.get_freeze_count()
+    assert seen == [False]
+    assert gc.isenabled()
+    assert gc.get_freeze_count() > frozen_before
+    assert gc.is_tracked(made)
+    assert id(made) not in {id(o) for o in gc.get_objects()}  # in the permanent generation: not walked
+
+
+def test_long_lived_imports_restore_the_collector_after_a_failed_import(gc_state):
+    gc.enable()
+    with pytest.raises(ImportError):
+        with _long_lived_imports():
+            import beatflow_no_such_module  # noqa: F401
+    assert gc.isenabled()
+    gc.disable()  # a caller that had it off keeps it off
+    with _long_lived_imports():
+        pass
+    assert not gc.isenabled()
+
+
+def test_main_leaves_the_heap_to_the_os_at_exit(tmp_path):
+    """``main`` registers ``gc.freeze`` to run at exit, after the handlers registered later."""
+    code = (
+        "import atexit, gc, sys\n"
+        "from beatflow.cli import main\n"
+        f"rc = main(['engine', 'list', '--cache-dir', {str(tmp_path)!r}])\n"
+        "keep = [[i] for i in range(1000)]  # made after the imports' last freeze\n"
+        "def collected():  # (the permanent generation is not among the collector's objects)\n"
+        "    ids = {id(o) for o in gc.get_objects()}\n"
+        "    return sum(id(k) in ids for k in keep)\n"
+        "before = collected()\n"
+        "atexit._run_exitfuncs()\n"
+        "print(rc, before, collected())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rc, before, after = map(int, proc.stdout.split()[-3:])
+    assert (rc, before, after) == (0, 1000, 0)
