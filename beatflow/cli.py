@@ -133,7 +133,7 @@ def cmd_run(args) -> int:
     else:
         device = resolve_device(args.device)
     if device == "cpu":  # what the CPU cannot run is an input error now, not after training
-        from .engines import resolve_backend
+        from .engine_options import resolve_backend  # (not beatflow.engines: no PyTorch in this process)
         from .errors import InputError
 
         if args.train_precision in ("bf16", "fp16"):
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     _score_parser(sub)
     commands = {"run": cmd_run, "score": cmd_score}
     with _long_lived_imports():
-        for module in ("evaluate", "engines"):  # subcommands that live beside the code they drive
+        for module in ("evaluate", "engine_options"):  # subcommands that live beside the code they drive
             try:
                 mod = __import__(f"beatflow.{module}", fromlist=["register"])
             except ImportError:

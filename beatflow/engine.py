@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .engine_options import PRECISIONS, check_precision, cuda_device_index  # noqa: F401  (re-exported)
 from .errors import BeatflowError, DeviceError
 from .model import LATENT_DIM, Downsample, LightVAE, Scorer, score_beats
 
@@ -64,7 +65,6 @@ INPUT_NAME = "beats"
 #: ONNX operators quantized for int8 (see :func:`quantize_onnx_int8`).
 INT8_OPS = ("Conv", "Gemm")
 OUTPUT_NAMES = ("score", "mu")
-PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 
 PathLike = Union[str, os.PathLike]
 
@@ -146,12 +146,6 @@ TOLERANCES: dict[str, Tolerance] = {
 }
 
 _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def check_precision(precision: str) -> str:
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-    return precision
 
 
 class PrecisionScorer(nn.Module):
@@ -610,23 +604,6 @@ def output_layers(onnx_path: PathLike) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # ONNX Runtime
 # ----------------------------------------------------------------------------------------------
-
-def cuda_device_index(device: Union[str, int, None]) -> Optional[int]:
-    """CUDA ordinal of ``"cuda"``, ``"cuda:N"``, ``"gpu"``, ``"gpu:N"`` or an int; None for CPU."""
-    if device is None:
-        return None
-    if isinstance(device, (int, np.integer)):
-        return int(device)
-    d = str(device).lower()
-    if d == "cpu":
-        return None
-    for prefix in ("cuda", "gpu"):
-        if d == prefix:
-            return 0
-        if d.startswith(prefix + ":"):
-            return int(d.split(":", 1)[1])
-    raise ValueError(f"unknown device {device!r}: use cpu, gpu, cuda or cuda:N")
-
 
 class OnnxRuntimeEngine(Engine):
     """ONNX Runtime backend.

@@ -63,6 +63,17 @@ from .engine import (
     profile_engine,
     validate_engine,
 )
+from .engine_options import (  # noqa: F401  (re-exported: the options of an engine, without PyTorch)
+    BACKENDS,
+    DEFAULT_CACHE_DIR,
+    GPU_ORDER,
+    _supports,
+    available_backends,
+    cache_dir,
+    normalize_device,
+    register,
+    resolve_backend,
+)
 from .errors import DeviceError
 
 __all__ = [
@@ -85,11 +96,7 @@ log = logging.getLogger(__name__)
 
 #: Bump when what an engine file contains changes for the same inputs (invalidates caches).
 ENGINE_FORMAT = 3  # 3: the compiled backend (fusible scorer through torch.compile)
-DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "beatflow", "engines")
-BACKENDS = ("onnxruntime", "compiled", "aoti", "tensorrt")
 EXTENSIONS = {"onnxruntime": "onnx", "compiled": "pt", "aoti": "pt2", "tensorrt": "plan"}
-#: GPU preference order of ``backend="auto"``.
-GPU_ORDER = ("tensorrt", "compiled", "aoti", "onnxruntime")
 _KEY_LEN = 24
 _ENTRY_RE = re.compile(r"^(%s)-(%s)-([0-9a-f]{%d})\.(%s|json)$"
                        % ("|".join(BACKENDS), "|".join(PRECISIONS), _KEY_LEN, "|".join(EXTENSIONS.values())))
@@ -103,24 +110,6 @@ class EngineCacheWarning(UserWarning):
 # ----------------------------------------------------------------------------------------------
 # environment: cache folder, device, versions, backends
 # ----------------------------------------------------------------------------------------------
-
-def cache_dir(path: Union[str, os.PathLike, None] = None) -> Path:
-    """The engine cache folder: ``path``, else ``$BEATFLOW_CACHE_DIR``, else
-    ``~/.cache/beatflow/engines`` (not created here)."""
-    p = path if path is not None else (os.environ.get("BEATFLOW_CACHE_DIR") or DEFAULT_CACHE_DIR)
-    return Path(os.path.expanduser(os.fspath(p)))
-
-
-def normalize_device(device: Union[str, int, None]) -> str:
-    """``"cpu"`` or ``"cuda:N"`` for ``cpu``, ``gpu[:N]``, ``cuda[:N]``, ``auto`` (a CUDA device
-    when torch sees one)."""
-    if device is None or str(device).lower() == "auto":
-        import torch
-
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-    idx = cuda_device_index(device)
-    return "cpu" if idx is None else f"cuda:{idx}"
-
 
 def _cpu_model() -> str:
     try:
@@ -181,79 +170,6 @@ def library_versions(device: str = "cpu") -> dict:
 
         out["cuda"] = str(torch.version.cuda)
     return out
-
-
-def _ort_has_cuda() -> bool:
-    try:
-        import onnxruntime as ort
-
-        return "CUDAExecutionProvider" in ort.get_available_providers()
-    except Exception:
-        return False
-
-
-def _supports(backend: str, precision: str, gpu: bool) -> bool:
-    if backend == "compiled":
-        return gpu and precision in ("fp32", "fp16", "bf16")
-    if precision == "int8":
-        return backend == "onnxruntime" and not gpu
-    if precision in ("fp16", "bf16"):
-        if not gpu:
-            return False
-        return backend in ("tensorrt", "aoti") or (backend == "onnxruntime" and precision == "fp16")
-    return True
-
-
-def available_backends(device: str = "cpu") -> list[str]:
-    """Backends usable on ``device``, in ``auto`` preference order."""
-    dev = normalize_device(device)
-    if dev == "cpu":
-        from .engine_aoti import aoti_available
-
-        return ["onnxruntime"] + (["aoti"] if aoti_available("cpu") else [])
-    from .engine_aoti import aoti_available
-    from .engine_trt import tensorrt_available
-
-    from .engine_compiled import compiled_available
-
-    have = {"tensorrt": tensorrt_available(), "compiled": compiled_available(dev), "aoti": aoti_available(dev),
-            "onnxruntime": _ort_has_cuda()}
-    return [b for b in GPU_ORDER if have[b]]
-
-
-def resolve_backend(backend: str, precision: str, device: str) -> str:
-    """The concrete backend for ``backend`` (``"auto"`` or a name) on ``device``.
-
-    Raises
-    ------
-    DeviceError
-        No backend for this device/precision, or the named one is not available.
-    ValueError
-        Unknown backend, or a precision the backend does not do.
-    """
-    check_precision(precision)
-    dev = normalize_device(device)
-    gpu = dev != "cpu"
-    if backend == "auto":
-        if not gpu:
-            if precision in ("fp16", "bf16"):
-                raise ValueError(f"precision {precision} is for GPUs; on the CPU use fp32 or int8")
-            return "onnxruntime"
-        avail = available_backends(dev)
-        for b in avail:
-            if _supports(b, precision, gpu):
-                return b
-        raise DeviceError(f"no inference backend for {precision} on {dev} (available: {', '.join(avail) or 'none'}; "
-                          "install tensorrt, CUDA torch or onnxruntime-gpu)")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}: use auto, {', '.join(BACKENDS)}")
-    if not _supports(backend, precision, gpu):
-        raise ValueError(f"backend {backend} does not do {precision} on {'the GPU' if gpu else 'the CPU'}")
-    if backend == "tensorrt" and not gpu:
-        raise DeviceError("tensorrt needs a CUDA device")
-    if gpu and backend not in available_backends(dev):
-        raise DeviceError(f"backend {backend} is not available on {dev}")
-    return backend
 
 
 # ----------------------------------------------------------------------------------------------
@@ -800,7 +716,8 @@ def clean_cache(path=None) -> list[Path]:
     return removed
 
 
-def _cmd_engine(args) -> int:
+def engine_command(args) -> int:
+    """``beatflow engine clean|list`` (its arguments: :func:`beatflow.engine_options.register`)."""
     folder = cache_dir(args.cache_dir)
     if args.engine_command == "clean":
         sizes = {}
@@ -824,13 +741,3 @@ def _cmd_engine(args) -> int:
         print(f"{e['engine_file']}  {e['backend']} {e['precision']} on {e['device_name']}  profile {e['batch_profile']}  "
               f"max abs err {v.get('max_abs_err', float('nan')):.1e}  {e.get('size', 0) / 1e3:.0f} kB  {e.get('created', '')}")
     return 0
-
-
-def register(sub) -> dict:
-    """Add ``beatflow engine clean|list [--cache-dir DIR]`` to the CLI's subparsers."""
-    p = sub.add_parser("engine", help="inference engine cache: clean, list")
-    esub = p.add_subparsers(dest="engine_command", required=True)
-    for name, text in (("clean", "remove all cached engines"), ("list", "list cached engines")):
-        c = esub.add_parser(name, help=text)
-        c.add_argument("--cache-dir", help=f"cache folder (default $BEATFLOW_CACHE_DIR or {DEFAULT_CACHE_DIR})")
-    return {"engine": _cmd_engine}

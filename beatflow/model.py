@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# (defined with the parameters, where the flow's process reads them without importing PyTorch)
+from .params import CPU_COMPILE_MIN_ROW_EPOCHS, TRAIN_FRACTION, compile_pays  # noqa: F401
+
 __all__ = [
     "Swish",
     "Downsample",
@@ -34,8 +37,6 @@ __all__ = [
 
 LATENT_DIM = 2
 KL_WEIGHT = 0.1
-#: fraction of the beat matrix :func:`train_vae` trains on (after a seeded shuffle); the rest is held out
-TRAIN_FRACTION = 0.75
 
 ArrayLike = Union[np.ndarray, torch.Tensor]
 
@@ -539,21 +540,6 @@ class _GraphedSteps:
         static.copy_(xb)
         graph.replay()
         return loss
-
-
-#: on the CPU, ``compile="auto"`` compiles the training step from this many rows × epochs on: a
-#: compiled epoch is about 2.2x faster (dev, 2 cores, 55 k rows: 1.55 s against 3.4 s), and the
-#: compilation (one graph: full batches) costs 5-15 s from Inductor's disk cache (a later run on the
-#: machine) or about 30 s the first time; 200 000 row-epochs save about 7 s of eager steps, so the
-#: default 20 h run (728 000) gains from its second run on (flow 30-37 s instead of 48 s; 66 s the
-#: first time), and small trainings (tests, short recordings) stay eager
-CPU_COMPILE_MIN_ROW_EPOCHS = 200_000
-
-
-def compile_pays(device: str, n_train_rows: int, epochs: int) -> bool:
-    """Whether ``compile="auto"`` compiles the training step: always on a GPU (launches are what its
-    steps cost), on the CPU for trainings of at least :data:`CPU_COMPILE_MIN_ROW_EPOCHS` rows × epochs."""
-    return device == "gpu" or int(n_train_rows) * int(epochs) >= CPU_COMPILE_MIN_ROW_EPOCHS
 
 
 def training_compiled(compile: bool, graphs: bool) -> bool:

@@ -27,7 +27,7 @@ from beatflow.backend import transfer_stats
 from beatflow.beats import MODEL_INPUT
 from beatflow.errors import InputError
 from beatflow.metrics import match_truth
-from beatflow.params import DEFAULT_FS, SegmentParams
+from beatflow.params import DEFAULT_FS, TRAIN_FRACTION, SegmentParams, compile_pays
 from beatflow.leads import SecondLeadParams
 from beatflow.partitions import assemble_halos, plan_beats, second_lead_gathered
 from beatflow.reading import open_second_lead, open_source
@@ -140,7 +140,7 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     train_precision, train_compile : str, bool
         VAE training in mixed precision on a GPU (``auto``: bf16 where supported, else fp16 with
         a gradient scaler; ``fp32``), and compiled training steps (default: on a GPU, and on the CPU
-        for trainings large enough to pay for the compilation: :func:`beatflow.model.compile_pays`).
+        for trainings large enough to pay for the compilation: :func:`beatflow.params.compile_pays`).
     rmm_pool_size, rmm_allocator : optional
         On the GPU, the RMM pool that a worker without one gets (default 80 % of its GPU) and its
         kind (``async`` or ``pool``): every GPU worker, on the flow's own cluster or on one given by
@@ -283,8 +283,6 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     train_token = (token(base_token, "train", plan.start[plan.kept].tobytes(), plan.length[plan.kept].tobytes(),
                          epochs, batch_size, seed, MODEL_INPUT, train_precision) if cache else None)
     model_folder = str(Path(cache).resolve() / "models" / train_token) if cache else str(work)
-    from beatflow.model import TRAIN_FRACTION, compile_pays  # (PyTorch: imported when needed)
-
     compile_steps = (compile_pays(device, int(plan.n_kept * TRAIN_FRACTION), epochs) if train_compile is None
                      else bool(train_compile))
     # while the cluster trains, the matching of the beats to the synthetic truth (the part of its
