@@ -17,6 +17,10 @@ Run from the repository root::
 
     TREES="/tmp/base $PWD" RUNS=5 HOURS=2 python bench/cli_wall.py
 
+``CLUSTER=own``: each command starts and closes a cluster of its own (``beatflow run`` without
+``--scheduler``, the README's command; the Prefect server still stands), whose closing falls in
+``to completed``.
+
 The first run of each tree is one of a fresh cluster's first runs (workers cold) and is left out of
 the medians.
 """
@@ -70,13 +74,14 @@ def main() -> int:
     trees = (os.environ.get("TREES") or ROOT).split()
     runs, hours = int(os.environ.get("RUNS", "4")), os.environ.get("HOURS", "2")
     workers = int(os.environ.get("WORKERS", "2"))
+    own = os.environ.get("CLUSTER", "standing") == "own"
     server = SubprocessASGIServer()
     server.start(timeout=120)
     env = {"PREFECT_API_URL": server.api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": ROOT}
     _configure_worker_spawn()  # as the flow's own CPU cluster
-    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                           dashboard_address="127.0.0.1:0", env=env)
+    cluster = None if own else LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                            host="127.0.0.1", dashboard_address="127.0.0.1:0", env=env)
     rows: dict[str, list[dict]] = {t: [] for t in trees}
     try:
         for r in range(runs):
@@ -84,7 +89,8 @@ def main() -> int:
                 out = f"/tmp/bf-cli-wall-{r}"
                 shutil.rmtree(out, ignore_errors=True)
                 cmd = [sys.executable, "-m", "beatflow.cli", "run", "--hours", hours, "--epochs", "1", "--device", "cpu",
-                       "--scheduler", cluster.scheduler_address, "--workers", str(workers), "--out", out]
+                       "--workers", str(workers), "--out", out]
+                cmd += [] if own else ["--scheduler", cluster.scheduler_address]
                 t0 = time.time()
                 p = subprocess.run(cmd, env={**os.environ, **env, "PYTHONPATH": tree}, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, cwd=tree)
@@ -97,10 +103,12 @@ def main() -> int:
                 rows[tree].append(ph)
                 print(f"{tree} run {r}: " + "  ".join(f"{k} {v:.2f}" for k, v in ph.items()), flush=True)
     finally:
-        cluster.close()
+        if cluster is not None:
+            cluster.close()
         server.stop()
     keys = ["wall", "start", "flow", "to completed", "exit"]
-    print(f"\nmedians of runs 2-{runs} (s), {hours} h synthetic ECG, 1 epoch, CPU cluster of {workers} workers")
+    print(f"\nmedians of runs 2-{runs} (s), {hours} h synthetic ECG, 1 epoch, "
+          f"{'its own' if own else 'a standing'} CPU cluster of {workers} workers")
     print("| tree | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for tree in trees:

@@ -135,6 +135,11 @@ def parse_pool_size(value) -> float | int | str:
 #: third runs on a standing 4-thread worker pay it again (17.9 and 6.1 s against 4.1 s, H200 session 10)
 GPU_WORKER_THREADS = 1
 
+#: what each worker of the flow's own cluster preloads (:mod:`tasks.worker_preload`: its exit, which the
+#: run waits for when it closes the cluster, without a last full garbage collection). Given as the
+#: clusters' ``preload`` option: dask-cuda sets its GPU workers' own, so the configuration's is not read.
+WORKER_PRELOAD = "tasks.worker_preload"
+
 
 def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler: str | None = None,
                      rmm_pool_size=None, gpus: str | None = None, rmm_allocator: str = "async"):
@@ -193,6 +198,7 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
                 "threads_per_worker": GPU_WORKER_THREADS,
                 "dashboard_address": "127.0.0.1:0",
                 "host": "127.0.0.1",
+                "preload": [WORKER_PRELOAD],  # (dask-cuda appends its dask_cuda.initialize)
             },
         )
     n = workers or max(2, os.cpu_count() or 2)
@@ -206,6 +212,7 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
             "dashboard_address": "127.0.0.1:0",
             "silence_logs": logging.WARNING,
             "env": env,
+            "preload": [WORKER_PRELOAD],
         },
     )
 

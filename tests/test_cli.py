@@ -1,5 +1,6 @@
 """The command line's process-level set-up (``beatflow.cli``): the garbage collector around imports
-and at exit. (Its commands are tested end to end in the flow, engine-cache and evaluation tests.)"""
+and at exit, for the command and for its cluster's workers; no PyTorch in the command's process. (Its
+commands are tested end to end in the flow, engine-cache and evaluation tests.)"""
 from __future__ import annotations
 
 import gc
@@ -57,13 +58,16 @@ def test_long_lived_imports_restore_the_collector_after_a_failed_import(gc_state
     assert not gc.isenabled()
 
 
-def test_main_leaves_the_heap_to_the_os_at_exit(tmp_path):
-    """``main`` registers ``gc.freeze`` to run at exit, after the handlers registered later."""
+@pytest.mark.parametrize("setup", ["command", "worker"])
+def test_the_heap_is_left_to_the_os_at_exit(setup, tmp_path):
+    """The ``beatflow`` command (``main``) and each worker of the flow's own cluster (its preload,
+    ``tasks.worker_preload``) register ``gc.freeze`` to run at exit, after the handlers registered
+    later: what is alive then is not walked by the interpreter's last full collection."""
+    start = {"command": f"from beatflow.cli import main\nrc = main(['engine', 'list', '--cache-dir', {str(tmp_path)!r}])\n",
+             "worker": "from tasks.worker_preload import dask_setup\nrc = dask_setup(None) or 0\n"}[setup]
     code = (
-        "import atexit, gc, sys\n"
-        "from beatflow.cli import main\n"
-        f"rc = main(['engine', 'list', '--cache-dir', {str(tmp_path)!r}])\n"
-        "keep = [[i] for i in range(1000)]  # made after the imports' last freeze\n"
+        "import atexit, gc, sys\n" + start +
+        "keep = [[i] for i in range(1000)]  # made after the last freeze before\n"
         "def collected():  # (the permanent generation is not among the collector's objects)\n"
         "    ids = {id(o) for o in gc.get_objects()}\n"
         "    return sum(id(k) in ids for k in keep)\n"
@@ -71,7 +75,7 @@ def test_main_leaves_the_heap_to_the_os_at_exit(tmp_path):
         "atexit._run_exitfuncs()\n"
         "print(rc, before, collected())\n"
     )
-    assert _python(code) == "0 1000 0"  # command rc, kept objects walked by the collector before, after
+    assert _python(code) == "0 1000 0"  # rc, kept objects walked by the collector before, after
 
 
 def test_the_command_and_the_flows_process_do_not_import_pytorch():

@@ -32,22 +32,31 @@ def _trim_setting():
     return os.environ.get("MALLOC_TRIM_THRESHOLD_")
 
 
+def _preloaded():
+    import sys
+
+    return "tasks.worker_preload" in sys.modules
+
+
 def test_workers_start_without_eager_malloc_trimming(monkeypatch):
     """distributed spawns workers with MALLOC_TRIM_THRESHOLD_=65536 (and writes it into the parent's own
     environment); PyTorch training in such a worker ran 3x slower, so the flow's workers must not get it,
-    even when this process inherited it."""
+    even when this process inherited it. They preload ``tasks.worker_preload`` (their exit without a
+    last full collection: tests/test_cli.py)."""
     import os
 
     from distributed import Client, LocalCluster
 
-    from tasks.cluster import _configure_worker_spawn
+    from tasks.cluster import _configure_worker_spawn, make_task_runner
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "65536")  # as left by an earlier cluster in this process
     _configure_worker_spawn()
     assert "MALLOC_TRIM_THRESHOLD_" not in os.environ
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
-            Client(cluster) as client:
+    preload = make_task_runner("cpu", 1).cluster_kwargs["preload"]  # as the flow's own cluster
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+                      preload=preload) as cluster, Client(cluster) as client:
         assert list(client.run(_trim_setting).values()) == [None]
+        assert list(client.run(_preloaded).values()) == [True]
 
 
 def test_transfer_counters_are_per_run_on_long_lived_workers():
@@ -125,6 +134,7 @@ def test_gpu_cluster_settings(monkeypatch):
     assert kw["rmm_pool_size"] == 0.5 and kw["rmm_async"] is True and kw["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert kw["rmm_maximum_pool_size"] == 0.5  # the pool is a budget: a partition that does not fit is an error
     assert kw["rmm_allocator_external_lib_list"] == ["cupy", "torch"]
+    assert kw["preload"] == ["tasks.worker_preload"]  # dask-cuda appends its own: the configuration's is not read
 
 
 def test_gpu_memory_setup_without_a_gpu_is_a_device_error(monkeypatch):
