@@ -74,7 +74,6 @@ from .engine_options import (  # noqa: F401  (re-exported: the options of an eng
     register,
     resolve_backend,
 )
-from .errors import DeviceError
 
 __all__ = [
     "BACKENDS",
