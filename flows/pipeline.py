@@ -217,7 +217,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     # load (each partition on one worker, where it stays) and exchange the small halos
     from prefect.runtime import flow_run
 
-    parts, edges = T.load(source, specs, device, s.halo, flow_run.id)
+    parts, edges, load_detail = T.load(source, specs, device, s.halo, flow_run.id)
     lengths = [e[0] for e in edges]
     n_samples = {}
     for sp, n in zip(specs, lengths):
@@ -229,7 +229,8 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     lefts, rights, firsts = assemble_halos(specs, lengths, [e[1] for e in edges], [e[2] for e in edges], s.halo)
     second_parts = None
     if second is not None:  # the second lead's partitions, on the first's workers, with the same halos
-        parts2, edges2 = T.load(second, specs, device, s.halo, flow_run.id, beside=parts)
+        parts2, edges2, load_detail2 = T.load(second, specs, device, s.halo, flow_run.id, beside=parts)
+        load_detail = {"first_lead": load_detail, "second_lead": load_detail2}
         if [e[0] for e in edges2] != lengths:
             raise InputError(f"{source.path}: the second lead's partitions differ in length from the first's")
         second_parts = (parts2, *assemble_halos(specs, lengths, [e[1] for e in edges2], [e[2] for e in edges2],
@@ -298,7 +299,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
                                            [sp.recording for sp in specs], train_precision=train_precision,
                                            compile=compile_steps, cache_token=train_token)
     over = _task_overhead(t_submit, trained)  # (empty for a result from the cache: its phases are an earlier run's)
-    detail = {"train": {**over, **(trained.get("phases_s") or {})} if over else {}}
+    detail = {"load": load_detail, "train": {**over, **(trained.get("phases_s") or {})} if over else {}}
     if cache:  # the cached model lives in the cache; the run's outputs get a copy
         for name in ("model.pt", "model.json", "validation_beats.npy"):
             shutil.copy(Path(model_folder) / name, work / name)

@@ -60,19 +60,28 @@ def synthesize(hours: float, fs: float, seed: int, folder: str) -> tuple[str, st
 
 # --- the partitions' work: plain functions, run by Dask on the worker that holds the partition ---
 
-def load_partition(spec: PartitionSpec, source: Source, device: str, run_id=None):
+def load_partition(spec: PartitionSpec, source: Source, device: str, run_id=None, stash: str | None = None):
     """Read one partition (host), then one copy to the device on the GPU path. A failed read is
-    tried again (``LOAD_ATTEMPTS`` in all), except for bad input or no room on the GPU (:class:`BeatflowError`)."""
+    tried again (``LOAD_ATTEMPTS`` in all), except for bad input or no room on the GPU (:class:`BeatflowError`).
+    ``stash``: a name under which this worker keeps the seconds of the read and of the device copy's call
+    until :func:`partition_edges` returns them with the partition's edges."""
     from beatflow.backend import begin_run, track_rmm_statistics
 
+    t0 = time.perf_counter()
     # this run's transfer counters and pool peak start on this worker before its first device allocation
     (track_rmm_statistics if device == "gpu" else begin_run)(run_id)
     for attempt in range(LOAD_ATTEMPTS):
         try:
+            t1 = time.perf_counter()
             host = source.read(spec)
+            t2 = time.perf_counter()
             with device_memory(f"partition {getattr(spec, 'index', spec)} ({host.shape[0]:,} samples)", host.nbytes,
                                device == "gpu"):
-                return to_namespace(host, namespace(device))
+                out = to_namespace(host, namespace(device))
+            if stash is not None:
+                _LOAD_PHASES[stash] = {"setup": t1 - t0, "read": t2 - t1, "to_device": time.perf_counter() - t2,
+                                       "attempts": attempt + 1}
+            return out
         except BeatflowError:  # bad input, or no room on the GPU: reading again changes nothing
             raise
         except Exception:
@@ -80,10 +89,20 @@ def load_partition(spec: PartitionSpec, source: Source, device: str, run_id=None
                 raise
 
 
-def partition_edges(core, halo: int):
-    """Length and the head/tail slices a partition lends its neighbours as halos (host copies)."""
+def load_stashed(spec: PartitionSpec, stash: str, *, source: Source, device: str, run_id=None):
+    """:func:`load_partition` keeping its phases under ``stash`` (as mapped by :func:`load`)."""
+    return load_partition(spec, source, device, run_id, stash=stash)
+
+
+#: per worker process: the phases of partitions loaded here, by their ``stash`` name, until their edges are taken
+_LOAD_PHASES: dict[str, dict] = {}
+
+
+def partition_edges(core, stash: str | None = None, *, halo: int):
+    """Length and the head/tail slices a partition lends its neighbours as halos (host copies), and the
+    phases of its load on this worker (``{}`` where it was not loaded here, or under no ``stash``)."""
     head, tail = P.edges(core, halo)
-    return int(core.shape[0]), to_host(head), to_host(tail)
+    return int(core.shape[0]), to_host(head), to_host(tail), _LOAD_PHASES.pop(stash, {}) if stash else {}
 
 
 def segment_partition(core, left, right, first: int, core2=None, left2=None, right2=None, n_total: int | None = None,
@@ -192,17 +211,39 @@ def gather(futures) -> list:
 # --- the stages: Prefect tasks run in the flow's process ---
 
 @partition_task(name="load")
-def load(source: Source, specs: list, device: str, halo: int, run_id=None, beside: list | None = None) -> tuple[list, list]:
-    """Read every partition onto a worker (where it stays); ``(partition futures, edges)``, the
-    edges being each partition's length and the halos it lends (:func:`partition_edges`). ``beside``:
-    the futures of another lead's partitions, each read here onto the worker that holds that one
-    (:func:`map_partitions` with ``at``)."""
-    parts = map_partitions(load_partition, list(specs), name="load-partition", at=beside, source=source,
+def load(source: Source, specs: list, device: str, halo: int, run_id=None, beside: list | None = None
+         ) -> tuple[list, list, dict]:
+    """Read every partition onto a worker (where it stays); ``(partition futures, edges, phases)``, the
+    edges being each partition's length and the halos it lends (:func:`partition_edges`), the phases
+    where the stage's time went (:func:`load_phases`). ``beside``: the futures of another lead's
+    partitions, each read here onto the worker that holds that one (:func:`map_partitions` with ``at``)."""
+    t0 = time.perf_counter()
+    stash = [f"{uuid.uuid4().hex}-{k}" for k in range(len(specs))]
+    parts = map_partitions(load_stashed, list(specs), stash, name="load-partition", at=beside, source=source,
                            device=device, run_id=run_id)
     wait_partitions(parts)
-    edges = gather(map_partitions(partition_edges, parts, name="partition-edges", halo=halo))
+    t1 = time.perf_counter()
+    edges = gather(map_partitions(partition_edges, parts, stash, name="partition-edges", halo=halo))
+    t2 = time.perf_counter()
     get_run_logger().info("load: %d partitions on %d worker(s)", len(parts), len(_holders(parts)))
-    return parts, edges
+    return parts, [e[:3] for e in edges], load_phases(t1 - t0, t2 - t1, [e[3] for e in edges])
+
+
+def load_phases(partitions_s: float, edges_s: float, per_partition: list[dict]) -> dict:
+    """The load stage's time: ``partitions`` (from the first read's dispatch until every partition is on
+    its worker), ``edges`` (their halos gathered), and per partition, on its worker, the largest and the
+    sum of ``setup`` (the run's counters and, on a GPU, the pool's adaptors), ``read`` (the host read and
+    its check) and ``to_device`` (the call that copies to the GPU; on the CPU path, nothing)."""
+    out = {"partitions": round(partitions_s, 4), "edges": round(edges_s, 4)}
+    for name in ("setup", "read", "to_device"):
+        vals = [p[name] for p in per_partition if name in p]
+        if vals:
+            out[f"{name}_max"] = round(max(vals), 4)
+            out[f"{name}_sum"] = round(sum(vals), 4)
+    retried = sum(p.get("attempts", 1) - 1 for p in per_partition)
+    if retried:
+        out["reads_retried"] = retried
+    return out
 
 
 def _holders(futures) -> set:

@@ -27,6 +27,27 @@ def test_load_partition_tries_a_failed_read_again():
     assert src.calls == T.LOAD_ATTEMPTS and np.array_equal(x, np.arange(5, dtype=np.float32))
 
 
+def test_load_partition_keeps_its_phases_for_the_edges_under_its_stash_name():
+    src = _FlakySource(1, OSError("share went away"))
+    x = T.load_partition(5000, src, "cpu", stash="run-0")
+    n, head, tail, phases = T.partition_edges(x, "run-0", halo=100)
+    assert (n, len(head), len(tail)) == (5000, 100, 100)
+    assert set(phases) == {"setup", "read", "to_device", "attempts"} and phases["attempts"] == 2
+    assert all(phases[k] >= 0 for k in ("setup", "read", "to_device"))
+    assert T.partition_edges(x, "run-0", halo=100)[3] == {}  # taken once: nothing left behind on the worker
+    assert T.partition_edges(x, halo=100)[3] == {} and "run-1" not in T._LOAD_PHASES
+    T.load_partition(50, _FlakySource(0, None), "cpu")  # no stash name: nothing kept
+    assert T._LOAD_PHASES == {}
+
+
+def test_load_phases_sums_and_maxima_over_partitions():
+    got = T.load_phases(0.5, 0.01, [{"setup": 0.001, "read": 0.2, "to_device": 0.05, "attempts": 1},
+                                   {"setup": 0.002, "read": 0.1, "to_device": 0.07, "attempts": 3}, {}])
+    assert got == {"partitions": 0.5, "edges": 0.01, "setup_max": 0.002, "setup_sum": 0.003, "read_max": 0.2,
+                   "read_sum": 0.3, "to_device_max": 0.07, "to_device_sum": 0.12, "reads_retried": 2}
+    assert T.load_phases(0.5, 0.01, [{}]) == {"partitions": 0.5, "edges": 0.01}
+
+
 def test_load_partition_gives_up_after_its_attempts():
     src = _FlakySource(T.LOAD_ATTEMPTS, OSError("share went away"))
     with pytest.raises(OSError, match="share went away"):
