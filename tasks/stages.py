@@ -63,16 +63,16 @@ def synthesize(hours: float, fs: float, seed: int, folder: str) -> tuple[str, st
 def load_partition(spec: PartitionSpec, source: Source, device: str, run_id=None, stash: str | None = None):
     """Read one partition (host), then one copy to the device on the GPU path. A failed read is
     tried again (``LOAD_ATTEMPTS`` in all), except for bad input or no room on the GPU (:class:`BeatflowError`).
-    ``stash``: a name under which this worker keeps the seconds of the read and of the device copy's call
-    until :func:`partition_edges` returns them with the partition's edges."""
+    ``stash``: a name under which this worker keeps the seconds of the set-up, of the reads (failed ones
+    included) and of the device copy's call until :func:`partition_edges` returns them with the edges."""
     from beatflow.backend import begin_run, track_rmm_statistics
 
     t0 = time.perf_counter()
     # this run's transfer counters and pool peak start on this worker before its first device allocation
     (track_rmm_statistics if device == "gpu" else begin_run)(run_id)
+    t1 = time.perf_counter()
     for attempt in range(LOAD_ATTEMPTS):
         try:
-            t1 = time.perf_counter()
             host = source.read(spec)
             t2 = time.perf_counter()
             with device_memory(f"partition {getattr(spec, 'index', spec)} ({host.shape[0]:,} samples)", host.nbytes,

@@ -62,13 +62,13 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     parts = ("rows", "train_setup", "train_epochs", "train_test", "train_other", "save")
     assert train["train_epochs"] > 0 and all(train[k] >= -1e-3 for k in parts), train
     assert sum(train[k] for k in parts) <= train["work"] + 0.01, train
-    # the scoring and report stages' parts
     # the load stage's parts: every partition's read and its (here host) copy measured on its worker
     load = detail["load"]
     assert {"partitions", "edges", "setup_max", "setup_sum", "read_max", "read_sum", "to_device_max",
             "to_device_sum"} == set(load), load
     assert 0 < load["read_max"] <= load["read_sum"] and load["read_max"] <= load["partitions"]
     assert load["partitions"] + load["edges"] <= saved["timings_s"]["load"] + 0.01
+    # the scoring and report stages' parts
     assert {"engine", "truth", "figures_started", "context", "table"} == set(detail["score"])
     assert {"data", "figures_wait", "write"} == set(detail["report"])
     for stage in ("score", "report"):
