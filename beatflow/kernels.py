@@ -28,6 +28,7 @@ costs nothing, and without a CUDA GPU and without the simulator the wrappers rai
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -41,7 +42,7 @@ import numpy as np
 from .errors import DeviceError
 
 __all__ = ["local_maxima_gpu", "embed_gpu", "detect_peaks_gpu", "detect_beats_gpu", "beat_rows_gpu",
-           "segment_rows_gpu", "simulator_active"]
+           "segment_rows_gpu", "SegmentGraph", "simulator_active"]
 
 WARP = 32
 _FULL_MASK = 0xFFFFFFFF
@@ -606,6 +607,10 @@ class _Ctx:
     """Where one call's arrays live: ``xp`` (cupy on the GPU, numpy in the simulator), how kernel
     arguments are passed, and the stream to launch on."""
 
+    #: where the call's arrays come from: None, fresh ones from the pool; a :class:`_Workspace`, the
+    #: same arrays on every pass (:class:`SegmentGraph`)
+    ws = None
+
     def __init__(self, sim: bool):
         self.sim = sim
         if sim:
@@ -646,6 +651,20 @@ class _Ctx:
             return np.ascontiguousarray(a, dtype=dtype)
         return self.xp.ascontiguousarray(self.xp.asarray(a), dtype=dtype)
 
+    def empty(self, shape, dtype):
+        """An array for this call's launches: from the pool, or the workspace's next one."""
+        if self.ws is None:
+            return self.xp.empty(shape, dtype=dtype)
+        return self.ws.take(self.xp, shape, dtype)
+
+    def zeros(self, shape, dtype):
+        """:meth:`empty` set to zero (a memset on this call's stream)."""
+        if self.ws is None:
+            return self.xp.zeros(shape, dtype=dtype)
+        a = self.ws.take(self.xp, shape, dtype)
+        a.fill(0)
+        return a
+
     def blocks(self, needed: int) -> int:
         return max(1, min(needed, _SIM_MAX_BLOCKS)) if self.sim else max(1, needed)
 
@@ -664,7 +683,7 @@ class _Ctx:
         stream = _side_streams()[1 if high else 0]
         side = object.__new__(_Ctx)
         side.sim, side.xp, side.cstream, side.stream_ptr, side._stream = False, self.xp, stream, stream.ptr, None
-        side.dev = self.dev
+        side.dev, side.ws = self.dev, self.ws
         stream.wait_event(self.cstream.record())
 
         def join():
@@ -707,6 +726,39 @@ class _Ctx:
 
 def _no_join():
     pass
+
+
+class _Workspace:
+    """The arrays of one sequence of launches, kept for the next passes over it: the first pass
+    (``recording``) allocates them and keeps them in the order it asked for them; every later pass
+    asks in the same order and gets the same arrays back, with no allocation (what capturing the
+    launches in a CUDA graph needs: the pool's allocations are not stream-capture safe, and the
+    graph's kernels keep the addresses they were captured with)."""
+
+    def __init__(self):
+        self.arrays: list = []
+        self.recording = True
+        self.i = 0
+
+    def rewind(self):
+        """Start a pass that hands out the kept arrays again."""
+        self.recording, self.i = False, 0
+
+    def take(self, xp, shape, dtype):
+        shape = (int(shape),) if np.isscalar(shape) else tuple(int(v) for v in shape)
+        if self.recording:
+            a = xp.empty(shape, dtype=dtype)
+            self.arrays.append(a)
+            return a
+        if self.i >= len(self.arrays):
+            raise RuntimeError(f"a replayed pass asked for array {self.i + 1}; the recorded pass made "
+                               f"{len(self.arrays)}")
+        a = self.arrays[self.i]
+        if a.shape != shape or a.dtype != np.dtype(dtype):
+            raise RuntimeError(f"a replayed pass asked for array {self.i + 1} as {shape} {np.dtype(dtype)}; "
+                               f"the recorded pass made it {a.shape} {a.dtype}")
+        self.i += 1
+        return a
 
 
 _side = threading.local()
@@ -1061,15 +1113,15 @@ def _embed_launch(ctx, x, start, length, width: int, first: int, baseline_sample
     n = int(start.shape[0])
     if n == 0:
         return xp.zeros((0, width), dtype=xp.float32), xp.zeros(0, dtype=xp.float32)
-    rows = xp.empty((n, width), dtype=xp.float32)
-    p2p = xp.empty(n, dtype=xp.float32)
-    counter = xp.zeros(1, dtype=xp.int32)
+    rows = ctx.empty((n, width), xp.float32)
+    p2p = ctx.empty(n, xp.float32)
+    counter = ctx.zeros(1, xp.int32)
     warps = 1 if ctx.sim else _EMBED_WARPS  # simulator: a block is one warp (shuffle emulation)
     blocks = ctx.blocks(-(-n // (warps * claim)))
     if count is not None:
         blocks = min(blocks, _EMBED_COUNT_BLOCKS)
     else:
-        count = xp.empty(0, dtype=xp.int64)  # (empty: all n beats)
+        count = ctx.empty(0, xp.int64)  # (empty: all n beats)
     ctx.launch(_embed_build(width), blocks, warps * WARP, 0, x, start, length, int(first),
                max(0, int(baseline_samples)), rows, p2p, counter, int(claim), count, sig=(x.dtype.char, x.ndim))
     return rows, p2p
@@ -1112,9 +1164,9 @@ def _rows_launch(ctx, x, peaks, npeaks, total, s, first: int, n_samples: int, ba
     nb = max(int(cap) - 1, 0)
     tpb = WARP if ctx.sim else _CAND_TPB
     nch = -(-nb // tpb)
-    index, peak, start, length, rowlen = (xp.empty(nb, dtype=xp.int64) for _ in range(5))
+    index, peak, start, length, rowlen = (ctx.empty(nb, xp.int64) for _ in range(5))
     if nb > 0:
-        counts = xp.empty(nch, dtype=xp.int64)
+        counts = ctx.empty(nch, xp.int64)
         a = ctx.arg
         args = (a(peaks), a(npeaks), int(s.pre), int(s.lower), int(s.upper), bool(s.cut_long), int(n_samples))
         ctx.launch(kernels["beats_count"], ctx.blocks(nch), tpb, 0, *args, a(counts), sig="")
@@ -1139,6 +1191,87 @@ def segment_rows_gpu(x, s, *, baseline_samples: int = 0):
     peaks, ep, rows = _detect_gpu(x, s, 0, None, None, rule=s.vf_baseline > 0,
                                   rows=max(0, int(baseline_samples)))
     return (peaks, ep) + tuple(rows)
+
+
+class SegmentGraph:
+    """:func:`segment_rows_gpu` over one device buffer, again and again: for a caller that writes
+    each new stretch of signal into the same array (a monitor's window, fixed-size partitions) and
+    segments it. The launches of a call are captured once in a CUDA graph, over arrays kept for it
+    (a :class:`_Workspace`); each call replays the graph (one launch for all the kernels, no host
+    work between them, no allocation) and waits once, as :func:`segment_rows_gpu` does.
+
+    ``x``: the buffer (1-D, contiguous; a CuPy array, or NumPy under the simulator), read again by
+    every call: the graph's kernels keep its address. ``graph=False``: the same kept arrays, the
+    kernels launched one by one (what runs under the simulator, which has no graphs).
+
+    Calling it returns :func:`segment_rows_gpu`'s tuple for the buffer's present contents. Those
+    arrays are views of the kept ones: valid until the next call (copy what must outlive it). When
+    a tile's candidate slots overflow, that call runs :func:`segment_rows_gpu`'s retry and returns
+    fresh arrays.
+    """
+
+    def __init__(self, x, s, *, baseline_samples: int = 0, graph: bool = True):
+        ctx, host_in = _ctx_for(x)
+        if host_in:
+            raise ValueError("SegmentGraph reads a device buffer: pass a CuPy array (NumPy only under the "
+                             "CUDA simulator)")
+        if getattr(x, "ndim", None) != 1 or not x.flags.c_contiguous:
+            raise ValueError(f"SegmentGraph's buffer must be a contiguous 1-D array, got shape "
+                             f"{getattr(x, 'shape', None)}")
+        n = int(x.shape[0])
+        self.plan = None if n < 3 else _detect_plan(s, ctx.sim)
+        if self.plan is None:
+            raise ValueError(f"SegmentGraph takes what the detection kernels take: a stream of at least 3 "
+                             f"samples ({n} given) and windows that fit their tiles")
+        self.x, self.s, self.sim = x, s, ctx.sim
+        self.rule, self.rows = s.vf_baseline > 0, max(0, int(baseline_samples))
+        self.ws = _Workspace()
+        self.graph = None
+        self.stream = None
+        if not ctx.sim:  # (a graph is captured on a stream of its own, never the legacy default one)
+            import cupy
+
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+        # the first pass: the arrays made and kept, every kernel compiled and launched once
+        ctx, st = self._pass()
+        with self._on_stream():
+            _detect_sync(ctx, st)
+        self.ws.rewind()
+        if graph and not ctx.sim:
+            with self.stream:
+                self.stream.begin_capture()
+                try:
+                    self._st = self._launch()
+                finally:
+                    g = self.stream.end_capture()  # (ends the capture on an error too)
+            self.graph = g
+            self.graph.upload(self.stream)
+
+    def _launch(self):
+        ctx = _Ctx(self.sim)
+        ctx.ws = self.ws
+        self.ws.i = 0
+        st = _detect_launch(ctx, self.plan, self.x, self.s, 0, None, None, self.rule, self.rows)
+        if not self.ws.recording and self.ws.i != len(self.ws.arrays):
+            raise RuntimeError(f"a replayed pass took {self.ws.i} of the {len(self.ws.arrays)} kept arrays")
+        return ctx, st
+
+    def _on_stream(self):
+        return self.stream if self.stream is not None else contextlib.nullcontext()
+
+    def _pass(self):
+        with self._on_stream():
+            return self._launch()
+
+    def __call__(self):
+        if self.graph is None:
+            ctx, st = self._pass()
+        else:
+            ctx, st = self._st
+            self.graph.launch(self.stream)
+        with self._on_stream():
+            peaks, ep, rows = _detect_finish(ctx, st, _detect_sync(ctx, st), False)
+        return (peaks, ep) + tuple(rows)
 
 
 #: blocks of embed_warp when the number of rows is known on the device only (the warps claim rows
@@ -1930,15 +2063,15 @@ def _dense_pass(ctx, plan, x, s, first: int, cap: int, write_env: bool, fork: bo
     out = {
         # (zeros, not -inf: every block holds samples of x, whose envelope values are >= 0; a memset,
         # not a fill kernel's launch before the dense kernel's)
-        "bmax": xp.zeros(nb, dtype=xp.float64),
-        "xmax": xp.zeros(1, dtype=xp.float64),
-        "tcount": xp.empty(nt, dtype=xp.int64),
-        "tpos": xp.empty(nt * cap, dtype=xp.int64),
-        "theight": xp.empty(nt * cap, dtype=xp.float64),
-        "tvalley": xp.empty(nt * cap, dtype=xp.float64),
-        "info": xp.zeros(5, dtype=xp.int64),  # [peaks, candidate slots overflowed, flutter episodes, windows
+        "bmax": ctx.zeros(nb, xp.float64),
+        "xmax": ctx.zeros(1, xp.float64),
+        "tcount": ctx.empty(nt, xp.int64),
+        "tpos": ctx.empty(nt * cap, xp.int64),
+        "theight": ctx.empty(nt * cap, xp.float64),
+        "tvalley": ctx.empty(nt * cap, xp.float64),
+        "info": ctx.zeros(5, xp.int64),  # [peaks, candidate slots overflowed, flutter episodes, windows
         # whose near-median fraction the flutter rule computed, kept beats (segment_rows_gpu)]
-        "env": xp.empty(n if write_env else 1, dtype=xp.float64),
+        "env": ctx.empty(n if write_env else 1, xp.float64),
     }
     if fork:
         out["side"] = ctx.fork()
@@ -2024,12 +2157,12 @@ def _flutter_pass(ctx, x, s, first: int, lo: int, hi: int, info, keep: list | No
     L = max(1, int(s.vf_runs))
     tpb = WARP if ctx.sim else _VF_CHUNKS * _VF_TILE
     kern = _vf_build(W, int(s.vf_highpass), int(s.kernel), tpb, _taps(int(s.kernel), float(s.a), True))
-    e_sig = xp.empty(nw, dtype=xp.float64)
-    e_slope = xp.empty(nw, dtype=xp.float64)
-    near = xp.empty(nw, dtype=xp.float64)  # read only where computed (vf_need's list)
-    todo = xp.empty(nw, dtype=xp.int64)
-    episode = xp.empty(nw, dtype=xp.int8)
-    spans = xp.empty((nw // (L + 1) + 1, 2), dtype=xp.int64)
+    e_sig = ctx.empty(nw, xp.float64)
+    e_slope = ctx.empty(nw, xp.float64)
+    near = ctx.empty(nw, xp.float64)  # read only where computed (vf_need's list)
+    todo = ctx.empty(nw, xp.int64)
+    episode = ctx.empty(nw, xp.int8)
+    spans = ctx.empty((nw // (L + 1) + 1, 2), xp.int64)
     a = ctx.arg
     c, omega2 = int(s.vf_context), float(s.vf_omega) ** 2
     tw = tpb // _VF_CHUNKS
@@ -2090,6 +2223,16 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
                 return xp.asnumpy(out), xp.asnumpy(ep), tuple(xp.asnumpy(v) for v in beat_out)
             return out, ep, beat_out
         return (xp.asnumpy(out), xp.asnumpy(ep)) if host_in else (out, ep)
+    st = _detect_launch(ctx, plan, x, s, first, core, _cap, rule, rows)
+    return _detect_finish(ctx, st, _detect_sync(ctx, st), host_in)
+
+
+def _detect_launch(ctx, plan, x, s, first, core, _cap, rule: bool, rows: int | None):
+    """:func:`_detect_gpu`'s launches, all queued on ``ctx``'s stream (and its side streams, joined
+    back to it) with nothing read back: the state that :func:`_detect_sync` and
+    :func:`_detect_finish` take."""
+    xp, kernels = ctx.xp, _build()[0]
+    n = int(x.shape[0])
     first = int(first)
     kern, tile, tpb = plan
     cap = int(_cap) if _cap is not None else tile // (int(s.nms) + 1) + 2
@@ -2109,15 +2252,15 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
             cctx = ctx
         nt = d["nt"]
         a = ctx.arg
-        offsets = xp.empty(nt + 1, dtype=xp.int64)
+        offsets = ctx.empty(nt + 1, xp.int64)
         _exclusive_scan(cctx, d["tcount"], offsets)  # 2.
         mcap = nt * cap
         mcount = a(offsets[nt:])
-        cand = xp.empty(mcap, dtype=xp.int64)
-        height = xp.empty(mcap, dtype=xp.float64)
-        slope = xp.empty(mcap, dtype=xp.float64)
-        st_a = xp.empty(mcap, dtype=xp.int8)
-        st_b = xp.empty(mcap, dtype=xp.int8)
+        cand = ctx.empty(mcap, xp.int64)
+        height = ctx.empty(mcap, xp.float64)
+        slope = ctx.empty(mcap, xp.float64)
+        st_a = ctx.empty(mcap, xp.int8)
+        st_b = ctx.empty(mcap, xp.int8)
         ac, ah, asl, sa, sb = a(cand), a(height), a(slope), a(st_a), a(st_b)
         blocks, threads = ctx.blocks(-(-mcap // _CAND_TPB)), WARP if ctx.sim else _CAND_TPB
         amp = _block_levels(cctx, d["bmax"], s)  # 3. the level of every block, then the candidates
@@ -2126,10 +2269,10 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
                     cap, a(d["tpos"]), a(d["theight"]), a(d["tvalley"]), a(amp), d["b0"], first, int(s.edge),
                     float(s.weak_ratio), float(s.ratio), a(d["xmax"]), float(s.noise_valley),
                     float(s.noise_slope), float(s.noise_level), ac, ah, asl, sa, sig=x.dtype.char)
-        cctx.launch(kernels["cand_twave"], blocks, threads, 0, ac, mcount, sa, asl, int(s.twave), float(s.twave_slope),
-                    sb, sig="")  # 4.
-        cctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 2, ah, int(s.refractory), sa, 3,
-                    sig="")
+        cctx.launch(kernels["cand_twave"], blocks, threads, 0, ac, mcount, sa, asl, int(s.twave),
+                    float(s.twave_slope), sb, sig="")  # 4.
+        cctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 2, ah, int(s.refractory),
+                    sa, 3, sig="")
         cctx.launch(kernels["cand_search_back"], blocks, threads, 0, ac, mcount, sa, asl, n, int(s.max_gap),
                     int(s.rr_window), float(s.searchback), float(s.margin), float(s.twave_slope), sb, sig="")  # 5.
         cctx.launch(kernels["cand_refractory"], blocks, threads, 0, ac, mcount, sb, 4, ah, int(s.twave), sa, 4,
@@ -2142,10 +2285,10 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
         if rule:
             vw = int(s.vf_window)
         else:
-            episode, w0, vw = xp.zeros(1, dtype=xp.int8), 0, 0
-        counts = xp.empty(nt, dtype=xp.int64)
-        out_offsets = xp.empty(nt + 1, dtype=xp.int64)
-        peaks = xp.empty(mcap, dtype=xp.int64)
+            episode, w0, vw, spans = ctx.zeros(1, xp.int8), 0, 0, None
+        counts = ctx.empty(nt, xp.int64)
+        out_offsets = ctx.empty(nt + 1, xp.int64)
+        peaks = ctx.empty(mcap, xp.int64)
         tblocks = ctx.blocks(-(-nt // _CAND_TPB))
         ae = a(episode)
         ctx.launch(kern["emit_count"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, ae, w0, vw, a(counts),
@@ -2153,27 +2296,50 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
         _exclusive_scan(ctx, counts, out_offsets, info)  # (the number of peaks into info[0])
         ctx.launch(kern["emit"], tblocks, threads, 0, a(offsets), ac, sa, first, lo, hi, ae, w0, vw, a(out_offsets),
                    a(peaks), sig="")
+        beat_out = None
         if rows is not None:  # the kept beats' bounds and rows, behind the detection on the stream
             beat_out = _rows_launch(ctx, x, peaks, info[0:1], info[4:5], s, first, n, rows, mcap)
-        total, overflow, nsp, _, kept = (int(v) for v in (info if ctx.sim else info.get()))  # the one synchronisation
     except BaseException:
         if streams:
             xp.cuda.Device().synchronize()
         raise
-    if overflow:  # a plateau of equal maxima filled a tile's slots: a slot for every sample
-        res = _detect_gpu(x, s, first, core, tile, rule, rows)  # (x is on the device now)
+    return {"x": x, "s": s, "first": first, "core": core, "tile": tile, "rule": rule, "rows": rows, "info": info,
+            "peaks": peaks, "spans": spans, "beat_out": beat_out, "streams": streams, "keep": keep}
+
+
+def _detect_sync(ctx, st):
+    """The one synchronisation: ``(total, overflow, nsp, kept)`` from the launches' ``info``."""
+    try:
+        info = st["info"]
+        total, overflow, nsp, _, kept = (int(v) for v in (info if ctx.sim else info.get()))
+    except BaseException:
+        if st["streams"]:
+            ctx.xp.cuda.Device().synchronize()
+        raise
+    return total, overflow, nsp, kept
+
+
+def _detect_finish(ctx, st, counts, host_in: bool):
+    """:func:`_detect_gpu`'s result from the launches' state and their counts (the outputs cut to
+    them; on an overflow of a tile's candidate slots, the detection again with a slot per sample)."""
+    xp = ctx.xp
+    total, overflow, nsp, kept = counts
+    rows = st["rows"]
+    if overflow:  # a plateau of equal maxima filled a tile's slots: a slot for every sample (x is on the
+        # device now)
+        res = _detect_gpu(st["x"], st["s"], st["first"], st["core"], st["tile"], st["rule"], rows)
         if not host_in:
             return res
         return tuple(tuple(xp.asnumpy(u) for u in v) if isinstance(v, tuple) else xp.asnumpy(v) for v in res)
-    out = peaks[:total]
-    if rule:
-        ep = spans[:nsp]
+    out = st["peaks"][:total]
+    if st["rule"]:
+        ep = st["spans"][:nsp]
         if nsp > 1:  # the runs' threads claimed their slots in any order
             ep = ep[xp.argsort(ep[:, 0])]
     else:
         ep = xp.zeros((0, 2), dtype=xp.int64)
     if rows is not None:
-        beat_out = tuple(v[:kept] for v in beat_out)
+        beat_out = tuple(v[:kept] for v in st["beat_out"])
         if host_in:
             return xp.asnumpy(out), xp.asnumpy(ep), tuple(xp.asnumpy(v) for v in beat_out)
         return out, ep, beat_out
@@ -2186,7 +2352,7 @@ _FAR = 1 << 40  # "no limit" for the core filter
 def _block_levels(ctx, bmax, s):
     """The local level of every block: the median of the block maxima ``bmax`` over ``±s.blocks``
     blocks (the ``block_median`` kernel, one thread per block)."""
-    amp = ctx.xp.empty_like(bmax)
+    amp = ctx.empty(bmax.shape, bmax.dtype)
     ctx.launch(_build()[0]["block_median"], ctx.blocks(-(-int(bmax.shape[0]) // _CAND_TPB)),
                WARP if ctx.sim else _CAND_TPB, 0, ctx.arg(bmax), int(s.blocks), ctx.arg(amp), sig="")
     return amp
@@ -2196,7 +2362,7 @@ def _exclusive_scan(ctx, counts, offsets, total=None):
     """``offsets[i] = sum(counts[:i])`` for ``i <= len(counts)``, and the sum into ``total[0]``
     (a device array) when given: one launch of the one-block ``exclusive_scan`` kernel, no sync
     (CuPy's cumsum and the zero before it were three launches)."""
-    tot = ctx.xp.empty(0, dtype=ctx.xp.int64) if total is None else total
+    tot = ctx.empty(0, ctx.xp.int64) if total is None else total
     ctx.launch(_build()[0]["exclusive_scan"], 1, WARP if ctx.sim else _SCAN_TPB, 0, ctx.arg(counts),
                ctx.arg(offsets), ctx.arg(tot), sig="")
 

@@ -12,7 +12,7 @@ bash .whl/install.sh >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 case " ${STEPS:-timeline} " in *" timeline "*)
   echo "== segmentation + embedding, launch by launch: bench/gpu_seg_timeline.py ($(el))"
-  timeout ${TIMELINE_LIMIT:-150} python3 bench/gpu_seg_timeline.py 2>&1 | grep -v -i warn | tail -${TIMELINE_LINES:-120}
+  RUNS=${TL_RUNS:-${RUNS:-40}} timeout ${TIMELINE_LIMIT:-150} python3 bench/gpu_seg_timeline.py 2>&1 | grep -v -i warn | tail -${TIMELINE_LINES:-120}
 esac
 echo "== gpu_session11.sh ($(el))"
 BUDGET=$(( ${LIMIT:-560} - ($(date +%s) - t0) )) STEPS="${STEPS:-timeline}" bash bench/gpu_session11.sh

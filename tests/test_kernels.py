@@ -267,6 +267,79 @@ def test_segment_rows_one_sync_matches_detection_then_beat_rows(monkeypatch):
     assert host(got[0]).size == 0 and host(got[6]).shape == (0, s.width)
 
 
+def test_segment_graph_replays_the_launches_over_the_buffers_contents(monkeypatch):
+    # SegmentGraph: segment_rows_gpu's results for what the buffer holds at each call (new contents
+    # written into it between calls), from the arrays kept by its first pass (no allocation after
+    # it; the results are views of them); a CUDA graph on a GPU, the launches one by one under the
+    # simulator; on an overflow of the candidate slots the retry's fresh arrays; bad buffers refused
+    from beatflow.kernels import SegmentGraph, segment_rows_gpu
+    from beatflow.params import SegmentParams
+    from beatflow.synth import synthesize_ecg
+
+    s = SegmentParams().samples(250.0)
+    xs = [synthesize_ecg(hours=20 / 3600, fs=250.0, seed=k).signal for k in (3, 6)]
+    want = [[host(v) for v in segment_rows_gpu(dev(x), s, baseline_samples=12)] for x in xs]
+    assert want[0][0].shape != want[1][0].shape or not np.array_equal(want[0][0], want[1][0])
+
+    def same(got, w):
+        assert len(got) == 8
+        for g, v in zip(got, w):
+            np.testing.assert_array_equal(host(g), v)
+
+    buf = dev(xs[0].copy())
+    g = SegmentGraph(buf, s, baseline_samples=12)
+    assert (g.graph is not None) == (MODE == "gpu")
+    kept = len(g.ws.arrays)
+    assert kept > 20
+    for k in (0, 1, 0):
+        buf[...] = dev(xs[k])
+        got = g()
+        same(got, want[k])
+        assert len(g.ws.arrays) == kept and g.ws.i == kept and not g.ws.recording
+        if MODE == "sim":  # the peaks and the rows are views of kept arrays
+            for v in (got[0], got[6]):
+                assert any(np.shares_memory(v, a) for a in g.ws.arrays)
+
+    orig, retries = K._detect_launch, []  # the graph's passes with one candidate slot per tile: each call
+    # overflows and runs the retry (with a slot per sample)
+
+    def one_slot(ctx, plan, x, s_, first, core, _cap, rule, rows):
+        if _cap is not None:
+            retries.append(_cap)
+        return orig(ctx, plan, x, s_, first, core, 1 if _cap is None else _cap, rule, rows)
+
+    monkeypatch.setattr(K, "_detect_launch", one_slot)
+    g1 = SegmentGraph(buf, s, baseline_samples=12)
+    for k in (0, 1):
+        buf[...] = dev(xs[k])
+        got = g1()
+        same(got, want[k])
+        if k == 0:  # (seed 3's stream overflows one slot per tile; seed 6's may not)
+            assert len(retries) == 1
+            if MODE == "sim":
+                assert not any(np.shares_memory(got[0], a) for a in g1.ws.arrays)
+    monkeypatch.setattr(K, "_detect_launch", orig)
+
+    for bad, msg in ((dev(np.ones((4, 4))), "contiguous 1-D"), (dev(np.ones(2)), "at least 3 samples"),
+                     (dev(np.ones(40))[::2], "contiguous 1-D")):
+        with pytest.raises(ValueError, match=msg) as e:
+            SegmentGraph(bad, s)
+        assert "\n" not in str(e.value)
+
+
+def test_workspace_hands_out_its_arrays_in_order_and_refuses_another_pass():
+    ws = K._Workspace()
+    a, b = ws.take(np, 3, np.int64), ws.take(np, (2, 4), np.float32)
+    assert len(ws.arrays) == 2
+    ws.rewind()
+    assert ws.take(np, 3, np.int64) is a and ws.take(np, (2, 4), np.float32) is b
+    with pytest.raises(RuntimeError, match="asked for array 3"):
+        ws.take(np, 1, np.int8)
+    ws.rewind()
+    with pytest.raises(RuntimeError, match=r"as \(4,\) int64; the recorded pass made it \(3,\) int64"):
+        ws.take(np, 4, np.int64)
+
+
 # --- without a GPU and without the simulator: one clear error -----------------------------------
 @pytest.mark.skipif(cupy_available(), reason="a CUDA GPU is present")
 @pytest.mark.skipif(MODE != "gpu", reason="needs CuPy on a CUDA GPU")
