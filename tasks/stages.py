@@ -64,10 +64,11 @@ def load_partition(spec: PartitionSpec, source: Source, device: str, run_id=None
     """Read one partition (host), then one copy to the device on the GPU path. A failed read is
     tried again (``LOAD_ATTEMPTS`` in all), except for bad input or no room on the GPU (:class:`BeatflowError`).
     ``stash``: a name under which this worker keeps the seconds of the set-up, of the reads (failed ones
-    included) and of the device copy's call until :func:`partition_edges` returns them with the edges."""
+    included) and of the device copy's call, and the call's wall-clock span, until :func:`partition_edges`
+    returns them with the edges."""
     from beatflow.backend import begin_run, track_rmm_statistics
 
-    t0 = time.perf_counter()
+    t0, began = time.perf_counter(), time.time()
     # this run's transfer counters and pool peak start on this worker before its first device allocation
     (track_rmm_statistics if device == "gpu" else begin_run)(run_id)
     t1 = time.perf_counter()
@@ -80,7 +81,7 @@ def load_partition(spec: PartitionSpec, source: Source, device: str, run_id=None
                 out = to_namespace(host, namespace(device))
             if stash is not None:
                 _LOAD_PHASES[stash] = {"setup": t1 - t0, "read": t2 - t1, "to_device": time.perf_counter() - t2,
-                                       "attempts": attempt + 1}
+                                       "attempts": attempt + 1, "span": (began, time.time())}
             return out
         except BeatflowError:  # bad input, or no room on the GPU: reading again changes nothing
             raise
@@ -217,24 +218,35 @@ def load(source: Source, specs: list, device: str, halo: int, run_id=None, besid
     edges being each partition's length and the halos it lends (:func:`partition_edges`), the phases
     where the stage's time went (:func:`load_phases`). ``beside``: the futures of another lead's
     partitions, each read here onto the worker that holds that one (:func:`map_partitions` with ``at``)."""
-    t0 = time.perf_counter()
+    t0, submitted = time.perf_counter(), time.time()
     stash = [f"{uuid.uuid4().hex}-{k}" for k in range(len(specs))]
     parts = map_partitions(load_stashed, list(specs), stash, name="load-partition", at=beside, source=source,
                            device=device, run_id=run_id)
     wait_partitions(parts)
-    t1 = time.perf_counter()
+    t1, returned = time.perf_counter(), time.time()
     edges = gather(map_partitions(partition_edges, parts, stash, name="partition-edges", halo=halo))
     t2 = time.perf_counter()
     get_run_logger().info("load: %d partitions on %d worker(s)", len(parts), len(_holders(parts)))
-    return parts, [e[:3] for e in edges], load_phases(t1 - t0, t2 - t1, [e[3] for e in edges])
+    return parts, [e[:3] for e in edges], load_phases(t1 - t0, t2 - t1, [e[3] for e in edges], (submitted, returned))
 
 
-def load_phases(partitions_s: float, edges_s: float, per_partition: list[dict]) -> dict:
+def load_phases(partitions_s: float, edges_s: float, per_partition: list[dict],
+                window: tuple[float, float] | None = None) -> dict:
     """The load stage's time: ``partitions`` (from the first read's dispatch until every partition is on
     its worker), ``edges`` (their halos gathered), and per partition, on its worker, the largest and the
     sum of ``setup`` (the run's counters and, on a GPU, the pool's adaptors), ``read`` (the host read and
-    its check) and ``to_device`` (the call that copies to the GPU; on the CPU path, nothing)."""
+    its check) and ``to_device`` (the call that copies to the GPU; on the CPU path, nothing).
+
+    ``window``: the wall-clock times here of the reads' dispatch and of the wait's return. With the
+    partitions' own spans on their workers, ``partitions`` splits into ``dispatch`` (until the first
+    read started), ``on_workers`` (from then until the last read ended) and ``return`` (until the wait
+    here returned): wall clocks, exact on one host and approximate across hosts."""
     out = {"partitions": round(partitions_s, 4), "edges": round(edges_s, 4)}
+    spans = [p["span"] for p in per_partition if "span" in p]
+    if window is not None and spans:
+        first, last = min(a for a, _ in spans), max(b for _, b in spans)
+        out.update(dispatch=round(first - window[0], 4), on_workers=round(last - first, 4),
+                   **{"return": round(window[1] - last, 4)})
     for name in ("setup", "read", "to_device"):
         vals = [p[name] for p in per_partition if name in p]
         if vals:

@@ -65,8 +65,11 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     # the load stage's parts: every partition's read and its (here host) copy measured on its worker
     load = detail["load"]
     assert {"partitions", "edges", "setup_max", "setup_sum", "read_max", "read_sum", "to_device_max",
-            "to_device_sum"} == set(load), load
+            "to_device_sum", "dispatch", "on_workers", "return"} == set(load), load
     assert 0 < load["read_max"] <= load["read_sum"] and load["read_max"] <= load["partitions"]
+    # the partitions' time split around the reads' wall-clock spans on the workers (one host: exact)
+    assert load["dispatch"] >= 0 and load["return"] >= 0 and load["on_workers"] >= load["read_max"], load
+    assert abs(load["dispatch"] + load["on_workers"] + load["return"] - load["partitions"]) < 0.01, load
     assert load["partitions"] + load["edges"] <= saved["timings_s"]["load"] + 0.01
     # the scoring and report stages' parts
     assert {"engine", "truth", "figures_started", "context", "table"} == set(detail["score"])

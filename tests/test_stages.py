@@ -32,8 +32,10 @@ def test_load_partition_keeps_its_phases_for_the_edges_under_its_stash_name():
     x = T.load_partition(5000, src, "cpu", stash="run-0")
     n, head, tail, phases = T.partition_edges(x, "run-0", halo=100)
     assert (n, len(head), len(tail)) == (5000, 100, 100)
-    assert set(phases) == {"setup", "read", "to_device", "attempts"} and phases["attempts"] == 2
+    assert set(phases) == {"setup", "read", "to_device", "attempts", "span"} and phases["attempts"] == 2
     assert all(phases[k] >= 0 for k in ("setup", "read", "to_device"))
+    took = phases["span"][1] - phases["span"][0]  # the call's wall-clock span holds its parts
+    assert sum(phases[k] for k in ("setup", "read", "to_device")) <= took + 1e-3 and took < 5
     assert T.partition_edges(x, "run-0", halo=100)[3] == {}  # taken once: nothing left behind on the worker
     assert T.partition_edges(x, halo=100)[3] == {}
     T.load_partition(50, _FlakySource(0, None), "cpu")  # no stash name: nothing kept
@@ -46,6 +48,12 @@ def test_load_phases_sums_and_maxima_over_partitions():
     assert got == {"partitions": 0.5, "edges": 0.01, "setup_max": 0.002, "setup_sum": 0.003, "read_max": 0.2,
                    "read_sum": 0.3, "to_device_max": 0.07, "to_device_sum": 0.12, "reads_retried": 2}
     assert T.load_phases(0.5, 0.01, [{}]) == {"partitions": 0.5, "edges": 0.01}
+    # with the dispatch's and the wait's wall clocks, the partitions' time split around their spans
+    spans = [{"read": 0.2, "span": (100.25, 100.4)}, {"read": 0.1, "span": (100.1, 100.3)}, {}]
+    got = T.load_phases(0.5, 0.01, spans, (100.0, 100.5))
+    assert (got["dispatch"], got["on_workers"], got["return"]) == (0.1, 0.3, 0.1)
+    assert "dispatch" not in T.load_phases(0.5, 0.01, spans) and "dispatch" not in T.load_phases(0.5, 0.01, [{}],
+                                                                                                   (100.0, 100.5))
 
 
 def test_load_partition_gives_up_after_its_attempts():
