@@ -132,6 +132,10 @@ def cmd_run(args) -> int:
         device = "gpu" if args.device == "gpu" else cluster_device(args.scheduler)
     else:
         device = resolve_device(args.device)
+    if device == "gpu":  # the flow's Dask client meets CuPy arrays' types (a no-op where CuPy was imported)
+        from .backend import import_in_background
+
+        import_in_background("cupy")
     if device == "cpu":  # what the CPU cannot run is an input error now, not after training
         from .engine_options import resolve_backend  # (not beatflow.engines: no PyTorch in this process)
         from .errors import InputError

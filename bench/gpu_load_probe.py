@@ -14,11 +14,14 @@ load into:
 * ``to_flow``: from the last read's end until ``wait_partitions`` returns in the flow's process;
 * ``edges``: the edges' round trip, as in the flow.
 
-Beside it, an empty call's round trip (``noop``) on the same cluster, one that makes a 4 MB array on
+The first load of the probe's process is shown apart (``first``): its Dask client unpickles the
+type of each result a worker holds, and the partitions' type (a CuPy array on the GPU path) imports
+CuPy here unless it was imported before (``PRELOAD=1``: in the background from the start, as
+``beatflow run --device gpu`` does). Beside it, an empty call's round trip (``noop``) on the same cluster, one that makes a 4 MB array on
 the worker's device (``zeros``), and the same load with the
 previous load's partitions still held (``held``: as in a flow, where nothing is released mid-run).
 
-    DEVICE=gpu RUNS=10 python3 bench/gpu_load_probe.py        # on the GPU machine
+    DEVICE=gpu RUNS=10 [PRELOAD=1] python3 bench/gpu_load_probe.py        # on the GPU machine
     DEVICE=cpu WORKERS=2 RUNS=5 HOURS=2 python3 bench/gpu_load_probe.py   # this machine
 """
 from __future__ import annotations
@@ -56,6 +59,10 @@ def main() -> int:
     import tasks.stages as S
 
     device = os.environ.get("DEVICE", "gpu")
+    if os.environ.get("PRELOAD") == "1":  # as `beatflow run --device gpu` does (beatflow.backend)
+        from beatflow.backend import import_in_background
+
+        import_in_background("cupy")
     hours = float(os.environ.get("HOURS", "20"))
     runs = int(os.environ.get("RUNS", "10"))
     tmp = tempfile.mkdtemp(prefix="bf-probe-")
@@ -112,9 +119,18 @@ def main() -> int:
                        "edges": t2 - t1, "read_max": max(p["read"] for p in phases),
                        "to_device_max": max(p["to_device"] for p in phases)}
 
-    rows = {"fresh": [], "held": []}
+    rows = {"first": [], "fresh": [], "held": []}
     noop, zeros = [], []
     for r in range(runs + 1):
+        if not r:
+            had = "cupy" in sys.modules
+            parts, row = load_once()  # this process's first: its client meets the partitions' type now
+            rows["first"].append(row)
+            print(f"first load: CuPy imported in this process before it: {had}, after it: {'cupy' in sys.modules}",
+                  flush=True)
+        else:
+            parts, row = load_once()  # the earlier load's partitions released before this one
+            rows["fresh"].append(row)
         t0 = time.perf_counter()
         wait(client.map(_noop, range(len(specs)), pure=False))
         noop.append(time.perf_counter() - t0)
@@ -123,9 +139,6 @@ def main() -> int:
         wait(z)
         zeros.append(time.perf_counter() - t0)
         del z
-        parts, row = load_once()  # the earlier load's partitions released before this one
-        if r:
-            rows["fresh"].append(row)
         held, row = load_once()  # this one with `parts` still held
         if r:
             rows["held"].append(row)
@@ -139,7 +152,7 @@ def main() -> int:
     for case, rs in rows.items():
         print(f"| {case} | " + " | ".join(
             f"{1e3 * statistics.median(x[c] for x in rs):.1f} ({1e3 * min(x[c] for x in rs):.1f}-"
-            f"{1e3 * max(x[c] for x in rs):.1f})" for c in cols) + " |")
+            f"{1e3 * max(x[c] for x in rs):.1f})" for c in cols) + " |")  # (one row for "first")
     client.close()
     cluster.close()
     return 0

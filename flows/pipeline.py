@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 from prefect import flow, get_run_logger
 
-from beatflow.backend import transfer_stats
+from beatflow.backend import import_in_background, transfer_stats
 from beatflow.beats import MODEL_INPUT
 from beatflow.errors import InputError
 from beatflow.metrics import match_truth
@@ -187,6 +187,8 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
               epochs, batch_size, cache=None, engine_backend="auto", precision="fp32", train_precision="auto",
               train_compile=None, rmm_pool_size=None, rmm_allocator="async", confirm=(None, None)) -> dict:
     threads = max(1, os.cpu_count() or 1)
+    if device == "gpu":  # the Dask client here meets CuPy arrays' types (`beatflow run` started this before)
+        import_in_background("cupy")
     truth_path = None
     wait_for_workers(1)  # a cluster whose workers cannot start is an error, not a hang
     if workers is None:  # a cluster given by --scheduler: as many as it has

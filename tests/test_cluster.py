@@ -364,3 +364,49 @@ def test_map_partitions_at_places_each_task_with_its_partition(monkeypatch, tmp_
         assert all(workers[0] in held[r.key] for r in rows)  # the home worker holds a copy of every partition
         got = client.gather(S.map_partitions(where, ["a", "b", "c", "d"], rows, name="score", at=beside))
         assert [w for _, w in got] == placed
+
+
+def _module(folder, name: str, body: str) -> None:
+    (folder / f"{name}.py").write_text(body)
+
+
+def test_import_in_background_imports_once_in_a_thread_and_swallows_a_failed_import(tmp_path, monkeypatch):
+    import sys
+    import threading
+
+    from beatflow.backend import import_in_background
+
+    _module(tmp_path, "bf_bg_ok", "import threading\nIMPORTED_IN = threading.current_thread().name\n")
+    _module(tmp_path, "bf_bg_bad", "raise ImportError('no driver here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("bf_bg_ok", "bf_bg_bad"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    thread = import_in_background("bf_bg_ok")
+    assert thread is not None and thread.daemon and import_in_background("bf_bg_ok") in (thread, None)
+    thread.join(10)
+    assert sys.modules["bf_bg_ok"].IMPORTED_IN == thread.name != threading.current_thread().name
+    assert import_in_background("bf_bg_ok") is None  # imported: nothing started
+    bad = import_in_background("bf_bg_bad")
+    bad.join(10)
+    assert not bad.is_alive() and "bf_bg_bad" not in sys.modules  # no error here: where it is used
+
+
+def test_the_dask_client_imports_the_module_of_a_results_type_without_fetching_it(tmp_path, monkeypatch):
+    """Why a GPU run imports CuPy in its flow's process ahead of time: the client unpickles the type
+    of each result a worker holds (here a class this process has not imported) as it learns the
+    result is ready, before anything is gathered."""
+    import sys
+
+    from distributed import Client, LocalCluster, wait
+
+    _module(tmp_path, "bf_result_type", "class Thing:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "bf_result_type", raising=False)
+    env = {"PYTHONPATH": str(tmp_path)}
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None, env=env) as cluster, \
+            Client(cluster) as client:
+        future = client.submit(eval, "(__import__('time').sleep(0.5), __import__('bf_result_type').Thing())[1]",
+                               pure=False)
+        assert "bf_result_type" not in sys.modules
+        wait(future)  # (done once the client has taken the result's type in)
+        assert "bf_result_type" in sys.modules
