@@ -39,9 +39,10 @@ def import_in_background(name: str):
     the module is imported already. An import that fails is left to fail where the module is used.
 
     The flow's process of a GPU run never uses CuPy itself, but its Dask client unpickles the type of
-    every result a worker holds, and the first CuPy array (the load's partitions) imported CuPy there:
-    0.18-0.21 s between the last read's end on the GPU worker and the load's return (H100, session 26),
-    a sixth of a warm run. Started before the flow run is set up, the import overlaps that set-up.
+    every result a worker holds, so the first CuPy array (the load's partitions) imported CuPy there:
+    in warm flows the load's return took 0.18-0.21 s after the last read's end on the GPU worker,
+    against 1.2 ms in a process that had imported CuPy (H100, session 26, ``bench/RESULTS.md``).
+    Started before the flow run is set up, the import overlaps that set-up.
     """
     if name in sys.modules:
         return None
