@@ -839,6 +839,15 @@ def render_figures(data, names=EARLY_FIGURES) -> dict:
     return {name: FIGURES[name](data) for name in names}
 
 
+def render_figures_timed(data, names) -> tuple[dict, tuple[float, float]]:
+    """:func:`render_figures` and the wall-clock times of its start and end (a figure process's job:
+    ``flows.pipeline.FigurePool`` tells from them how long a figure waited for a process)."""
+    import time  # noqa: PLC0415
+
+    start = time.time()
+    return render_figures(data, names), (start, time.time())
+
+
 def render_report_html(data: ReportData, figures: dict | None = None) -> str:
     """Build the complete, self-contained HTML document as a string.
 

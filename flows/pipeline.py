@@ -275,6 +275,11 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     kb = np.flatnonzero(plan.kept)  # beat numbers of kept beats, in the same order as the rows
     log.info("segmentation: %d beats detected, %d kept, removed %.2f percent of the candidates",
              plan.n_detected, plan.n_kept, 100 * pruned)
+    # the beat lengths' figure needs nothing more: drawn now, so that its process is free by the time
+    # the figures of the trained model and of the scores come (seven figures, four processes)
+    counts, edges_ = _length_histogram(plan, s)
+    early = figures.draw(SimpleNamespace(fs=fs, length_hist_counts=counts, length_hist_edges=edges_,
+                                         length_bounds=(s.lower, s.upper)), ("lengths",))
     sw.lap("segment")
 
     # pruning / embedding: each partition's kept beats become rows, on the partition's worker
@@ -311,7 +316,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     sw.lap("train")
     # the report's figures that need nothing more are drawn here, in the flow's process, while the
     # workers build the engine and score (the report task then renders only the rest)
-    early = _draw_early_figures(figures, fs, s, plan, trained)
+    early.update(_draw_early_figures(figures, fs, trained))
 
     t_submit = time.time()
     engine = T.build_engine(trained["model"], trained["validation"], threads, device, engine_backend, precision)
@@ -383,6 +388,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     ph.lap("data")
     drawn = figures.collect({**early, **late, **last})
     ph.lap("figures_wait")
+    detail["figures"] = FigurePool.timings({**early, **late, **last})
     T.write_report(str(work / "report.html"), data, drawn)
     ph.lap("write")
     detail["report"] = ph.times
@@ -502,14 +508,18 @@ class FigurePool:
 
     def draw(self, data, names) -> dict:
         """Futures of the named figures (``beatflow.report.FIGURES``), one job each."""
-        from beatflow.report import render_figures
+        from beatflow.report import render_figures_timed
 
         if self.pool is None:
             return {}
+        out = {}
         try:
-            return {name: self.pool.submit(render_figures, data, (name,)) for name in names}
+            for name in names:
+                out[name] = self.pool.submit(render_figures_timed, data, (name,))
+                out[name].submitted = time.time()
         except Exception:  # a broken pool
             return {}
+        return out
 
     @staticmethod
     def collect(futures: dict) -> dict:
@@ -517,8 +527,21 @@ class FigurePool:
         out = {}
         for f in futures.values():
             try:
-                out.update(f.result())
+                out.update(f.result()[0])
             except Exception:
+                pass
+        return out
+
+    @staticmethod
+    def timings(futures: dict) -> dict:
+        """Per figure drawn (:meth:`collect` waited for them): seconds from its submission until a process
+        took it (``queued``) and of its drawing there (``draw``); wall clocks of one host."""
+        out = {}
+        for name, f in futures.items():
+            try:
+                start, end = f.result(timeout=0)[1]
+                out[name] = {"queued": round(max(0.0, start - f.submitted), 4), "draw": round(end - start, 4)}
+            except Exception:  # not drawn there
                 pass
         return out
 
@@ -578,17 +601,15 @@ def _task_overhead(t_submit: float, result: dict) -> dict:
             "return": round(now - span[1], 4)}
 
 
-def _draw_early_figures(figures: FigurePool, fs, s, plan, trained) -> dict:
-    """Futures of the report's early figures (``beatflow.report.EARLY_FIGURES``): they need only
-    what is known once the model is trained, and are drawn while the workers build the engine and
-    score."""
+def _draw_early_figures(figures: FigurePool, fs, trained) -> dict:
+    """Futures of the report's early figures (``beatflow.report.EARLY_FIGURES``) but the beat lengths'
+    (drawn after segmentation): they need only what is known once the model is trained, and are drawn
+    while the workers build the engine and score."""
     from beatflow.report import EARLY_FIGURES
 
-    counts, edges_ = _length_histogram(plan, s)
-    d = SimpleNamespace(fs=fs, length_hist_counts=counts, length_hist_edges=edges_, length_bounds=(s.lower, s.upper),
-                        aligned_beats=np.asarray(trained["sample_rows"]), train_loss=trained["train_loss"],
+    d = SimpleNamespace(fs=fs, aligned_beats=np.asarray(trained["sample_rows"]), train_loss=trained["train_loss"],
                         test_loss=trained["test_loss"])
-    return figures.draw(d, EARLY_FIGURES)
+    return figures.draw(d, [name for name in EARLY_FIGURES if name != "lengths"])
 
 
 #: the report's figures drawn as soon as the scores are known (``beatflow.report.FIGURES``)

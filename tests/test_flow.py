@@ -77,6 +77,11 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     for stage in ("score", "report"):
         assert all(v >= 0 for v in detail[stage].values())
         assert sum(detail[stage].values()) <= saved["timings_s"][stage] + 0.01
+    # every figure drawn in the flow's figure processes: how long it waited for one, and drew there
+    from beatflow.report import FIGURES
+
+    assert set(detail["figures"]) == set(FIGURES), detail["figures"]
+    assert all(t["draw"] > 0 and t["queued"] >= 0 for t in detail["figures"].values())
     table = pd.read_parquet(out / "anomalies.parquet")
     assert len(table) == saved["beats_kept"] and table["flagged"].sum() == saved["anomalies_flagged"]
     assert list(table.columns) == ["beat", "recording", "start", "peak", "time_s", "length", "score", "flagged", "rank"]

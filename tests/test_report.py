@@ -332,8 +332,12 @@ def test_figure_pool_draws_in_processes_the_same_pictures():
         got = FigurePool.collect(futures)
         assert got == render_figures(d, list(FIGURES))
         assert len(pool.pool._processes) == 2  # drawn by the pool's two processes
+        took = FigurePool.timings(futures)  # how long each waited for a process, and drew there
+        assert set(took) == set(FIGURES) and all(t["draw"] > 0 and t["queued"] >= 0 for t in took.values())
+        # seven jobs, two processes: the last ones waited at least for a figure drawn before them
+        assert max(t["queued"] for t in took.values()) >= min(t["draw"] for t in took.values()) * 0.9, took
         broken = pool.draw(object(), ["lengths"])  # no fields: the job raises
-        assert FigurePool.collect(broken) == {}
+        assert FigurePool.collect(broken) == {} and FigurePool.timings(broken) == {}
     finally:
         pool.close()
 
