@@ -64,11 +64,15 @@ def anomaly_table(beat, recording, peak, start, length, score, fs: float, thresh
     order = np.argsort(-score, kind="stable")
     rank = np.empty_like(order)
     rank[order] = np.arange(1, order.shape[0] + 1)
-    names = np.asarray(recording_names, dtype=object)
+    # the recordings' names as codes into their sorted distinct names (what pd.Categorical of the names
+    # per beat gives, without making and factorizing one string per beat: 7 of 18 ms for 97 k beats)
+    names, code = np.unique(np.asarray(recording_names, dtype=str), return_inverse=True)
     return pd.DataFrame(
         {
             "beat": np.asarray(beat, dtype=np.int64),
-            "recording": pd.Categorical(names[np.asarray(recording, dtype=np.int64)]) if len(names) else [],
+            "recording": (pd.Categorical.from_codes(code.reshape(-1)[np.asarray(recording, dtype=np.int64)],
+                                                    categories=names.astype(object))
+                          if len(names) else []),
             "start": np.asarray(start, dtype=np.int64),
             "peak": np.asarray(peak, dtype=np.int64),
             "time_s": np.asarray(start, dtype=np.float64) / fs,

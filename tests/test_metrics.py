@@ -73,6 +73,22 @@ def test_anomaly_table_ranks():
     assert t["time_s"].tolist() == [0.08, 0.16, 0.32]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_anomaly_table_recordings_are_the_categorical_of_each_beats_name(seed):
+    """The recording column (codes into the sorted distinct names) against pandas' Categorical of
+    the name of each beat, names that repeat included."""
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    names = [str(v) for v in rng.choice(["100", "207", "a01", "x"], size=int(rng.integers(1, 6)))]
+    rec = rng.integers(0, len(names), 500)
+    t = anomaly_table(np.arange(500), rec, np.arange(500), np.arange(500), np.full(500, 150), rng.random(500), 250.0,
+                      0.5, names)
+    want = pd.Categorical(np.asarray(names, dtype=object)[rec])
+    assert t["recording"].tolist() == want.tolist()
+    assert t["recording"].cat.categories.tolist() == want.categories.tolist()
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_roc_auc_equals_scikit_learn_with_ties(seed):
     """The NumPy rank statistic against scikit-learn's ROC-AUC, on scores with many ties."""
