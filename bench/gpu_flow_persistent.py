@@ -89,6 +89,10 @@ def main() -> int:
             print(f"run {r}: rc={rc} wall {wall:.1f} s  " + "  ".join(f"{k} {v:.2f}" for k, v in t_.items())
                   + f"  training {s.get('training')}  engine {(s.get('engine') or {}).get('cache')}"
                   + f"  transfers {s.get('transfers')}", flush=True)
+            detail = s.get("timings_detail_s", {})
+            if detail:  # where the load's and the report's waits went (sessions 24-26)
+                print(f"  load {detail.get('load')}\n  figures {detail.get('figures')}\n  report {detail.get('report')}",
+                      flush=True)
     finally:
         client.close()
         cluster.close()
