@@ -386,9 +386,10 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
 
     last = figures.draw(data, [name for name in FIGURES if name not in early and name not in late])  # the rest
     ph.lap("data")
-    drawn = figures.collect({**early, **late, **last})
+    futures = {**early, **late, **last}
+    drawn = figures.collect(futures)
     ph.lap("figures_wait")
-    detail["figures"] = FigurePool.timings({**early, **late, **last})
+    detail["figures"] = FigurePool.timings(futures)
     T.write_report(str(work / "report.html"), data, drawn)
     ph.lap("write")
     detail["report"] = ph.times
@@ -515,8 +516,9 @@ class FigurePool:
         out = {}
         try:
             for name in names:
+                submitted = time.time()
                 out[name] = self.pool.submit(render_figures_timed, data, (name,))
-                out[name].submitted = time.time()
+                out[name].submitted = submitted
         except Exception:  # a broken pool
             return {}
         return out

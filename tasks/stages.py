@@ -245,8 +245,8 @@ def load_phases(partitions_s: float, edges_s: float, per_partition: list[dict],
     spans = [p["span"] for p in per_partition if "span" in p]
     if window is not None and spans:
         first, last = min(a for a, _ in spans), max(b for _, b in spans)
-        out.update(dispatch=round(first - window[0], 4), on_workers=round(last - first, 4),
-                   **{"return": round(window[1] - last, 4)})
+        out.update({"dispatch": round(first - window[0], 4), "on_workers": round(last - first, 4),
+                    "return": round(window[1] - last, 4)})
     for name in ("setup", "read", "to_device"):
         vals = [p[name] for p in per_partition if name in p]
         if vals:
