@@ -481,7 +481,7 @@ class FigurePool:
 
         from beatflow.report import warm_up  # (a light module: the processes do not import this one)
 
-        n = processes or max(1, min(4, os.cpu_count() or 1))
+        n = processes or figure_processes(os.cpu_count() or 1)
         try:
             self.pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"),
                                             initializer=warm_up)
@@ -555,6 +555,20 @@ class FigurePool:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+#: the most figure jobs of one run that can be drawing at once: the 2 drawn once the model is trained
+#: (aligned beats, training curves) and the 4 once the scores are known (stream, scores, latent space,
+#: top anomalies); the beat lengths' and the truth matching are over by then
+CONCURRENT_FIGURES = 6
+
+
+def figure_processes(cores: int) -> int:
+    """How many figure processes a host of ``cores`` gets: :data:`CONCURRENT_FIGURES` where it has at least
+    twice that many cores (no figure then waits for a process: on a 16-core GPU host, 4 processes
+    left the latent space's figure queued behind the early ones), else 4, never more than its cores."""
+    cores = max(1, int(cores))
+    return CONCURRENT_FIGURES if cores >= 2 * CONCURRENT_FIGURES else min(4, cores)
 
 
 _POOL: FigurePool | None = None

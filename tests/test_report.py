@@ -317,6 +317,19 @@ def test_figures_drawn_ahead_are_used_and_match():
     assert doc.count("data:image/png;base64,") == render_report_html(d).count("data:image/png;base64,")
 
 
+def test_figure_processes_cover_the_figures_drawn_at_once():
+    """A host with cores to spare gets one figure process per figure that can be drawing at once (the
+    early ones but the beat lengths', the late ones, the top anomalies'); a small one at most 4 and
+    never more than its cores."""
+    from flows.pipeline import CONCURRENT_FIGURES, LATE_FIGURES, figure_processes
+
+    from beatflow.report import EARLY_FIGURES, FIGURES
+
+    at_once = [n for n in EARLY_FIGURES if n != "lengths"] + list(LATE_FIGURES) + ["top"]
+    assert set(at_once) <= set(FIGURES) and CONCURRENT_FIGURES == len(at_once)
+    assert [figure_processes(c) for c in (0, 1, 2, 3, 4, 8, 11, 12, 16, 128)] == [1, 1, 2, 3, 4, 4, 4, 6, 6, 6]
+
+
 def test_figure_pool_draws_in_processes_the_same_pictures():
     """The flow's FigurePool: each figure drawn in a spawned process equals the one drawn here; a
     figure whose job fails is left out (the report task draws it), and a closed pool draws nothing."""
