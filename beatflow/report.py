@@ -22,6 +22,7 @@ import io
 import math
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Iterable
 
 import numpy as np
@@ -448,27 +449,23 @@ def _pixel_max(x, y, value, xlim, ylim, shape) -> np.ndarray:
     return img
 
 
-def _fig_latent(d: ReportData) -> str:
-    """The test beats' latent means, coloured by score (and, with a ground truth, by label), drawn
-    as an image of per-pixel maxima (:func:`_pixel_max`): the cost does not grow with the beats."""
-    from matplotlib.colors import ListedColormap  # noqa: PLC0415
-
+def _latent_frame(d: ReportData):
+    """What the two latent-space figures share (so that their panels match point for point): the
+    test beats' latent means ``x``, ``y``, their scores, their truth labels (None without a truth), the
+    axes' limits (the bulk of the points) and the colour scale's range; None when there is nothing to
+    draw."""
     mu = np.asarray(d.latent_mu, dtype=np.float64)
     sc = np.asarray(d.latent_score, dtype=np.float64).reshape(-1)
     labels = None if d.truth_labels is None else np.asarray(d.truth_labels).reshape(-1)
-    two = labels is not None and labels.size == sc.size and sc.size > 0
-    fig = _new_fig(13.0 if two else 7.6, 5.0, margins=(0.85, 0.2, 0.35, 0.55), wspace=0.18)
-    axes = [fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)] if two else [fig.add_subplot()]
-    ax = axes[0]
+    if labels is not None and labels.size != sc.size:
+        labels = None
     if mu.ndim != 2 or mu.shape[0] == 0 or mu.shape[1] < 2 or sc.size != mu.shape[0]:
-        _no_data(ax)
-        return _png(fig)
+        return None
     x, y = mu[:, 0], mu[:, 1]
     fin = sc[np.isfinite(sc)]
     vmin, vmax = (np.percentile(fin, 1), np.percentile(fin, 99.5)) if fin.size else (0, 1)
     if vmax <= vmin:
         vmax = vmin + 1e-9
-    m = mu.shape[0]
     # Zoom on the bulk: outliers can stretch the axes a lot.
     lims = []
     for arr in (x, y):
@@ -476,50 +473,78 @@ def _fig_latent(d: ReportData) -> str:
         lo, hi = np.percentile(f, [0.05, 99.95]) if f.size else (0.0, 1.0)
         pad = 0.08 * (hi - lo if hi > lo else 1.0)
         lims.append((lo - pad, hi + pad))
-    bbox = ax.get_position()  # the axes' size in pixels, from the fixed layout (the colorbar takes ~13 %)
+    return SimpleNamespace(x=x, y=y, sc=sc, labels=labels, lims=lims, vrange=(vmin, vmax))
+
+
+def _latent_image(fig, ax, f, value, width_share: float = 1.0, **kw):
+    """``value`` of the points aggregated per pixel of ``ax`` (:func:`_pixel_max`) and shown there;
+    ``width_share``: the part of the axes' width the image gets (a colorbar takes the rest)."""
+    bbox = ax.get_position()  # the axes' size in pixels, from the fixed layout
     shape = (max(8, int(bbox.height * fig.get_figheight() * _DPI)),
-             max(8, int(bbox.width * fig.get_figwidth() * _DPI * 0.87)))
+             max(8, int(bbox.width * fig.get_figwidth() * _DPI * width_share)))
+    img = _pixel_max(f.x, f.y, value, f.lims[0], f.lims[1], shape)
+    return ax.imshow(img, extent=(*f.lims[0], *f.lims[1]), origin="lower", aspect="auto", interpolation="nearest",
+                     **kw)
 
-    def show(a, img, **kw):
-        return a.imshow(img, extent=(*lims[0], *lims[1]), origin="lower", aspect="auto", interpolation="nearest",
-                        **kw)
 
-    sca = show(ax, _pixel_max(x, y, sc, lims[0], lims[1], shape), cmap="viridis", vmin=vmin, vmax=vmax)
-    flagged = sc >= float(d.threshold)
+def _latent_axes_done(ax, f, title: str, ylabel: bool = True) -> None:
+    _title(ax, title)
+    ax.set_xlabel("z₁", fontsize=9)
+    if ylabel:
+        ax.set_ylabel("z₂", fontsize=9)
+    _style(ax)
+    ax.set_xlim(*f.lims[0])
+    ax.set_ylim(*f.lims[1])
+
+
+def _fig_latent(d: ReportData) -> str:
+    """The test beats' latent means, coloured by score, drawn as an image of per-pixel maxima
+    (:func:`_pixel_max`): the cost does not grow with the beats. The same points by truth label are
+    a figure of their own (:func:`_fig_latent_truth`), drawn beside this one in another process."""
+    f = _latent_frame(d)
+    fig = _new_fig(7.6, 5.0, margins=(0.85, 0.2, 0.35, 0.55))
+    ax = fig.add_subplot()
+    if f is None:
+        _no_data(ax)
+        return _png(fig)
+    sca = _latent_image(fig, ax, f, f.sc, 0.87, cmap="viridis", vmin=f.vrange[0], vmax=f.vrange[1])
+    flagged = f.sc >= float(d.threshold)
     if flagged.any():
         ax.scatter(
-            x[flagged], y[flagged], s=20, facecolors="none", edgecolors=_FLAG, lw=0.7,
+            f.x[flagged], f.y[flagged], s=20, facecolors="none", edgecolors=_FLAG, lw=0.7,
             label=f"flagged ({int(flagged.sum()):,})",
         )
         ax.legend(fontsize=8, loc="upper right", frameon=True, framealpha=0.8)
     cb = fig.colorbar(sca, ax=ax, extend="both", shrink=0.9)
     cb.set_label("anomaly score", fontsize=9)
     cb.ax.tick_params(labelsize=8)
-    _title(ax, f"latent means of {m:,} test beats, coloured by score (largest per pixel)")
-    ax.set_xlabel("z₁", fontsize=9)
-    ax.set_ylabel("z₂", fontsize=9)
-    _style(ax)
-    ax.set_xlim(*lims[0])
-    ax.set_ylim(*lims[1])
-    if two:
-        ax2 = axes[1]
-        ax2.sharex(ax)
-        ax2.sharey(ax)
-        uniq = [int(u) for u in np.unique(labels)]
-        # the common class lowest, so that rare classes stay visible where they share a pixel
-        uniq.sort(key=lambda u: -(labels == u).sum())
-        rank = np.zeros(labels.size)
-        for k, u in enumerate(uniq):
-            rank[labels == u] = k
-        colours = [_LABEL_COLOURS.get(u, "#17becf") for u in uniq]
-        show(ax2, _pixel_max(x, y, rank, lims[0], lims[1], shape), cmap=ListedColormap(colours), vmin=-0.5,
-             vmax=len(uniq) - 0.5)
-        for u, colour in zip(uniq, colours):
-            ax2.scatter([], [], s=16, lw=0, color=colour, label=f"{_LABEL_NAMES.get(u, str(u))} ({int((labels == u).sum()):,})")
-        ax2.legend(fontsize=8, frameon=True, framealpha=0.8, loc="upper right")
-        _title(ax2, "same points, coloured by ground-truth label (rarest per pixel)")
-        ax2.set_xlabel("z₁", fontsize=9)
-        _style(ax2)
+    _latent_axes_done(ax, f, f"latent means of {f.sc.size:,} test beats, coloured by score (largest per pixel)")
+    return _png(fig)
+
+
+def _fig_latent_truth(d: ReportData) -> str | None:
+    """The points of :func:`_fig_latent` on the same axes, coloured by ground-truth label (the rarest
+    per pixel); None without a truth."""
+    from matplotlib.colors import ListedColormap  # noqa: PLC0415
+
+    f = _latent_frame(d)
+    if f is None or f.labels is None:
+        return None
+    labels = f.labels
+    fig = _new_fig(6.6, 5.0, margins=(0.85, 0.2, 0.35, 0.55))
+    ax = fig.add_subplot()
+    uniq = [int(u) for u in np.unique(labels)]
+    # the common class lowest, so that rare classes stay visible where they share a pixel
+    uniq.sort(key=lambda u: -(labels == u).sum())
+    rank = np.zeros(labels.size)
+    for k, u in enumerate(uniq):
+        rank[labels == u] = k
+    colours = [_LABEL_COLOURS.get(u, "#17becf") for u in uniq]
+    _latent_image(fig, ax, f, rank, cmap=ListedColormap(colours), vmin=-0.5, vmax=len(uniq) - 0.5)
+    for u, colour in zip(uniq, colours):
+        ax.scatter([], [], s=16, lw=0, color=colour, label=f"{_LABEL_NAMES.get(u, str(u))} ({int((labels == u).sum()):,})")
+    ax.legend(fontsize=8, frameon=True, framealpha=0.8, loc="upper right")
+    _latent_axes_done(ax, f, "same points, coloured by ground-truth label (rarest per pixel)")
     return _png(fig)
 
 
@@ -801,7 +826,7 @@ def _top_table(d: ReportData, limit: int = 50) -> str:
 
 #: the report's figures: name -> function of the (parts of the) ReportData it reads
 FIGURES = {"stream": _fig_stream, "lengths": _fig_lengths, "aligned": _fig_aligned, "training": _fig_training,
-           "scores": _fig_scores, "latent": _fig_latent, "top": _fig_top}
+           "scores": _fig_scores, "latent": _fig_latent, "latent_truth": _fig_latent_truth, "top": _fig_top}
 #: which figures need only what is known once the model is trained (the flow renders them while the
 #: engine is built and the beats are scored)
 EARLY_FIGURES = ("lengths", "aligned", "training")
@@ -911,8 +936,14 @@ def render_report_html(data: ReportData, figures: dict | None = None) -> str:
     parts.append('<div class="panel"><h3>Anomaly score distribution</h3>' + _img(fig("scores"), "score histogram")
                  + '<p class="note">All kept beats; the red line is the flagging threshold.</p></div>')
     parts.append("</div>")
-    parts.append('<div class="panel" style="margin-top:14px"><h3>Latent space</h3>' + _img(fig("latent"), "latent space")
+    by_label = fig("latent_truth")
+    parts.append('<div class="row" style="margin-top:14px">' if by_label is not None else '<div style="margin-top:14px">')
+    parts.append('<div class="panel"><h3>Latent space</h3>' + _img(fig("latent"), "latent space")
                  + '<p class="note">Flagged beats (score ≥ threshold) are circled in red.</p></div>')
+    if by_label is not None:
+        parts.append('<div class="panel"><h3>Latent space by truth label</h3>'
+                     + _img(by_label, "latent space by truth label") + "</div>")
+    parts.append("</div>")
     parts.append("</section>")
 
     parts.append('<section id="anomalies"><h2>Top anomalies</h2>')

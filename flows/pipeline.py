@@ -276,7 +276,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     log.info("segmentation: %d beats detected, %d kept, removed %.2f percent of the candidates",
              plan.n_detected, plan.n_kept, 100 * pruned)
     # the beat lengths' figure needs nothing more: drawn now, so that its process is free by the time
-    # the figures of the trained model and of the scores come (seven figures, four processes)
+    # the figures of the trained model and of the scores come (eight figures, up to seven processes)
     counts, edges_ = _length_histogram(plan, s)
     early = figures.draw(SimpleNamespace(fs=fs, length_hist_counts=counts, length_hist_edges=edges_,
                                          length_bounds=(s.lower, s.upper)), ("lengths",))
@@ -335,16 +335,13 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     threshold = robust_threshold(scores, recording=plan.recording[kb])  # (the spread within recordings)
     flagged_mask = scores > threshold
     names = [r.name for r in source.recordings]
-    truth = None
-    if truth_path:  # the check against the synthetic truth
-        truth = T.evaluate_truth(matching.result(), scores)
-        log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
-        ph.lap("truth")
+    matched = matching.result() if matching is not None else None  # (the truth's beats matched to ours)
     # the report's figures that need the scores start first, in the figure processes: the stream, the
-    # scores and the latent space, then the top anomalies (their context from their partitions); the
-    # table's file and the summary are written while they are drawn
+    # scores and the latent space's two, then the top anomalies (their context from their partitions);
+    # the truth's scores, the table's file and the summary are made while they are drawn (on the H100
+    # host the figures took 0.13-0.39 s each, longer than all of this)
     view, per_kept = _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged_mask,
-                                  T.gather(overview_futures), truth, kb, rec_offset, names)
+                                  T.gather(overview_futures), matched, kb, rec_offset, names)
     late = figures.draw(SimpleNamespace(**view), LATE_FIGURES)
     ph.lap("figures_started")
     table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
@@ -359,6 +356,11 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     top_list = _top_list(names, fs, plan, top, ctx, kb, per_kept)
     late.update(figures.draw(SimpleNamespace(fs=fs, top=top_list), ("top",)))
     ph.lap("context")
+    truth = None
+    if matched is not None:  # the check against the synthetic truth
+        truth = T.evaluate_truth(matched, scores)
+        log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
+        ph.lap("truth")
     table.to_parquet(work / "anomalies.parquet", index=False)
     meta = json.loads((work / "model.json").read_text())
     meta.update(threshold=threshold, fs=fs)
@@ -445,7 +447,7 @@ def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshol
                    "clock": prof.get("clock"), "profile_measured": prof.get("measured")},
     }
     if truth is not None:
-        out["truth"] = {k: v for k, v in truth.items() if not k.startswith("_")}
+        out["truth"] = dict(truth)
     return out
 
 
@@ -558,9 +560,9 @@ class FigurePool:
 
 
 #: the most figure jobs of one run that can be drawing at once: the 2 drawn once the model is trained
-#: (aligned beats, training curves) and the 4 once the scores are known (stream, scores, latent space,
-#: top anomalies); the beat lengths' and the truth matching are over by then
-CONCURRENT_FIGURES = 6
+#: (aligned beats, training curves) and the 5 once the scores are known (stream, scores, the latent
+#: space's two, top anomalies); the beat lengths' and the truth matching are over by then
+CONCURRENT_FIGURES = 7
 
 
 def figure_processes(cores: int) -> int:
@@ -629,15 +631,15 @@ def _draw_early_figures(figures: FigurePool, fs, trained) -> dict:
 
 
 #: the report's figures drawn as soon as the scores are known (``beatflow.report.FIGURES``)
-LATE_FIGURES = ("stream", "scores", "latent")
+LATE_FIGURES = ("stream", "scores", "latent", "latent_truth")
 
 
-def _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged, overview, truth, kb, rec_offset,
+def _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged, overview, matched, kb, rec_offset,
                  names=()):
     """``(fields, per_kept)``: the report's fields that the scores decide (what :data:`LATE_FIGURES`
     draw: the stream's picture with the flagged beats' times, every score, and a sample of at most
     20 000 test beats' latent means with their scores and truth labels), and the truth label of every
-    kept beat (None without a truth)."""
+    kept beat (None without a truth; ``matched``: :func:`beatflow.metrics.match_truth`'s result)."""
     from beatflow.report import combine_minmax
 
     smin, smax = combine_minmax(overview, N_COLUMNS)
@@ -645,8 +647,8 @@ def _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged, overv
     rng = np.random.default_rng(0)
     sub = np.sort(rng.choice(test_idx, size=min(20000, len(test_idx)), replace=False))
     per_kept = truth_labels = None
-    if truth is not None:
-        m, labels = truth["_matched_labels"]
+    if matched is not None:
+        m, labels = matched["matched"], matched["labels"]
         per_kept = np.zeros(len(kb), np.int64)
         per_kept[m[m >= 0]] = labels[m >= 0]
         truth_labels = per_kept[sub]

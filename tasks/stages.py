@@ -556,7 +556,7 @@ def evaluate_truth(matched: dict, kept_scores) -> dict:
     auc_pvc = roc_auc(s[labels != 2], labels[labels != 2] == 1)
     return {"se": matched["se"], "ppv": matched["ppv"], "f1": matched["f1"], "auc": auc, "auc_pvc": auc_pvc,
             "true_beats": int(len(all_labels)), "abnormal": int((all_labels > 0).sum()),
-            "abnormal_scored": int((labels > 0).sum()), "_matched_labels": (m, all_labels)}
+            "abnormal_scored": int((labels > 0).sum())}
 
 
 @task(name="write-report", cache_policy=NO_CACHE, persist_result=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import re
 import time
 
@@ -258,7 +259,8 @@ def test_write_report_self_contained(tmp_path):
     assert doc.startswith("<!DOCTYPE html>")
     assert doc.count("data:image/png;base64,") >= 6
     for heading in ("Summary", "Per-stage timings", "Whole stream", "Beat-length histogram", "Aligned beats",
-                    "Training curve", "Latent space", "Anomaly score distribution", "Top anomalies"):
+                    "Training curve", "Latent space", "Latent space by truth label", "Anomaly score distribution",
+                    "Top anomalies"):
         assert heading in doc, heading
     # no external resources of any kind
     assert not re.search(r"(src|href)\s*=\s*[\"']?\s*(https?:)?//", doc, re.I)
@@ -289,6 +291,21 @@ def test_write_report_degenerate_inputs(tmp_path):
     doc = out.read_text(encoding="utf-8")
     assert "No anomalies flagged" in doc
     assert doc.count("data:image/png;base64,") >= 6
+    assert "by truth label" not in doc  # no truth: no such figure
+
+
+def test_latent_figures_by_score_and_by_label():
+    """The latent space by score always; by truth label only with a label per point."""
+    from beatflow.report import FIGURES
+
+    d = _fake_data(m=3000)
+    by_score, by_label = FIGURES["latent"](d), FIGURES["latent_truth"](d)
+    assert base64.b64decode(by_score)[:8] == base64.b64decode(by_label)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert by_score != by_label
+    d.truth_labels = None
+    assert FIGURES["latent_truth"](d) is None and FIGURES["latent"](d) == by_score
+    d.truth_labels = np.zeros(5, np.int64)  # not one per point: left out, not drawn wrong
+    assert FIGURES["latent_truth"](d) is None
 
 
 def test_write_report_fast_realistic(tmp_path):
@@ -327,7 +344,7 @@ def test_figure_processes_cover_the_figures_drawn_at_once():
 
     at_once = [n for n in EARLY_FIGURES if n != "lengths"] + list(LATE_FIGURES) + ["top"]
     assert set(at_once) <= set(FIGURES) and CONCURRENT_FIGURES == len(at_once)
-    assert [figure_processes(c) for c in (0, 1, 2, 3, 4, 8, 11, 12, 16, 128)] == [1, 1, 2, 3, 4, 4, 4, 6, 6, 6]
+    assert [figure_processes(c) for c in (0, 1, 2, 3, 4, 8, 11, 13, 14, 128)] == [1, 1, 2, 3, 4, 4, 4, 4, 7, 7]
 
 
 def test_figure_pool_draws_in_processes_the_same_pictures():
@@ -347,7 +364,7 @@ def test_figure_pool_draws_in_processes_the_same_pictures():
         assert len(pool.pool._processes) == 2  # drawn by the pool's two processes
         took = FigurePool.timings(futures)  # how long each waited for a process, and drew there
         assert set(took) == set(FIGURES) and all(t["draw"] > 0 and t["queued"] >= 0 for t in took.values())
-        # seven jobs, two processes: the last ones waited at least for a figure drawn before them
+        # eight jobs, two processes: the last ones waited at least for a figure drawn before them
         assert max(t["queued"] for t in took.values()) >= min(t["draw"] for t in took.values()) * 0.9, took
         broken = pool.draw(object(), ["lengths"])  # no fields: the job raises
         assert FigurePool.collect(broken) == {} and FigurePool.timings(broken) == {}
