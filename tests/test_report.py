@@ -375,8 +375,6 @@ def test_figure_pool_draws_in_processes_the_same_pictures():
 def test_pixel_max_matches_a_naive_loop_over_points():
     """The latent figure's aggregation: each pixel the largest value of the points in it, widened by
     one pixel (down/left neighbours' maxima), NaN where empty; points outside the limits dropped."""
-    from scipy.ndimage import maximum_filter  # noqa: F401  (the function uses it)
-
     from beatflow.report import _pixel_max
 
     rng = np.random.default_rng(3)
