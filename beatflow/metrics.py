@@ -110,3 +110,18 @@ def match_truth(truth_path: str, peaks, kept_peaks, fs: float) -> dict:
     det, _ = match_beats(peaks, r_peaks, tol)
     _, m = match_beats(kept_peaks, r_peaks, tol)
     return {"se": det.se, "ppv": det.ppv, "f1": det.f1, "matched": m, "labels": labels}
+
+
+def truth_check(matched: dict, kept_scores) -> dict:
+    """The flow's check against a synthetic truth, once the beats are scored: detection (Se, PPV and F1
+    from :func:`match_truth`'s ``matched``) and the anomaly ROC-AUC of the kept beats' scores, over the
+    truth beats matched to a kept beat (abnormal: any label > 0; ``auc_pvc``: PVCs against normal
+    beats only). (A light module: the flow runs this in a figure process while it goes on.)"""
+    m, all_labels = np.asarray(matched["matched"]), np.asarray(matched["labels"])
+    ok = m >= 0
+    labels = all_labels[ok]
+    s = np.asarray(kept_scores)[m[ok]]
+    return {"se": matched["se"], "ppv": matched["ppv"], "f1": matched["f1"], "auc": roc_auc(s, labels > 0),
+            "auc_pvc": roc_auc(s[labels != 2], labels[labels != 2] == 1),
+            "true_beats": int(len(all_labels)), "abnormal": int((all_labels > 0).sum()),
+            "abnormal_scored": int((labels > 0).sum())}

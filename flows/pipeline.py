@@ -26,7 +26,7 @@ from prefect import flow, get_run_logger
 from beatflow.backend import import_in_background, transfer_stats
 from beatflow.beats import MODEL_INPUT
 from beatflow.errors import InputError
-from beatflow.metrics import match_truth
+from beatflow.metrics import match_truth, truth_check
 from beatflow.params import DEFAULT_FS, TRAIN_FRACTION, SegmentParams, compile_pays
 from beatflow.leads import SecondLeadParams
 from beatflow.partitions import assemble_halos, plan_beats, second_lead_gathered
@@ -336,6 +336,8 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     flagged_mask = scores > threshold
     names = [r.name for r in source.recordings]
     matched = matching.result() if matching is not None else None  # (the truth's beats matched to ours)
+    # the check against the synthetic truth (its ROC-AUCs), in a figure process while this one goes on
+    checking = figures.submit(truth_check, matched, scores) if matched is not None else None
     # the report's figures that need the scores start first, in the figure processes: the stream, the
     # scores and the latent space's two, then the top anomalies (their context from their partitions);
     # the truth's scores, the table's file and the summary are made while they are drawn (on the H100
@@ -357,8 +359,8 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     late.update(figures.draw(SimpleNamespace(fs=fs, top=top_list), ("top",)))
     ph.lap("context")
     truth = None
-    if matched is not None:  # the check against the synthetic truth
-        truth = T.evaluate_truth(matched, scores)
+    if checking is not None:
+        truth = checking.result()
         log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
         ph.lap("truth")
     table.to_parquet(work / "anomalies.parquet", index=False)

@@ -407,8 +407,10 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     log = get_run_logger()
-    progress = create_progress_artifact(progress=0.0, description="VAE training (epochs done, %)")
-    shown = {"epoch": 0, "at": time.monotonic()}
+    shown = {"epoch": 0, "at": time.monotonic(), "artifact": None}
+
+    def started() -> None:  # (an API call, made while the worker already trains)
+        shown["artifact"] = create_progress_artifact(progress=0.0, description="VAE training (epochs done, %)")
 
     def show(event) -> None:
         epoch, loss, elapsed = event
@@ -419,12 +421,12 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
         # the artifact at most twice a second, and at the end: each update is a call to the Prefect
         # API (10-20 ms), as long as a whole epoch of a warm GPU run
         if epoch == epochs or time.monotonic() - shown["at"] >= PROGRESS_EVERY_S:
-            update_progress_artifact(progress, progress=100.0 * epoch / epochs)
+            update_progress_artifact(shown["artifact"], progress=100.0 * epoch / epochs)
             shown["at"] = time.monotonic()
 
     topic = f"beatflow-train-{uuid.uuid4().hex[:12]}"
     out = _follow(topic, show, fit_model, embedded, folder, epochs, batch_size, seed, threads, recordings,
-                  n_rows_sample, train_precision, compile, topic=topic, name="train-vae")
+                  n_rows_sample, train_precision, compile, topic=topic, name="train-vae", started=started)
     for event in out.pop("epochs_done"):  # any the events did not bring before the result
         show(event)
     return out
@@ -480,9 +482,10 @@ def _event_sender(topic: str | None):
     return lambda msg: None
 
 
-def _follow(events: str | None, handle, fn, *args, name: str, **kwargs):
+def _follow(events: str | None, handle, fn, *args, name: str, started=None, **kwargs):
     """Run ``fn(*args, **kwargs)`` on the cluster's home worker (another if it is gone) and return its
-    result; meanwhile hand each message it sends on the topic ``events`` to ``handle``, in this thread."""
+    result; meanwhile hand each message it sends on the topic ``events`` to ``handle``, in this thread
+    (``started()`` first, once the task is submitted: work that need not delay it)."""
     import queue
 
     from distributed import wait
@@ -497,6 +500,8 @@ def _follow(events: str | None, handle, fn, *args, name: str, **kwargs):
         home = home_worker(client)  # (None where the client's view of the workers is empty: anywhere)
         placement = {"workers": [home], "allow_other_workers": True} if home else {}
         future = client.submit(fn, *args, key=f"{name}-{uuid.uuid4().hex[:8]}", pure=False, **placement, **kwargs)
+        if started is not None:
+            started()
         while True:
             try:
                 with client.as_current():  # (this thread has no default client)
@@ -540,23 +545,6 @@ def score_partition(embedded, dominant=None, *, engine_path: str, scale: float):
             x = residual_rows(x, dominant)
         score, mu = engine.infer(x)
     return to_host(score), to_host(mu)
-
-
-@task(name="evaluate-truth", cache_policy=NO_CACHE, persist_result=False)
-def evaluate_truth(matched: dict, kept_scores) -> dict:
-    """Detection (Se, PPV at 150 ms, from :func:`beatflow.metrics.match_truth`) and anomaly ROC-AUC
-    against the synthetic truth."""
-    from beatflow.metrics import roc_auc
-
-    m, all_labels = matched["matched"], matched["labels"]
-    ok = m >= 0
-    labels = all_labels[ok]
-    s = np.asarray(kept_scores)[m[ok]]
-    auc = roc_auc(s, labels > 0)
-    auc_pvc = roc_auc(s[labels != 2], labels[labels != 2] == 1)
-    return {"se": matched["se"], "ppv": matched["ppv"], "f1": matched["f1"], "auc": auc, "auc_pvc": auc_pvc,
-            "true_beats": int(len(all_labels)), "abnormal": int((all_labels > 0).sum()),
-            "abnormal_scored": int((labels > 0).sum())}
 
 
 @task(name="write-report", cache_policy=NO_CACHE, persist_result=False)

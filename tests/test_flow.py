@@ -92,6 +92,14 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     assert "Per-stage timings" in html and '<td class="l">train</td>' in html and '<td class="l">total</td>' not in html
     assert f"<h3>Top {min(12, saved['beats_kept'])} in context</h3>" in html
     assert summary["beats_kept"] == saved["beats_kept"]
+    assert "Latent space by truth label" in html  # (a synthetic run has a truth)
+    # the training's progress artifact (made once the training task was submitted) reached 100 %
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterType
+
+    with get_client(sync_client=True) as client:
+        progress = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])))
+    assert [a.data for a in progress if "VAE training" in (a.description or "")] == [100.0], progress
 
     # any partition count gives the same beats and (up to float noise) the same scores
     other = run_flow(tmp_path / "run7", hours=0.25, seed=5, epochs=3, partitions=7)

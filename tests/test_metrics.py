@@ -100,3 +100,20 @@ def test_roc_auc_equals_scikit_learn_with_ties(seed):
     labels = rng.random(n) < rng.uniform(0.05, 0.6)
     labels[:2] = [True, False]
     assert roc_auc(scores, labels) == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
+
+
+def test_truth_check_scores_the_matched_truth_beats():
+    """The flow's truth check: ROC-AUC over the truth beats matched to a kept beat (pairs counted by
+    hand), PVCs against normal beats alone, the counts, and detection passed through."""
+    from beatflow.metrics import truth_check
+
+    matched = {"matched": np.array([0, -1, 2, 1, 3]), "labels": np.array([0, 1, 1, 2, 0]),
+               "se": 0.8, "ppv": 1.0, "f1": 0.889}
+    kept_scores = np.array([0.1, 0.9, 0.8, 0.85], np.float32)  # kept beats 0..3
+    got = truth_check(matched, kept_scores)
+    # abnormal (labels 1, 2) scored 0.8, 0.9 against normal 0.1, 0.85: 3 of 4 pairs in order
+    assert got["auc"] == pytest.approx(0.75)
+    # the PVC (0.8) against the normal beats (0.1, 0.85): 1 of 2
+    assert got["auc_pvc"] == pytest.approx(0.5)
+    assert (got["se"], got["ppv"], got["f1"]) == (0.8, 1.0, 0.889)
+    assert (got["true_beats"], got["abnormal"], got["abnormal_scored"]) == (5, 3, 2)
