@@ -335,7 +335,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     threshold = robust_threshold(scores, recording=plan.recording[kb])  # (the spread within recordings)
     flagged_mask = scores > threshold
     names = [r.name for r in source.recordings]
-    matched = matching.result() if matching is not None else None  # (the truth's beats matched to ours)
+    matched = FigurePool.result(matching) if matching is not None else None  # (the truth's beats matched to ours)
     # the check against the synthetic truth (its ROC-AUCs), in a figure process while this one goes on
     checking = figures.submit(truth_check, matched, scores) if matched is not None else None
     # the report's figures that need the scores start first, in the figure processes: the stream, the
@@ -360,7 +360,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     ph.lap("context")
     truth = None
     if checking is not None:
-        truth = checking.result()
+        truth = FigurePool.result(checking)
         log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
         ph.lap("truth")
     table.to_parquet(work / "anomalies.parquet", index=False)
@@ -496,12 +496,15 @@ class FigurePool:
             self.pool = None
 
     def submit(self, fn, *args):
-        """``fn(*args)`` in one of the processes (a future); in this thread, done, when there are none."""
+        """``fn(*args)`` in one of the processes (a future); in this thread, done, when there are none.
+        Its :meth:`result` gives the value."""
         from concurrent.futures import Future
 
         if self.pool is not None:
             try:
-                return self.pool.submit(fn, *args)
+                future = self.pool.submit(fn, *args)
+                future.job = (fn, args)
+                return future
             except Exception:  # a broken pool
                 pass
         done = Future()
@@ -510,6 +513,21 @@ class FigurePool:
         except Exception as e:
             done.set_exception(e)
         return done
+
+    @staticmethod
+    def result(future):
+        """The value of a :meth:`submit` job; where its process died (a broken pool) or the job was
+        cancelled, the job run again in this thread (an error of the job's own is raised again there)."""
+        from concurrent.futures import CancelledError
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            return future.result()
+        except (BrokenProcessPool, CancelledError):
+            if not hasattr(future, "job"):
+                raise
+            fn, args = future.job
+            return fn(*args)
 
     def draw(self, data, names) -> dict:
         """Futures of the named figures (``beatflow.report.FIGURES``), one job each."""

@@ -361,3 +361,14 @@ def imported(names) -> dict:
     import sys
 
     return {n: n in sys.modules for n in names}
+
+
+def slow_in_child(value, seconds: float):
+    """``value``, after ``seconds`` when run in a child process (a figure process's job that is still
+    running when its process is killed); at once in the main process."""
+    import multiprocessing
+    import time
+
+    if multiprocessing.parent_process() is not None:
+        time.sleep(seconds)
+    return value

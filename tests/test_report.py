@@ -437,6 +437,27 @@ def test_figure_pool_side_work_stays_light(tmp_path):
         pool.submit(match_truth, str(tmp_path / "missing.npz"), peaks, kept, 250.0).result()
 
 
+def test_figure_pool_result_runs_a_job_again_here_when_its_process_died():
+    """The truth check's jobs survive a figure process that dies: ``FigurePool.result`` runs the job
+    again in this thread; an error of the job's own is raised as it is, not run twice."""
+    import os
+    import signal
+
+    from flows.pipeline import FigurePool
+    from naive import slow_in_child
+
+    pool = FigurePool(1)
+    try:
+        assert FigurePool.result(pool.submit(slow_in_child, 3, 0)) == 3  # (the process is up)
+        job = pool.submit(slow_in_child, 7, 120)
+        os.kill(next(iter(pool.pool._processes)), signal.SIGKILL)
+        assert FigurePool.result(job) == 7  # not 120 s: run again here
+        with pytest.raises(ValueError):
+            FigurePool.result(pool.submit(int, "x"))  # (the broken pool: run here at once, its error kept)
+    finally:
+        pool.close()
+
+
 def test_figure_pool_is_kept_from_run_to_run_and_replaced_when_broken():
     """``figure_pool()``: one pool per process, the same object on the next call (its processes stay
     warm for the next flow run); when one of its processes dies it is broken and the next call gives a
