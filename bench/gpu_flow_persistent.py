@@ -8,7 +8,7 @@ for CuPy, Numba and PyTorch, as the flow's own cluster) stay up, and the same 20
 
 Run on the GPU machine from the repository root (``PYTHONPATH=/tmp/site:$PWD``)::
 
-    RUNS=3 python3 bench/gpu_flow_persistent.py     # summaries and a table under $OUT
+    RUNS=3 python3 bench/gpu_flow_persistent.py     # a table; all runs' summaries and logs in two files under $OUT
 
 ``DEVICE=cpu WORKERS=16`` does the same for the CPU path: a standing ``LocalCluster`` of 16
 single-threaded workers set up as the flow's own (``tasks.cluster``), and ``beatflow run --device
@@ -68,6 +68,9 @@ def main() -> int:
     client = Client(cluster)
     print(f"cluster up in {time.perf_counter() - t:.1f} s: {cluster.scheduler_address}", flush=True)
     rows = []
+    log_path = os.path.join(OUT, f"log-persistent-{device}.txt")
+    if os.path.exists(log_path):
+        os.remove(log_path)  # (an earlier call's)
     try:
         for r in range(1, int(os.environ.get("RUNS", "3")) + 1):
             out = f"/tmp/bf-persistent-{device}-{r}"
@@ -77,14 +80,17 @@ def main() -> int:
                    "--device", device, "--scheduler", cluster.scheduler_address, "--out", out] + extra
             if os.environ.get("EPOCHS"):  # (a shorter training, to look at the other stages on a small machine)
                 cmd += ["--epochs", os.environ["EPOCHS"]]
-            with open(os.path.join(OUT, f"log-persistent-{device}-{r}.txt"), "w") as log:
+            # one log and one file of summaries for all runs (a device call brings back only a few files)
+            with open(log_path, "a") as log:
+                log.write(f"\n===== run {r} =====\n")
+                log.flush()
                 rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                     timeout=int(os.environ.get("RUN_LIMIT", "150"))).returncode
             wall = time.perf_counter() - t
             s = json.load(open(os.path.join(out, "summary.json"))) if os.path.exists(os.path.join(out, "summary.json")) else {}
-            if s:
-                json.dump(s, open(os.path.join(OUT, f"summary-persistent-{device}-{r}.json"), "w"), indent=1)
             rows.append((r, rc, wall, s))
+            with open(os.path.join(OUT, f"summaries-persistent-{device}.json"), "w") as f:
+                json.dump({str(k): {"rc": c, "wall_s": round(w, 2), "summary": v} for k, c, w, v in rows}, f, indent=1)
             t_ = s.get("timings_s", {})
             print(f"run {r}: rc={rc} wall {wall:.1f} s  " + "  ".join(f"{k} {v:.2f}" for k, v in t_.items())
                   + f"  training {s.get('training')}  engine {(s.get('engine') or {}).get('cache')}"
