@@ -487,11 +487,10 @@ def _latent_image(fig, ax, f, value, width_share: float = 1.0, **kw):
                      **kw)
 
 
-def _latent_axes_done(ax, f, title: str, ylabel: bool = True) -> None:
+def _latent_axes_done(ax, f, title: str) -> None:
     _title(ax, title)
     ax.set_xlabel("z₁", fontsize=9)
-    if ylabel:
-        ax.set_ylabel("z₂", fontsize=9)
+    ax.set_ylabel("z₂", fontsize=9)
     _style(ax)
     ax.set_xlim(*f.lims[0])
     ax.set_ylim(*f.lims[1])
