@@ -1,0 +1,37 @@
+"""Each report figure drawn several times in one warm process (Matplotlib imported, fonts loaded, as in
+the flow's figure processes), on the test suite's fake report data with 20 000 latent points: a table
+of median and minimum milliseconds per figure.
+
+    python bench/figure_times.py [REPEATS]        (default 7)
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+
+def main() -> int:
+    import beatflow.report as R
+    from test_report import _fake_data
+
+    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 7
+    R.warm_up()
+    d = _fake_data(m=20_000, ncols=1600)
+    print("| figure | median ms | min ms |\n|---|---:|---:|")
+    for name, draw in R.FIGURES.items():
+        took = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            draw(d)
+            took.append((time.perf_counter() - t) * 1e3)
+        print(f"| {name} | {statistics.median(took):.1f} | {min(took):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
