@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
@@ -201,6 +202,7 @@ class TrainResult:
     seconds: float = 0.0
     cudagraphs: bool = False  # whether the steps ran as replayed CUDA graphs
     compiled: bool = False  # whether the steps ran torch.compile-d (see train_vae's ``compile``)
+    graphs_kept: bool = False  # whether the steps were graphs kept from an earlier call (``keep_graphs``)
     #: seconds of its parts: ``setup`` (the model, the optimizer, graph capture), ``epochs``, ``test``
     phases: dict = field(default_factory=dict)
 
@@ -228,6 +230,7 @@ def train_vae(
     precision: str = "fp32",
     compile: bool = False,
     cudagraphs: Optional[bool] = False,
+    keep_graphs: bool = False,
 ) -> TrainResult:
     """Train a :class:`LightVAE` on a beat matrix.
 
@@ -271,6 +274,13 @@ def train_vae(
         launches are what they cost). ``None``: where it can run (a CUDA device, PyTorch's own
         allocator (not RMM's), fp32 or bf16; fp16's gradient scaler is not captured). The weights
         are set back to their initial values after the warm-up steps that precede the capture.
+    keep_graphs : bool
+        With CUDA graphs: keep the captured steps, with the model and optimizer whose tensors they
+        update, in this process for the next call of the same shapes and settings (one set at a time).
+        That call sets their weights to its own initial ones (``seed``), zeroes the optimizer's state
+        and starts the CUDA generator where a fresh capture would have left it, instead of compiling,
+        warming up and capturing again (0.056 s of a warm flow run on an H100): it trains to the same
+        weights. A second thread training meanwhile captures its own. ``TrainResult.graphs_kept`` tells.
 
     Returns
     -------
@@ -294,37 +304,59 @@ def train_vae(
     batch_size = max(1, int(batch_size))
 
     perm = np.random.default_rng(seed).permutation(n).astype(np.int64)
-    train_index, test_index = perm[:n_train], perm[n_train:]
 
     torch.manual_seed(seed)
-    model = LightVAE(width).to(device)
     on_cuda = data.device.type == "cuda"
     # on the GPU the step is launch-bound: one fused Adam kernel instead of a dozen per parameter;
     # deterministic cuDNN so that the same data and seed give the same weights (and so the same
     # engine-cache key) run after run
     amp = _autocast_dtype(training_precision(precision, data.device))
     graphs = training_graphs(cudagraphs, data.device, amp)
-    opt = torch.optim.Adam(model.parameters(), lr=lr, fused=True if on_cuda else None,
-                           capturable=graphs)
+    compiled = training_compiled(compile, graphs)
     if on_cuda:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
     scaler = torch.amp.GradScaler(data.device.type) if amp == torch.float16 else None
-    compiled = training_compiled(compile, graphs)
-    # (graphs capture each batch shape once, compiled; without them the last short batch of an
-    # epoch runs uncompiled instead of compiling a second graph)
-    step_loss = raw_step = _step_loss(model, data.device.type, amp, compiled, fused=bool(compile),
-                                      full=None if graphs else min(batch_size, n_train))
-    if graphs:
-        shapes = {min(batch_size, n_train), n_train % batch_size or min(batch_size, n_train)}
-        try:
-            step_loss = _GraphedSteps(model, opt, step_loss, sorted(shapes), width, data.device)
-        except Exception as e:  # capture failed: the same steps, launched one by one
-            import warnings
+    shapes = sorted({min(batch_size, n_train), n_train % batch_size or min(batch_size, n_train)})
+    key = (str(data.device), width, tuple(shapes), str(amp), compiled, bool(compile), float(lr))
+    kept = _take_kept(key) if graphs and keep_graphs else None
+    try:
+        if kept is not None:  # the kept steps, from this call's initial weights and the generator's offset
+            model, opt, step_loss = kept.model, kept.opt, kept.steps
+            kept.reset(LightVAE(width).state_dict(), data.device)
+            raw_step = None
+        else:
+            model = LightVAE(width).to(device)
+            opt = torch.optim.Adam(model.parameters(), lr=lr, fused=True if on_cuda else None, capturable=graphs)
+            # (graphs capture each batch shape once, compiled; without them the last short batch of an
+            # epoch runs uncompiled instead of compiling a second graph)
+            step_loss = raw_step = _step_loss(model, data.device.type, amp, compiled, fused=bool(compile),
+                                              full=None if graphs else min(batch_size, n_train))
+        if graphs and kept is None:
+            try:
+                step_loss = _GraphedSteps(model, opt, step_loss, shapes, width, data.device)
+            except Exception as e:  # capture failed: the same steps, launched one by one
+                import warnings
 
-            warnings.warn(f"CUDA graph capture of the training step failed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); training without graphs", RuntimeWarning)
-            graphs = False
+                warnings.warn(f"CUDA graph capture of the training step failed ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); training without graphs",
+                              RuntimeWarning)
+                graphs = False
+            else:
+                if keep_graphs:
+                    kept = _keep(key, _KeptSteps(model, opt, step_loss, data.device,
+                                                 compiled and not getattr(raw_step, "failed", False)))
+        return _train_epochs(t0, data, n_train, width, epochs, batch_size, seed, on_epoch, model, opt, step_loss,
+                             raw_step, graphs, scaler, compiled, kept, perm[:n_train], perm[n_train:])
+    finally:
+        if kept is not None:
+            kept.lock.release()
+
+
+def _train_epochs(t0, data, n_train, width, epochs, batch_size, seed, on_epoch, model, opt, step_loss, raw_step,
+                  graphs, scaler, compiled, kept, train_index, test_index) -> TrainResult:
+    """:func:`train_vae`'s epochs and held-out loss, once the model and its steps are set up."""
+    on_cuda = data.device.type == "cuda"
     gen = torch.Generator().manual_seed(seed)  # batch order; CPU generator works for any device
     train_idx = torch.from_numpy(train_index).to(data.device)
 
@@ -356,7 +388,7 @@ def train_vae(
         if on_epoch is not None:
             on_epoch(epoch, losses[-1], time.perf_counter() - t0)
 
-    if graphs:
+    if graphs and kept is None:
         step_loss.release()
     t_epochs = time.perf_counter()
     model.eval()
@@ -375,6 +407,10 @@ def train_vae(
         test_loss = float(total) / len(test_index)
 
     t_end = time.perf_counter()
+    if kept is not None:  # the kept steps update these tensors: the result is a copy
+        out = LightVAE(width)
+        out.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+        model = out
     return TrainResult(
         model=model.cpu().eval(),
         train_loss=losses,
@@ -383,7 +419,8 @@ def train_vae(
         test_index=test_index,
         seconds=time.perf_counter() - t0,
         cudagraphs=graphs,
-        compiled=compiled and not getattr(raw_step, "failed", False),
+        compiled=compiled and not getattr(raw_step, "failed", False) if kept is None else kept.compiled,
+        graphs_kept=kept is not None and kept.reused,
         phases={"setup": round(t_setup - t0, 4), "epochs": round(t_epochs - t_setup, 4),
                 "test": round(t_end - t_epochs, 4)},
     )
@@ -467,6 +504,65 @@ def capture_graph(graph, pool, stream, arena_bytes: int, arenas: list):
     arenas.append(arena)
     if arena.overflow:
         raise RuntimeError(f"the capture needed more than its arena of {arena.size} bytes")
+
+
+class _KeptSteps:
+    """Captured training steps kept for the next :func:`train_vae` of the same key (``keep_graphs``):
+    the model and optimizer whose tensors the graphs update, and the CUDA generator's offset right
+    after the capture (where the epochs of a fresh call start drawing their noise)."""
+
+    def __init__(self, model, opt, steps: "_GraphedSteps", device, compiled: bool):
+        self.model, self.opt, self.steps = model, opt, steps
+        self.offset = torch.cuda.default_generators[_cuda_index(device)].get_offset()
+        self.compiled = compiled  # (whether the captured steps are the compiled ones)
+        self.reused = False
+        self.lock = threading.Lock()
+        self.lock.acquire()  # (the call that captured them trains with them first)
+
+    def reset(self, state: dict, device) -> None:
+        """The weights to ``state``'s (a fresh model of this call's seed), the optimizer's state to zero,
+        the generator (already seeded) to the offset its fresh capture left."""
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                v.copy_(state[k])
+            for st in self.opt.state.values():
+                for v in st.values():
+                    if torch.is_tensor(v):
+                        v.zero_()
+        torch.cuda.default_generators[_cuda_index(device)].set_offset(self.offset)
+        self.reused = True
+
+
+#: the kept steps of :func:`train_vae` (``keep_graphs``): at most one set, for one key
+_KEPT: dict = {}
+_KEPT_LOCK = threading.Lock()
+
+
+def _cuda_index(device) -> int:
+    d = torch.device(device)
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
+def _take_kept(key) -> Optional[_KeptSteps]:
+    """The kept steps of ``key``, locked for this call; None if there are none or another thread has them."""
+    with _KEPT_LOCK:
+        kept = _KEPT.get(key)
+        if kept is not None and kept.lock.acquire(blocking=False):
+            return kept
+    return None
+
+
+def _keep(key, kept: _KeptSteps) -> _KeptSteps:
+    """Keep ``kept`` (locked by its caller) for ``key``; sets kept for other keys are dropped (their graphs
+    and arenas freed) unless in use, when they are only forgotten."""
+    with _KEPT_LOCK:
+        for other in list(_KEPT.values()):
+            if other.lock.acquire(blocking=False):
+                other.steps.release()
+                other.lock.release()
+        _KEPT.clear()
+        _KEPT[key] = kept
+    return kept
 
 
 class _GraphedSteps:

@@ -10,7 +10,8 @@ Run on the GPU machine from the repository root (``PYTHONPATH=/tmp/site:$PWD``):
 
     RUNS=3 python3 bench/gpu_flow_persistent.py     # a table; all runs' summaries and logs in two files under $OUT
 
-``DEVICE=cpu WORKERS=16`` does the same for the CPU path: a standing ``LocalCluster`` of 16
+``PYSPY=path/to/py-spy`` samples each run's flow process (``bench/stack_summary.py`` adds where the
+flow's thread spent its time to the log). ``DEVICE=cpu WORKERS=16`` does the same for the CPU path: a standing ``LocalCluster`` of 16
 single-threaded workers set up as the flow's own (``tasks.cluster``), and ``beatflow run --device
 cpu`` against it, so that warm runs of both paths can be compared.
 """
@@ -80,6 +81,11 @@ def main() -> int:
                    "--device", device, "--scheduler", cluster.scheduler_address, "--out", out] + extra
             if os.environ.get("EPOCHS"):  # (a shorter training, to look at the other stages on a small machine)
                 cmd += ["--epochs", os.environ["EPOCHS"]]
+            stacks = None
+            if os.environ.get("PYSPY"):  # the flow's process sampled by py-spy (every thread, waits included)
+                stacks = os.path.join(OUT, f"stacks-{device}-{r}.txt")
+                cmd = [os.environ["PYSPY"], "record", "-o", stacks, "-f", "raw", "-r", os.environ.get("PYSPY_RATE", "1000"),
+                       "--threads", "--idle", "--nonblocking", "--"] + cmd
             # one log and one file of summaries for all runs (a device call brings back only a few files)
             with open(log_path, "a") as log:
                 log.write(f"\n===== run {r} =====\n")
@@ -87,6 +93,10 @@ def main() -> int:
                 rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                     timeout=int(os.environ.get("RUN_LIMIT", "150"))).returncode
             wall = time.perf_counter() - t
+            if stacks and os.path.exists(stacks):  # the flow's lines and the functions below it, into the log
+                with open(log_path, "a") as log:
+                    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "stack_summary.py"), stacks,
+                                    os.environ.get("PYSPY_RATE", "1000")], stdout=log, stderr=subprocess.STDOUT)
             s = json.load(open(os.path.join(out, "summary.json"))) if os.path.exists(os.path.join(out, "summary.json")) else {}
             rows.append((r, rc, wall, s))
             with open(os.path.join(OUT, f"summaries-persistent-{device}.json"), "w") as f:

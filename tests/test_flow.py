@@ -73,7 +73,7 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     assert load["partitions"] + load["edges"] <= saved["timings_s"]["load"] + 0.01
     # the scoring and report stages' parts
     assert {"engine", "truth", "figures_started", "context", "table"} == set(detail["score"])
-    assert {"data", "figures_wait", "write"} == set(detail["report"])
+    assert {"data", "stats_artifact", "figures_wait", "write"} == set(detail["report"])
     for stage in ("score", "report"):
         assert all(v >= 0 for v in detail[stage].values())
         assert sum(detail[stage].values()) <= saved["timings_s"][stage] + 0.01
@@ -99,7 +99,14 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
 
     with get_client(sync_client=True) as client:
         progress = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])))
+        tables = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["table"])))
+        notes = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["markdown"])))
     assert [a.data for a in progress if "VAE training" in (a.description or "")] == [100.0], progress
+    # the top anomalies' table (published while the figures were drawn) and the run's summary
+    top_rows = json.loads([a for a in tables if a.key == "beatflow-top-anomalies"][-1].data)
+    assert [r["beat"] for r in top_rows] == table.nsmallest(len(top_rows), "rank")["beat"].tolist()
+    assert len(top_rows) == min(12, saved["beats_kept"])
+    assert any(a.key == "beatflow-summary" and f"| beats_kept | {saved['beats_kept']} |" in a.data for a in notes)
 
     # any partition count gives the same beats and (up to float noise) the same scores
     other = run_flow(tmp_path / "run7", hours=0.25, seed=5, epochs=3, partitions=7)

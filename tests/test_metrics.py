@@ -3,7 +3,7 @@ import pytest
 
 import naive
 from beatflow.metrics import match_beats, roc_auc
-from beatflow.scoring import anomaly_table, robust_threshold
+from beatflow.scoring import anomaly_table, robust_threshold, write_anomaly_table
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -87,6 +87,25 @@ def test_anomaly_table_recordings_are_the_categorical_of_each_beats_name(seed):
     want = pd.Categorical(np.asarray(names, dtype=object)[rec])
     assert t["recording"].tolist() == want.tolist()
     assert t["recording"].cat.categories.tolist() == want.categories.tolist()
+
+
+def test_anomaly_table_file_reads_back_the_same(tmp_path):
+    """The table's Parquet file (dictionary encoding for the names only) reads back equal, dtypes and
+    categorical names included, and only the names' column is dictionary-encoded."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(5)
+    rec = rng.integers(0, 3, 2000)
+    t = anomaly_table(np.arange(2000), rec, np.arange(2000) * 7, np.arange(2000) * 7 - 3, rng.integers(60, 200, 2000),
+                      rng.random(2000), 360.0, 0.9, ["b", "a", "c"])
+    write_anomaly_table(t, tmp_path / "t.parquet")
+    back = pd.read_parquet(tmp_path / "t.parquet")
+    pd.testing.assert_frame_equal(back, t)
+    meta = pq.ParquetFile(tmp_path / "t.parquet").metadata.row_group(0)
+    encodings = {meta.column(i).path_in_schema: meta.column(i).encodings for i in range(meta.num_columns)}
+    assert any("DICTIONARY" in e for e in encodings["recording"])
+    assert not any("DICTIONARY" in e for e in encodings["beat"] + encodings["rank"] + encodings["score"])
 
 
 @pytest.mark.parametrize("seed", range(4))

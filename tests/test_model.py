@@ -214,6 +214,50 @@ def test_cuda_graph_training_matches_launched_steps(compile):
     assert graphed.train_loss[-1] < graphed.train_loss[0]
 
 
+def test_keep_graphs_without_graphs_changes_nothing():
+    """On the CPU (no CUDA graphs) ``keep_graphs`` keeps nothing, and training is the same."""
+    from beatflow import model as M
+
+    beats = synthetic_beats(400, width=64)
+    a = train_vae(beats, epochs=2, batch_size=64, seed=3, keep_graphs=True)
+    b = train_vae(beats, epochs=2, batch_size=64, seed=3)
+    assert not a.graphs_kept and not a.cudagraphs and not M._KEPT
+    assert a.train_loss == b.train_loss
+    for k, v in a.model.state_dict().items():
+        torch.testing.assert_close(v, b.model.state_dict()[k], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compile", [False, True])
+def test_kept_training_graphs_train_to_the_weights_of_a_fresh_capture(compile):
+    """``keep_graphs``: the second call replays the first one's captured steps, reset to its own seed's
+    weights and generator offset, and ends where a fresh capture of that seed ends: the same losses and
+    weights, for the same seed and for another; other shapes capture anew (and drop the kept set)."""
+    from beatflow import model as M
+
+    if not M.training_graphs(None, "cuda"):
+        pytest.skip("PyTorch allocates from another allocator here: no capture")
+    beats = torch.as_tensor(synthetic_beats(3000, width=64)).cuda()
+    kw = dict(epochs=3, batch_size=512, device="cuda", compile=compile, cudagraphs=True)
+    M._KEPT.clear()
+    fresh = {seed: train_vae(beats, seed=seed, **kw) for seed in (1, 2)}
+    assert fresh[1].cudagraphs and not fresh[1].graphs_kept and not M._KEPT  # (without keep_graphs: nothing kept)
+    first = train_vae(beats, seed=1, keep_graphs=True, **kw)
+    assert not first.graphs_kept and len(M._KEPT) == 1
+    assert first.train_loss == fresh[1].train_loss  # (two fresh captures of one seed agree: the baseline)
+    for seed in (1, 2, 1):
+        again = train_vae(beats, seed=seed, keep_graphs=True, **kw)
+        assert again.graphs_kept and again.cudagraphs and again.compiled == fresh[seed].compiled
+        assert again.train_loss == fresh[seed].train_loss and again.test_loss == fresh[seed].test_loss
+        for k, v in again.model.state_dict().items():
+            torch.testing.assert_close(v, fresh[seed].model.state_dict()[k], rtol=0, atol=0)
+        assert again.model.fc.weight.device.type == "cpu"
+    other = train_vae(beats[:2000], seed=1, keep_graphs=True, **kw)  # other shapes: a new capture, kept instead
+    assert not other.graphs_kept and len(M._KEPT) == 1
+    assert train_vae(beats[:2000], seed=1, keep_graphs=True, **kw).graphs_kept
+    M._KEPT.clear()
+
+
 def test_graph_allocator_rule(monkeypatch):
     import sys
 

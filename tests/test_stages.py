@@ -118,3 +118,39 @@ def test_device_memory_converts_only_failed_allocations(monkeypatch, error, conv
     else:
         with pytest.raises(type(error)):
             fail()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_each_partitions_own_top_snippets_hold_the_whole_streams_top(seed):
+    """The report's context comes from each partition's own top beats, cut while scoring: every beat of
+    the stream's top (the anomaly table's ranks, ties included) is among its partition's, with the
+    signal around it as the whole stream has it (clipped to what the partition sees)."""
+    from beatflow.partitions import top_windows
+    from beatflow.scoring import anomaly_table
+
+    rng = np.random.default_rng(seed)
+    n, halo, top, pad = 20_000, 300, 12, 250
+    x = rng.normal(size=n).astype(np.float32)
+    cuts = np.sort(rng.choice(np.arange(1000, n - 1000), size=int(rng.integers(1, 5)), replace=False))
+    firsts, ends = np.r_[0, cuts], np.r_[cuts, n]
+    starts = np.sort(rng.choice(n - 400, size=600, replace=False))
+    lengths = rng.integers(100, 400, starts.size)
+    score = rng.integers(0, 40, starts.size).astype(np.float32)  # many ties
+    owner = np.searchsorted(ends, starts, side="right")
+    table = anomaly_table(np.arange(starts.size), np.zeros(starts.size, int), starts, starts, lengths, score, 250.0,
+                          1e9, ["r"])
+    pieces = {}
+    for k, (a, b) in enumerate(zip(firsts, ends)):
+        m = owner == k
+        left, right = x[max(0, a - halo):a], x[b:b + halo]
+        windows = top_windows(score[m], starts[m], lengths[m], top, pad)
+        assert len(windows) == min(top, int(m.sum()))
+        pieces[k] = T.partition_snippets(x[a:b], left, right, int(a), windows)
+    for _, row in table.nsmallest(top, "rank").iterrows():
+        b = int(row["beat"])
+        k = int(owner[b])
+        lo = max(int(starts[b]) - pad, int(firsts[k]) - halo, 0)
+        hi = min(int(starts[b] + lengths[b]) + pad, int(ends[k]) + halo, n)
+        got = [p for p in pieces[k] if p[0] == lo and len(p[1]) == hi - lo]
+        assert got, f"beat {b} (rank {int(row['rank'])}) has no snippet in partition {k}"
+        np.testing.assert_array_equal(got[0][1], x[lo:hi])
