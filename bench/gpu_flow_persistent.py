@@ -10,8 +10,8 @@ Run on the GPU machine from the repository root (``PYTHONPATH=/tmp/site:$PWD``):
 
     RUNS=3 python3 bench/gpu_flow_persistent.py     # a table; all runs' summaries and logs in two files under $OUT
 
-``PYSPY=path/to/py-spy`` samples each run's flow process (``bench/stack_summary.py`` adds where the
-flow's thread spent its time to the log). ``DEVICE=cpu WORKERS=16`` does the same for the CPU path: a standing ``LocalCluster`` of 16
+``PYSPY=path/to/py-spy`` samples each run's flow process into ``$PYSPY_DIR`` (default ``$OUT``), and
+``bench/stack_summary.py`` adds where the flow's thread spent its time to the log. ``DEVICE=cpu WORKERS=16`` does the same for the CPU path: a standing ``LocalCluster`` of 16
 single-threaded workers set up as the flow's own (``tasks.cluster``), and ``beatflow run --device
 cpu`` against it, so that warm runs of both paths can be compared.
 """
@@ -83,7 +83,8 @@ def main() -> int:
                 cmd += ["--epochs", os.environ["EPOCHS"]]
             stacks = None
             if os.environ.get("PYSPY"):  # the flow's process sampled by py-spy (every thread, waits included)
-                stacks = os.path.join(OUT, f"stacks-{device}-{r}.txt")
+                stacks = os.path.join(os.environ.get("PYSPY_DIR", OUT), f"stacks-{device}-{r}.txt")
+                os.makedirs(os.path.dirname(stacks), exist_ok=True)
                 cmd = [os.environ["PYSPY"], "record", "-o", stacks, "-f", "raw", "-r", os.environ.get("PYSPY_RATE", "1000"),
                        "--threads", "--idle", "--nonblocking", "--"] + cmd
             # one log and one file of summaries for all runs (a device call brings back only a few files)
