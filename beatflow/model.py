@@ -203,6 +203,7 @@ class TrainResult:
     cudagraphs: bool = False  # whether the steps ran as replayed CUDA graphs
     compiled: bool = False  # whether the steps ran torch.compile-d (see train_vae's ``compile``)
     graphs_kept: bool = False  # whether the steps were graphs kept from an earlier call (``keep_graphs``)
+    kernel: bool = False  # whether the steps ran as the step kernel (``beatflow.train_kernel``)
     #: seconds of its parts: ``setup`` (the model, the optimizer, graph capture), ``epochs``, ``test``
     phases: dict = field(default_factory=dict)
 
@@ -231,6 +232,7 @@ def train_vae(
     compile: bool = False,
     cudagraphs: Optional[bool] = False,
     keep_graphs: bool = False,
+    kernel: Optional[bool] = False,
 ) -> TrainResult:
     """Train a :class:`LightVAE` on a beat matrix.
 
@@ -281,6 +283,11 @@ def train_vae(
         and starts the CUDA generator where a fresh capture would have left it, instead of compiling,
         warming up and capturing again (0.056 s of a warm flow run on an H100): it trains to the same
         weights. A second thread training meanwhile captures its own. ``TrainResult.graphs_kept`` tells.
+    kernel : bool or None
+        On a GPU, in fp32: each step's forward, loss and backward as one CUDA kernel, a warp per row
+        (:mod:`beatflow.train_kernel`; the same arithmetic as the model's), instead of PyTorch's (or
+        Inductor's) dozens of kernels; ``compile`` then does not apply. ``None``: where it can run (a
+        CUDA device with Numba's CUDA target, fp32). ``TrainResult.kernel`` tells.
 
     Returns
     -------
@@ -312,13 +319,14 @@ def train_vae(
     # engine-cache key) run after run
     amp = _autocast_dtype(training_precision(precision, data.device))
     graphs = training_graphs(cudagraphs, data.device, amp)
-    compiled = training_compiled(compile, graphs)
+    use_kernel = training_kernel(kernel, data.device, amp)
+    compiled = training_compiled(compile, graphs) and not use_kernel
     if on_cuda:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
     scaler = torch.amp.GradScaler(data.device.type) if amp == torch.float16 else None
     shapes = sorted({min(batch_size, n_train), n_train % batch_size or min(batch_size, n_train)})
-    key = (str(data.device), width, tuple(shapes), str(amp), compiled, bool(compile), float(lr))
+    key = (str(data.device), width, tuple(shapes), str(amp), compiled, bool(compile), use_kernel, float(lr))
     kept = _take_kept(key) if graphs and keep_graphs else None
     try:
         if kept is not None:  # the kept steps, from this call's initial weights and the generator's offset
@@ -327,11 +335,16 @@ def train_vae(
             raw_step = None
         else:
             model = LightVAE(width).to(device)
+            if use_kernel:  # (the parameters become views of the kernel's flat vector before Adam sees them)
+                from .train_kernel import KernelStep
+
+                step_loss = raw_step = KernelStep(model, data.device)
             opt = torch.optim.Adam(model.parameters(), lr=lr, fused=True if on_cuda else None, capturable=graphs)
             # (graphs capture each batch shape once, compiled; without them the last short batch of an
             # epoch runs uncompiled instead of compiling a second graph)
-            step_loss = raw_step = _step_loss(model, data.device.type, amp, compiled, fused=bool(compile),
-                                              full=None if graphs else min(batch_size, n_train))
+            if not use_kernel:
+                step_loss = raw_step = _step_loss(model, data.device.type, amp, compiled, fused=bool(compile),
+                                                  full=None if graphs else min(batch_size, n_train))
         if graphs and kept is None:
             try:
                 step_loss = _GraphedSteps(model, opt, step_loss, shapes, width, data.device)
@@ -346,8 +359,10 @@ def train_vae(
                 if keep_graphs:
                     kept = _keep(key, _KeptSteps(model, opt, step_loss, data.device,
                                                  compiled and not getattr(raw_step, "failed", False)))
-        return _train_epochs(t0, data, n_train, width, epochs, batch_size, seed, on_epoch, model, opt, step_loss,
-                             raw_step, graphs, scaler, compiled, kept, perm[:n_train], perm[n_train:])
+        res = _train_epochs(t0, data, n_train, width, epochs, batch_size, seed, on_epoch, model, opt, step_loss,
+                            raw_step, graphs, scaler, compiled, kept, perm[:n_train], perm[n_train:])
+        res.kernel = use_kernel
+        return res
     finally:
         if kept is not None:
             kept.lock.release()
@@ -373,6 +388,10 @@ def _train_epochs(t0, data, n_train, width, epochs, batch_size, seed, on_epoch, 
             xb = shuffled[start:start + batch_size] if on_cuda else data[order[start:start + batch_size]]
             loss = step_loss(xb)
             if graphs:  # the replayed graph did the backward pass and the update
+                total += loss
+                continue
+            if getattr(step_loss, "computes_grads", False):  # (the step kernel filled the gradients)
+                opt.step()
                 total += loss
                 continue
             opt.zero_grad(set_to_none=True)
@@ -600,6 +619,9 @@ class _GraphedSteps:
 
             def step(static=static):
                 loss = step_loss(static)
+                if getattr(step_loss, "computes_grads", False):  # (the step kernel filled the gradients)
+                    opt.step()
+                    return loss
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=False)
@@ -636,6 +658,21 @@ class _GraphedSteps:
         static.copy_(xb)
         graph.replay()
         return loss
+
+
+def training_kernel(kernel: Optional[bool], device, amp=None) -> bool:
+    """Whether :func:`train_vae` runs its steps as the step kernel (see its ``kernel``)."""
+    dev = torch.device(device)
+    if kernel is False:
+        return False
+    from .train_kernel import kernel_available
+
+    possible = dev.type == "cuda" and amp is None and kernel_available()
+    if kernel and not possible:
+        why = ("it runs on a CUDA device" if dev.type != "cuda" else "it computes in fp32" if amp is not None
+               else "Numba's CUDA target is not available")
+        raise ValueError(f"training with the step kernel: {why}")
+    return possible
 
 
 def training_compiled(compile: bool, graphs: bool) -> bool:

@@ -444,7 +444,7 @@ def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshol
         "flutter_episodes": {"count": int(len(episodes)), "seconds": float(episodes["duration_s"].sum())},
         "training": {"precision": trained.get("precision", "fp32"), "compiled": trained.get("compiled", False),
                      "cuda_graphs": trained.get("cuda_graphs", False),
-                     "graphs_kept": trained.get("graphs_kept", False)},
+                     "graphs_kept": trained.get("graphs_kept", False), "kernel": trained.get("kernel", False)},
         "threshold": threshold, "device": device, "workers": workers,
         "engine": {**{k: engine[k] for k in ("backend", "precision", "cache", "max_abs_err", "throughput_beats_per_s")},
                    "latency_batch1_us": prof.get("latency_batch1_us"),

@@ -325,7 +325,7 @@ def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: i
     import torch
 
     from beatflow.beats import MODEL_INPUT, dominant_beat, residual_rows
-    from beatflow.model import save_model, train_vae, training_precision
+    from beatflow.model import save_model, train_vae, training_kernel, training_precision
 
     torch.set_num_threads(max(1, threads))
     rows = [r for r, _ in embedded]
@@ -367,10 +367,13 @@ def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: i
 
         install()
     data = torch.from_dlpack(beats) if device == "cuda" else torch.from_numpy(to_host(beats))
-    precision = training_precision(train_precision, device)
+    # on a GPU, "auto" (and fp32) train with the step kernel where it can run: one kernel a step in fp32
+    # was faster than the compiled bf16 steps (bench/gpu_train_step_kernel.py); bf16 stays an option
+    kernel = device == "cuda" and train_precision in ("auto", "fp32") and training_kernel(None, device)
+    precision = "fp32" if kernel else training_precision(train_precision, device)
     with device_memory(f"training on {n:,} beats", int(beats.nbytes), device == "cuda"):
         res = train_vae(data, epochs=epochs, batch_size=batch_size, seed=seed, device=device, on_epoch=on_epoch,
-                        precision=precision, compile=compile, cudagraphs=None, keep_graphs=True)
+                        precision=precision, compile=compile, cudagraphs=None, keep_graphs=True, kernel=kernel)
     marks.append(time.perf_counter())
     os.makedirs(folder, exist_ok=True)
     model_path = os.path.join(folder, "model.pt")
@@ -383,12 +386,13 @@ def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: i
         json.dump({"scale": scale, "width": int(beats.shape[1]), "epochs": epochs, "batch_size": batch_size,
                    "seed": seed, "train_loss": res.train_loss, "test_loss": res.test_loss,
                    "input": MODEL_INPUT, "precision": precision, "compiled": res.compiled,
-                   "cuda_graphs": res.cudagraphs}, f, indent=1)
+                   "cuda_graphs": res.cudagraphs, "kernel": res.kernel}, f, indent=1)
     return {
         "model": model_path, "validation": val_path, "scale": scale, "train_loss": res.train_loss,
         "test_loss": res.test_loss, "test_index": res.test_index, "seconds": res.seconds,
         "sample_rows": raw_rows, "rows": int(beats.shape[0]), "dominant": dominant, "precision": precision,
-        "compiled": res.compiled, "cuda_graphs": res.cudagraphs, "graphs_kept": res.graphs_kept, "epochs_done": done,
+        "compiled": res.compiled, "cuda_graphs": res.cudagraphs, "graphs_kept": res.graphs_kept, "kernel": res.kernel,
+        "epochs_done": done,
         # where the task's time went: the matrix's set-up, train_vae's parts, saving the outputs
         "phases_s": {"rows": round(marks[1] - marks[0], 4), **{f"train_{k}": v for k, v in res.phases.items()},
                      "train_other": round(marks[2] - marks[1] - sum(res.phases.values()), 4),

@@ -228,8 +228,8 @@ def test_keep_graphs_without_graphs_changes_nothing():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("compile", [False, True])
-def test_kept_training_graphs_train_to_the_weights_of_a_fresh_capture(compile):
+@pytest.mark.parametrize("compile,kernel", [(False, False), (True, False), (False, True)])
+def test_kept_training_graphs_train_to_the_weights_of_a_fresh_capture(compile, kernel):
     """``keep_graphs``: the second call replays the first one's captured steps, reset to its own seed's
     weights and generator offset, and ends where a fresh capture of that seed ends: the same losses and
     weights, for the same seed and for another; other shapes capture anew (and drop the kept set)."""
@@ -238,10 +238,11 @@ def test_kept_training_graphs_train_to_the_weights_of_a_fresh_capture(compile):
     if not M.training_graphs(None, "cuda"):
         pytest.skip("PyTorch allocates from another allocator here: no capture")
     beats = torch.as_tensor(synthetic_beats(3000, width=64)).cuda()
-    kw = dict(epochs=3, batch_size=512, device="cuda", compile=compile, cudagraphs=True)
+    kw = dict(epochs=3, batch_size=512, device="cuda", compile=compile, cudagraphs=True, kernel=kernel)
     M._KEPT.clear()
     fresh = {seed: train_vae(beats, seed=seed, **kw) for seed in (1, 2)}
     assert fresh[1].cudagraphs and not fresh[1].graphs_kept and not M._KEPT  # (without keep_graphs: nothing kept)
+    assert fresh[1].kernel == kernel
     first = train_vae(beats, seed=1, keep_graphs=True, **kw)
     assert not first.graphs_kept and len(M._KEPT) == 1
     assert first.train_loss == fresh[1].train_loss  # (two fresh captures of one seed agree: the baseline)

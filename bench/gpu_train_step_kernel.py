@@ -1,0 +1,122 @@
+"""GPU: the training step kernel (``beatflow.train_kernel``) against the compiled bf16 steps, as the flow trains.
+
+In a process set up as a flow GPU worker (RMM async pool for CuPy, Numba and PyTorch, statistics adaptor,
+capture arena: ``backend.setup_gpu_memory`` + ``backend.track_rmm_statistics`` + ``capture_arena.install``),
+on the 20 h stream's kept rows (about 97 k x 256, scaled, minus the dominant beat), ``train_vae`` runs
+``RUNS`` times per variant with ``keep_graphs`` (run 1 captures, later runs replay the kept graphs), as
+the flow's training task calls it. Variants (``VARIANTS``, default all):
+
+* ``bf16``: the compiled fusible form cast to bf16, CUDA graphs (the flow's training before session 28);
+* ``kernel``: the step kernel in fp32, CUDA graphs;
+* ``kernel-eager``: the step kernel launched step by step (no graphs).
+
+A table: seconds of ``train_vae`` and its parts, ms per step over epochs 2-10, test loss; JSON to
+``$OUT/train_step_kernel.json``. Then (``PROFILE`` steps, default 20) the kernel step's GPU kernels by
+``torch.profiler``. Run on the GPU machine from the repository root (``PYTHONPATH=$PWD``)::
+
+    python3 bench/gpu_train_step_kernel.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+
+VARIANTS = {"bf16": dict(precision="bf16", compile=True, kernel=False, cudagraphs=None),
+            "kernel": dict(precision="fp32", compile=False, kernel=True, cudagraphs=None),
+            "kernel-eager": dict(precision="fp32", compile=False, kernel=True, cudagraphs=False)}
+
+
+def main() -> int:
+    import cupy
+    import torch
+
+    from beatflow import backend
+    from beatflow import beats as B
+    from beatflow import model as M
+    from beatflow.capture_arena import install
+    from gpu_seg_embed import setup
+
+    backend.setup_gpu_memory(0.5)
+    backend.track_rmm_statistics()
+    install()
+    _, _, _, seg_embed = setup()
+    rows, p2p = seg_embed()
+    rows /= float(cupy.median(p2p))
+    rows = B.residual_rows(rows, B.dominant_beat(rows))
+    data = torch.from_dlpack(rows)
+    steps = -(-int(data.shape[0] * M.TRAIN_FRACTION) // 1024)
+    print(f"rows {tuple(data.shape)}, {steps} steps per epoch, graph allocator {M.graph_allocator()}", flush=True)
+    out = {"rows": list(data.shape), "steps_per_epoch": steps, "runs": []}
+    print("| variant | run | kernel | graphs | kept | compiled | total s | setup s | epochs s | ms per step (2-10) "
+          "| test loss |\n|---|---:|---|---|---|---|---:|---:|---:|---:|---:|")
+    for name in os.environ.get("VARIANTS", " ".join(VARIANTS)).split():
+        kw = VARIANTS[name]
+        for run in range(1, int(os.environ.get("RUNS", "3")) + 1):
+            marks = []
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            try:
+                res = M.train_vae(data, epochs=10, batch_size=1024, seed=0, device="cuda", keep_graphs=True,
+                                  on_epoch=lambda e, loss, s: marks.append(s), **kw)
+            except Exception as e:  # a variant that fails is a row, not the end of the call
+                print(f"| {name} | {run} | failed: {type(e).__name__}: {str(e).splitlines()[0][:200]} |", flush=True)
+                break
+            total = time.perf_counter() - t
+            per_step = (marks[-1] - marks[0]) / (9 * steps) * 1e3
+            row = dict(variant=name, run=run, kernel=res.kernel, graphs=res.cudagraphs, kept=res.graphs_kept,
+                       compiled=res.compiled, total_s=total, phases=res.phases, ms_per_step=per_step,
+                       test_loss=res.test_loss, train_loss=res.train_loss)
+            out["runs"].append(row)
+            print(f"| {name} | {run} | {res.kernel} | {res.cudagraphs} | {res.graphs_kept} | {res.compiled} | "
+                  f"{total:.3f} | {res.phases['setup']:.3f} | {res.phases['epochs']:.3f} | {per_step:.3f} | "
+                  f"{res.test_loss:.6f} |", flush=True)
+    for name in {r["variant"] for r in out["runs"]}:  # kept graphs train to the fresh capture's weights
+        runs = [r for r in out["runs"] if r["variant"] == name]
+        print(f"{name}: the runs' losses {'agree' if all(r['train_loss'] == runs[0]['train_loss'] for r in runs) else 'DIFFER'}")
+    n = int(os.environ.get("PROFILE", "20"))
+    if n:
+        profile_kernel_step(M, data, n)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "train_step_kernel.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+def profile_kernel_step(M, data, n: int) -> None:
+    """The GPU kernels of ``n`` kernel steps (step kernel, the rows' sum, fused Adam), launched one by one."""
+    import torch
+
+    from beatflow.train_kernel import KernelStep
+
+    torch.manual_seed(0)
+    model = M.LightVAE(data.shape[1]).cuda()
+    step = KernelStep(model, "cuda")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    xb = data[:1024].contiguous()
+    for _ in range(5):
+        step(xb)
+        opt.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step(xb)
+            opt.step()
+        torch.cuda.synchronize()
+    total = 0.0
+    lines = []
+    for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0)):
+        t = getattr(e, "device_time_total", 0)
+        if t > 0:
+            total += t
+            lines.append(f"  {e.key[:70]:70s} {e.count / n:5.1f}/step {t / max(1, e.count):8.2f} us")
+    print(f"kernel step: GPU time {total / n:.1f} us per step")
+    print("\n".join(lines[:8]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The training step kernel (``beatflow.train_kernel``) against PyTorch's autograd of the LightVAE.
+
+On CI it runs under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set by ``conftest`` when there is
+no GPU), on small rows; on a GPU the same tests run on the device, and one more on the flow's shapes.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from beatflow.model import LightVAE, train_vae, vae_loss
+from beatflow.train_kernel import param_layout, row_grads
+
+
+def _mode():
+    """``"gpu"``, ``"sim"`` (Numba's CUDA simulator: ``NUMBA_ENABLE_CUDASIM=1``, as scripts/test.sh sets) or None."""
+    try:
+        from numba import cuda
+
+        if cuda.is_available.__module__.endswith("simulator_init"):
+            return "sim"
+        return "gpu" if cuda.is_available() else None
+    except Exception:
+        return None
+
+
+MODE = _mode()
+needs_kernel = pytest.mark.skipif(MODE is None, reason="no CUDA GPU and the Numba CUDA simulator is not active")
+needs_gpu = pytest.mark.skipif(MODE != "gpu" or not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.filterwarnings("ignore::numba.core.errors.NumbaPerformanceWarning")
+
+
+def random_model(width: int, seed: int) -> LightVAE:
+    """A LightVAE with every parameter random (the Swish slopes away from their initial 1, biases nonzero)."""
+    torch.manual_seed(seed)
+    m = LightVAE(width)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if name.endswith("alpha") else 0.3) + (1.0 if name.endswith("alpha") else 0))
+    return m
+
+
+def reference(model: LightVAE, x: np.ndarray, eps: np.ndarray) -> np.ndarray:
+    """Each row's gradient (parameters in ``parameters()`` order) and loss, by autograd in float64."""
+    m = LightVAE(model.width).double()
+    m.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    out = []
+    for b in range(x.shape[0]):
+        xb = torch.as_tensor(x[b:b + 1], dtype=torch.float64)
+        mu, logvar = m.encode(xb)
+        z = mu + torch.exp(0.5 * logvar) * torch.as_tensor(eps[b:b + 1], dtype=torch.float64)
+        loss = vae_loss(xb, m.decode(z), mu, logvar)
+        m.zero_grad()
+        loss.backward()
+        out.append(np.concatenate([p.grad.reshape(-1).numpy() for p in m.parameters()] + [[loss.item()]]))
+    return np.stack(out)
+
+
+def flat_params(model: LightVAE) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().astype(np.float32)
+
+
+def test_layout_follows_the_models_parameters():
+    for width in (8, 64, 256):
+        lay = param_layout(width)
+        named = list(LightVAE(width).named_parameters())
+        assert [n for n, _ in named] == [n for n in lay if n != "size"]
+        off = 0
+        for n, p in named:
+            assert lay[n] == (off, tuple(p.shape))
+            off += p.numel()
+        assert lay["size"] == off
+
+
+@needs_kernel
+@pytest.mark.parametrize("width,rows,seed", [(16, 2, 0), (24, 2, 1), (8, 2, 2)])
+def test_each_rows_gradient_and_loss_match_autograd(width, rows, seed):
+    rng = np.random.default_rng(seed)
+    model = random_model(width, seed)
+    x = rng.normal(size=(rows, width)).astype(np.float32)
+    eps = rng.normal(size=(rows, 2)).astype(np.float32)
+    got = row_grads(x, eps, flat_params(model))
+    want = reference(model, x, eps)
+    assert got.shape == want.shape == (rows, param_layout(width)["size"] + 1)
+    for b in range(rows):  # per row: relative to the row's largest gradient
+        scale = np.abs(want[b, :-1]).max()
+        np.testing.assert_allclose(got[b, :-1], want[b, :-1], rtol=2e-4, atol=2e-5 * scale)
+        assert got[b, -1] == pytest.approx(want[b, -1], rel=1e-5)
+
+
+def test_kernel_training_is_refused_where_it_cannot_run():
+    beats = np.random.default_rng(0).normal(size=(64, 16)).astype(np.float32)
+    with pytest.raises(ValueError, match="training with the step kernel: it runs on a CUDA device"):
+        train_vae(beats, epochs=1, batch_size=16, kernel=True)
+    res = train_vae(beats, epochs=1, batch_size=16, kernel=None)  # auto: not on the CPU
+    assert not res.kernel
+
+
+@needs_gpu
+def test_kernel_step_fills_the_models_gradients():
+    """``KernelStep``: the batch's gradient in each parameter's ``.grad`` and the batch's loss, against
+    autograd with the noise the step drew; the parameters are views of the kernel's flat vector."""
+    from beatflow.train_kernel import KernelStep
+
+    model = random_model(64, 3)
+    before = _copy(model)
+    model = model.cuda()
+    step = KernelStep(model, "cuda")
+    x = torch.as_tensor(np.random.default_rng(3).normal(size=(100, 64)).astype(np.float32)).cuda()
+    loss = float(step(x))
+    eps = step._buffers[100][0].cpu().numpy()
+    want = reference(before, x.cpu().numpy(), eps).sum(axis=0)
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu().numpy()
+    np.testing.assert_allclose(got, want[:-1], rtol=1e-3, atol=1e-4 * np.abs(want[:-1]).max())
+    assert loss == pytest.approx(want[-1], rel=1e-4)
+    lo, hi = step.flat.data_ptr(), step.flat.data_ptr() + 4 * step.flat.numel()
+    assert all(lo <= p.data_ptr() < hi for p in model.parameters())
+
+
+def _copy(model: LightVAE) -> LightVAE:
+    m = LightVAE(model.width)
+    m.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    return m
+
+
+@needs_gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_training_with_the_kernel_reaches_the_models_loss(graphs):
+    """Training by the step kernel (launched, or replayed from CUDA graphs) against PyTorch's own steps in
+    fp32: the same split and start, other noise; the losses agree within 5 %."""
+    from beatflow.model import training_graphs
+
+    if graphs and not training_graphs(None, "cuda"):
+        pytest.skip("PyTorch allocates from another allocator here: no capture")
+    from test_model import synthetic_beats
+
+    beats = torch.as_tensor(synthetic_beats(4000, width=64)).cuda()
+    plain = train_vae(beats, epochs=4, batch_size=512, device="cuda", seed=2, kernel=False)
+    mine = train_vae(beats, epochs=4, batch_size=512, device="cuda", seed=2, kernel=True, cudagraphs=graphs)
+    assert mine.kernel and not plain.kernel and mine.cudagraphs == graphs and not mine.compiled
+    assert mine.train_loss[-1] < mine.train_loss[0]
+    assert abs(mine.test_loss / plain.test_loss - 1) < 0.05, (mine.test_loss, plain.test_loss)
+    assert abs(mine.train_loss[-1] / plain.train_loss[-1] - 1) < 0.05
+    assert mine.model.fc.weight.device.type == "cpu"
+
+
+@needs_gpu
+def test_flow_shapes_on_the_gpu():
+    """The flow's rows (256 samples), a full batch of 1024 and a partial one, on the device."""
+
+    rng = np.random.default_rng(7)
+    model = random_model(256, 7)
+    for rows in (1024, 77):
+        x = (rng.normal(size=(rows, 256)) * 0.2).astype(np.float32)
+        eps = rng.normal(size=(rows, 2)).astype(np.float32)
+        got = row_grads(x, eps, flat_params(model))
+        want = reference(model, x[:16], eps[:16])
+        scale = np.abs(want[:, :-1]).max(axis=1, keepdims=True)
+        np.testing.assert_allclose(got[:16, :-1], want[:, :-1], rtol=1e-3, atol=1e-4 * float(scale.max()))
+        np.testing.assert_allclose(got[:16, -1], want[:, -1], rtol=1e-4)
+        assert np.isfinite(got).all()
