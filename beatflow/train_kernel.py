@@ -500,12 +500,13 @@ class KernelStep:
         self._streams: dict = {}
         self._dp = cuda.as_cuda_array(self.flat, sync=False)
 
-    def _view(self, t):
-        """Numba's view of tensor ``t`` (kept per address and shape: a graph's static batch is made once)."""
+    def view_of(self, t):
+        """Numba's view of tensor ``t``, kept per address and shape: a graph's batches are made once,
+        before its capture (the warm-up calls this for each)."""
         key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
         v = self._views.get(key)
         if v is None:
-            if len(self._views) > 8:
+            if len(self._views) > 1024:  # (launched step by step, every epoch's batches are new tensors)
                 self._views.clear()
             v = self._views[key] = cuda.as_cuda_array(t, sync=False)
         return v
@@ -526,6 +527,6 @@ class KernelStep:
         if stream is None:
             stream = self._streams[handle] = cuda.external_stream(handle)
         blocks, threads = launch_config(self.kernel, rows)
-        self.kernel[blocks, threads, stream](self._view(xb.contiguous()), deps, self._dp, dg)
+        self.kernel[blocks, threads, stream](self.view_of(xb.contiguous()), deps, self._dp, dg)
         torch.sum(g, dim=0, out=self.gsum)
         return self.loss

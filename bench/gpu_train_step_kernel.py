@@ -7,7 +7,7 @@ on the 20 h stream's kept rows (about 97 k x 256, scaled, minus the dominant bea
 the flow's training task calls it. Variants (``VARIANTS``, default all):
 
 * ``bf16``: the compiled fusible form cast to bf16, CUDA graphs (the flow's training before session 28);
-* ``kernel``: the step kernel in fp32, CUDA graphs;
+* ``kernel``: the step kernel in fp32, CUDA graphs (a whole epoch a graph);
 * ``kernel-eager``: the step kernel launched step by step (no graphs).
 
 A table: seconds of ``train_vae`` and its parts, ms per step over epochs 2-10, test loss; JSON to
@@ -69,15 +69,18 @@ def main() -> int:
             total = time.perf_counter() - t
             per_step = (marks[-1] - marks[0]) / (9 * steps) * 1e3
             row = dict(variant=name, run=run, kernel=res.kernel, graphs=res.cudagraphs, kept=res.graphs_kept,
+                       epoch_graph=res.epoch_graph,
                        compiled=res.compiled, total_s=total, phases=res.phases, ms_per_step=per_step,
                        test_loss=res.test_loss, train_loss=res.train_loss)
             out["runs"].append(row)
-            print(f"| {name} | {run} | {res.kernel} | {res.cudagraphs} | {res.graphs_kept} | {res.compiled} | "
+            graphs = "epoch" if res.epoch_graph else res.cudagraphs
+            print(f"| {name} | {run} | {res.kernel} | {graphs} | {res.graphs_kept} | {res.compiled} | "
                   f"{total:.3f} | {res.phases['setup']:.3f} | {res.phases['epochs']:.3f} | {per_step:.3f} | "
                   f"{res.test_loss:.6f} |", flush=True)
     for name in {r["variant"] for r in out["runs"]}:  # kept graphs train to the fresh capture's weights
         runs = [r for r in out["runs"] if r["variant"] == name]
-        print(f"{name}: the runs' losses {'agree' if all(r['train_loss'] == runs[0]['train_loss'] for r in runs) else 'DIFFER'}")
+        same = all(r["train_loss"] == runs[0]["train_loss"] for r in runs)
+        print(f"{name}: the runs' losses {'agree' if same else 'DIFFER'}")
     n = int(os.environ.get("PROFILE", "20"))
     if n:
         profile_kernel_step(M, data, n)

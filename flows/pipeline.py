@@ -329,9 +329,10 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     dominant = np.asarray(trained["dominant"], np.float32)
     # (each partition also cuts the signal around its own top beats: those of the report's top anomalies are among them)
     bounds = [plan.kept & (plan.owner == k) for k in range(len(specs))]
-    scored, score_workers = T.score(embedded, engine["path"], trained["scale"], [dominant[sp.recording] for sp in specs],
-                                    at=parts, context=(parts, lefts, rights, firsts, [plan.start[m] for m in bounds],
-                                                       [plan.length[m] for m in bounds]), top=N_TOP, pad=int(fs))
+    context = (parts, lefts, rights, firsts, [plan.start[m] for m in bounds], [plan.length[m] for m in bounds])
+    scored, score_workers = T.score(embedded, engine["path"], trained["scale"],
+                                    [dominant[sp.recording] for sp in specs], at=parts, context=context, top=N_TOP,
+                                    pad=int(fs))
     scores = np.concatenate([sc[0] for sc in scored]) if scored else np.zeros(0, np.float32)
     mu = np.concatenate([sc[1] for sc in scored]) if scored else np.zeros((0, 2), np.float32)
     ctx = {k: sc[2] for k, sc in enumerate(scored)}
@@ -444,7 +445,8 @@ def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshol
         "flutter_episodes": {"count": int(len(episodes)), "seconds": float(episodes["duration_s"].sum())},
         "training": {"precision": trained.get("precision", "fp32"), "compiled": trained.get("compiled", False),
                      "cuda_graphs": trained.get("cuda_graphs", False),
-                     "graphs_kept": trained.get("graphs_kept", False), "kernel": trained.get("kernel", False)},
+                     "graphs_kept": trained.get("graphs_kept", False), "kernel": trained.get("kernel", False),
+                     "epoch_graph": trained.get("epoch_graph", False)},
         "threshold": threshold, "device": device, "workers": workers,
         "engine": {**{k: engine[k] for k in ("backend", "precision", "cache", "max_abs_err", "throughput_beats_per_s")},
                    "latency_batch1_us": prof.get("latency_batch1_us"),

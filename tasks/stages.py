@@ -392,6 +392,7 @@ def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: i
         "test_loss": res.test_loss, "test_index": res.test_index, "seconds": res.seconds,
         "sample_rows": raw_rows, "rows": int(beats.shape[0]), "dominant": dominant, "precision": precision,
         "compiled": res.compiled, "cuda_graphs": res.cudagraphs, "graphs_kept": res.graphs_kept, "kernel": res.kernel,
+        "epoch_graph": res.epoch_graph,
         "epochs_done": done,
         # where the task's time went: the matrix's set-up, train_vae's parts, saving the outputs
         "phases_s": {"rows": round(marks[1] - marks[0], 4), **{f"train_{k}": v for k, v in res.phases.items()},

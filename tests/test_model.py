@@ -246,6 +246,16 @@ def test_kept_training_graphs_train_to_the_weights_of_a_fresh_capture(compile, k
     first = train_vae(beats, seed=1, keep_graphs=True, **kw)
     assert not first.graphs_kept and len(M._KEPT) == 1
     assert first.train_loss == fresh[1].train_loss  # (two fresh captures of one seed agree: the baseline)
+    # memory freed after the first call goes to new tensors, filled with NaN: the kept graphs must not read
+    # or write any (the step kernel's noise and per-row gradient buffers once did, after the call returned)
+    import gc
+
+    from beatflow.train_kernel import param_layout
+
+    gc.collect()
+    n_train = int(len(beats) * M.TRAIN_FRACTION)
+    junk = [torch.full((rows, cols), float("nan"), device="cuda")
+            for rows in (512, n_train % 512) for cols in (2, param_layout(64)["size"] + 1) for _ in range(4)]
     for seed in (1, 2, 1):
         again = train_vae(beats, seed=seed, keep_graphs=True, **kw)
         assert again.graphs_kept and again.cudagraphs and again.compiled == fresh[seed].compiled
@@ -253,6 +263,7 @@ def test_kept_training_graphs_train_to_the_weights_of_a_fresh_capture(compile, k
         for k, v in again.model.state_dict().items():
             torch.testing.assert_close(v, fresh[seed].model.state_dict()[k], rtol=0, atol=0)
         assert again.model.fc.weight.device.type == "cpu"
+    assert all(torch.isnan(j).all() for j in junk)
     other = train_vae(beats[:2000], seed=1, keep_graphs=True, **kw)  # other shapes: a new capture, kept instead
     assert not other.graphs_kept and len(M._KEPT) == 1
     assert train_vae(beats[:2000], seed=1, keep_graphs=True, **kw).graphs_kept

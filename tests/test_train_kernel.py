@@ -37,7 +37,8 @@ def random_model(width: int, seed: int) -> LightVAE:
     m = LightVAE(width)
     with torch.no_grad():
         for name, p in m.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.5 if name.endswith("alpha") else 0.3) + (1.0 if name.endswith("alpha") else 0))
+            slope = name.endswith("alpha")
+            p.copy_(torch.randn_like(p) * (0.5 if slope else 0.3) + (1.0 if slope else 0.0))
     return m
 
 
@@ -143,6 +144,32 @@ def test_training_with_the_kernel_reaches_the_models_loss(graphs):
     assert abs(mine.test_loss / plain.test_loss - 1) < 0.05, (mine.test_loss, plain.test_loss)
     assert abs(mine.train_loss[-1] / plain.train_loss[-1] - 1) < 0.05
     assert mine.model.fc.weight.device.type == "cpu"
+
+
+@needs_gpu
+def test_an_epoch_graph_trains_as_a_graph_per_step(monkeypatch):
+    """With the kernel, an epoch is one CUDA graph; refused, a graph per step: the same training (other
+    noise: the warm-ups draw differently), and the epoch graph's kept replays equal its fresh capture."""
+    from beatflow import model as M
+    from test_model import synthetic_beats
+
+    if not M.training_graphs(None, "cuda"):
+        pytest.skip("PyTorch allocates from another allocator here: no capture")
+    beats = torch.as_tensor(synthetic_beats(4000, width=64)).cuda()
+    kw = dict(epochs=4, batch_size=512, device="cuda", seed=2, kernel=True, cudagraphs=True)
+    whole = train_vae(beats, **kw)
+    assert whole.epoch_graph and whole.cudagraphs and whole.kernel
+
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("no epoch graph here")
+
+    monkeypatch.setattr(M, "_EpochGraph", Refused)
+    with pytest.warns(RuntimeWarning, match="a graph per step instead"):
+        steps = train_vae(beats, **kw)
+    assert steps.cudagraphs and not steps.epoch_graph
+    assert abs(whole.test_loss / steps.test_loss - 1) < 0.02
+    assert abs(whole.train_loss[-1] / steps.train_loss[-1] - 1) < 0.02
 
 
 @needs_gpu
