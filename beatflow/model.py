@@ -390,13 +390,14 @@ def _train_epochs(t0, data, n_train, width, epochs, batch_size, seed, on_epoch, 
 
     losses: list[float] = []
     t_setup = time.perf_counter()
-    queued = isinstance(step_loss, _EpochGraph)
-    if queued:  # each epoch one replay, the next queued before this one's loss is read
-        model.train()
-        losses = _queued_epochs(step_loss, data, train_idx, n_train, int(epochs), gen, on_epoch, t0)
-    for epoch in ([] if queued else range(1, int(epochs) + 1)):
+    for epoch in range(1, int(epochs) + 1):
         model.train()
         order = train_idx[torch.randperm(n_train, generator=gen).to(data.device)]
+        if isinstance(step_loss, _EpochGraph):  # the whole epoch replayed at once
+            losses.append(float(step_loss.run(data, order)) / n_train)
+            if on_epoch is not None:
+                on_epoch(epoch, losses[-1], time.perf_counter() - t0)
+            continue
         # on the GPU one gather per epoch (the batches are views of it: fewer launches); on the CPU
         # a gather per batch (1 MB, stays in cache; a 75 MB copy per epoch cost page faults)
         shuffled = data[order] if on_cuda else None
@@ -680,46 +681,6 @@ class _GraphedSteps:
         static.copy_(xb)
         graph.replay()
         return loss
-
-
-def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: int, gen, on_epoch, t0) -> list:
-    """The epochs of an :class:`_EpochGraph`, each queued on the GPU before the previous one is read.
-
-    Reading an epoch's loss waits for the GPU, and the next epoch's batch order (a permutation on the
-    CPU, copied over) was made only then: the GPU idled for that host work and for whatever other
-    thread held the interpreter meanwhile (in the flow's Dask worker, epochs took 21 ms against 13 ms
-    of GPU work, H100). Here epoch ``e + 1`` is queued, its successor's order made, and only then is
-    epoch ``e``'s loss read (copied to pinned memory behind an event); the orders and the losses are
-    the same as epoch by epoch."""
-    device = data.device
-    host = torch.zeros(max(1, epochs), dtype=torch.float64).pin_memory()
-    done = [torch.cuda.Event() for _ in range(epochs)]
-    keep = []  # (the pinned orders until their copies ran)
-    losses: list[float] = []
-
-    def order():
-        perm = torch.randperm(n_train, generator=gen).pin_memory()
-        keep.append(perm)
-        return train_idx[perm.to(device, non_blocking=True)]
-
-    def read(e: int) -> None:
-        done[e].synchronize()
-        losses.append(float(host[e]) / n_train)
-        if on_epoch is not None:
-            on_epoch(e + 1, losses[-1], time.perf_counter() - t0)
-
-    nxt = order() if epochs else None
-    for e in range(epochs):
-        total = graph.run(data, nxt)
-        host[e].copy_(total, non_blocking=True)
-        done[e].record()
-        if e + 1 < epochs:
-            nxt = order()
-        if e:
-            read(e - 1)
-    if epochs:
-        read(epochs - 1)
-    return losses
 
 
 class _EpochGraph:

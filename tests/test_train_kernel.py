@@ -157,10 +157,8 @@ def test_an_epoch_graph_trains_as_a_graph_per_step(monkeypatch):
         pytest.skip("PyTorch allocates from another allocator here: no capture")
     beats = torch.as_tensor(synthetic_beats(4000, width=64)).cuda()
     kw = dict(epochs=4, batch_size=512, device="cuda", seed=2, kernel=True, cudagraphs=True)
-    seen = []
-    whole = train_vae(beats, on_epoch=lambda e, loss, t: seen.append((e, loss)), **kw)
+    whole = train_vae(beats, **kw)
     assert whole.epoch_graph and whole.cudagraphs and whole.kernel
-    assert seen == list(enumerate(whole.train_loss, start=1))  # (each epoch reported once, in order)
 
     class Refused:
         def __init__(self, *args, **kwargs):
