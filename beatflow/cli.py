@@ -71,8 +71,9 @@ def _run_parser(sub) -> None:
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16", "int8"), default="fp32",
                    help="inference engine precision (fp16/bf16 on GPU, int8 on CPU)")
     p.add_argument("--train-precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                   help="VAE training on a GPU: auto = bf16 where supported, else fp16 with a gradient "
-                        "scaler; fp32 (the CPU always trains in fp32)")
+                   help="VAE training on a GPU: auto = the step kernel in fp32 where Numba's CUDA target runs "
+                        "(else bf16 where supported, fp16 with a gradient scaler otherwise); fp32 (the kernel "
+                        "where it runs); bf16/fp16: compiled steps in mixed precision (the CPU always trains in fp32)")
     p.add_argument("--train-compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile the training step (auto: on a GPU; on the CPU from 200 000 rows x epochs, "
                         "where a compiled epoch is ~2x faster once compiled: the 20 h default run)")

@@ -138,9 +138,11 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
         Inference engine (``auto|onnxruntime|compiled|aoti|tensorrt``) and its precision (``fp32``, ``fp16``,
         ``bf16`` on GPU, ``int8`` on CPU); engines are cached by model hash and configuration.
     train_precision, train_compile : str, bool
-        VAE training in mixed precision on a GPU (``auto``: bf16 where supported, else fp16 with
-        a gradient scaler; ``fp32``), and compiled training steps (default: on a GPU, and on the CPU
-        for trainings large enough to pay for the compilation: :func:`beatflow.params.compile_pays`).
+        VAE training on a GPU (``auto`` and ``fp32``: the step kernel of :mod:`beatflow.train_kernel` in
+        fp32 where Numba's CUDA target runs, else bf16 where supported and fp16 with a gradient scaler
+        otherwise; ``bf16``/``fp16``: compiled steps in mixed precision), and compiled training steps
+        (default: on a GPU, and on the CPU for trainings large enough to pay for the compilation:
+        :func:`beatflow.params.compile_pays`).
     rmm_pool_size, rmm_allocator : optional
         On the GPU, the RMM pool that a worker without one gets (default 80 % of its GPU) and its
         kind (``async`` or ``pool``): every GPU worker, on the flow's own cluster or on one given by
