@@ -543,6 +543,18 @@ def capture_graph(graph, pool, stream, arena_bytes: int, arenas: list):
         raise RuntimeError(f"the capture needed more than its arena of {arena.size} bytes")
 
 
+def _set_start(model, opt, state: dict) -> None:
+    """Where training starts: the model's weights set to ``state``'s, the optimizer's state zeroed (the
+    tensors stay: captured graphs read and write them)."""
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.copy_(state[k])
+        for st in opt.state.values():
+            for v in st.values():
+                if torch.is_tensor(v):
+                    v.zero_()
+
+
 class _KeptSteps:
     """Captured training steps kept for the next :func:`train_vae` of the same key (``keep_graphs``):
     the model and optimizer whose tensors the graphs update, and the CUDA generator's offset right
@@ -559,13 +571,7 @@ class _KeptSteps:
     def reset(self, state: dict, device) -> None:
         """The weights to ``state``'s (a fresh model of this call's seed), the optimizer's state to zero,
         the generator (already seeded) to the offset its fresh capture left."""
-        with torch.no_grad():
-            for k, v in self.model.state_dict().items():
-                v.copy_(state[k])
-            for st in self.opt.state.values():
-                for v in st.values():
-                    if torch.is_tensor(v):
-                        v.zero_()
+        _set_start(self.model, self.opt, state)
         torch.cuda.default_generators[_cuda_index(device)].set_offset(self.offset)
         self.reused = True
 
@@ -626,13 +632,7 @@ class _GraphedSteps:
             self.release()
             raise
         finally:  # also when capture fails: training then starts from the same weights
-            with torch.no_grad():
-                for k, v in model.state_dict().items():
-                    v.copy_(initial[k])
-                for state in opt.state.values():
-                    for v in state.values():
-                        if torch.is_tensor(v):
-                            v.zero_()
+            _set_start(model, opt, initial)
 
     def _capture(self, model, opt, step_loss, shapes, width, device):
         pool = torch.cuda.graph_pool_handle()
@@ -708,13 +708,7 @@ class _EpochGraph:
             self.release()
             raise
         finally:  # also when capture fails: training then starts from the same weights
-            with torch.no_grad():
-                for k, v in model.state_dict().items():
-                    v.copy_(initial[k])
-                for state in opt.state.values():
-                    for v in state.values():
-                        if torch.is_tensor(v):
-                            v.zero_()
+            _set_start(model, opt, initial)
 
     def _capture(self, opt, device):
         step = self.step_loss

@@ -214,6 +214,29 @@ def test_cuda_graph_training_matches_launched_steps(compile):
     assert graphed.train_loss[-1] < graphed.train_loss[0]
 
 
+def test_set_start_restores_weights_and_zeroes_adam_in_place():
+    """What the captured and kept training graphs start from: the weights given, Adam's state zero, in
+    the same tensors (the graphs hold their addresses)."""
+    from beatflow import model as M
+
+    torch.manual_seed(0)
+    m = LightVAE(16)
+    start = {k: v.clone() for k, v in m.state_dict().items()}
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    x = torch.randn(8, 16)
+    recon, mu, logvar = m(x)
+    vae_loss(x, recon, mu, logvar).backward()
+    opt.step()
+    tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    ptrs = [v.data_ptr() for v in tensors] + [p.data_ptr() for p in m.parameters()]
+    assert any(not torch.equal(v, start[k]) for k, v in m.state_dict().items())
+    M._set_start(m, opt, start)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, start[k])
+    assert all(not v.any() for v in tensors)
+    assert ptrs == [v.data_ptr() for v in tensors] + [p.data_ptr() for p in m.parameters()]
+
+
 def test_keep_graphs_without_graphs_changes_nothing():
     """On the CPU (no CUDA graphs) ``keep_graphs`` keeps nothing, and training is the same."""
     from beatflow import model as M
