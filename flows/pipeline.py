@@ -345,20 +345,22 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     matched = FigurePool.result(matching) if matching is not None else None  # (the truth's beats matched to ours)
     # the check against the synthetic truth (its ROC-AUCs), in a figure process while this one goes on
     checking = figures.submit(truth_check, matched, scores) if matched is not None else None
-    # the report's figures that need the scores start first, in the figure processes: the stream, the
-    # scores and the latent space's two, then the top anomalies (their context from their partitions);
-    # the truth's scores, the table's file and the summary are made while they are drawn (on the H100
-    # host the figures took 0.13-0.39 s each, longer than all of this)
-    view, per_kept = _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged_mask,
-                                  T.gather(overview_futures), matched, kb, rec_offset, names)
-    late = figures.draw(SimpleNamespace(**view), LATE_FIGURES)
+    # the report's figures that need the scores start first, in the figure processes: the top anomalies
+    # (their context came with the scores; on the H100 host theirs was the longest drawing, 0.12-0.21 s),
+    # then the stream, the scores and the latent space's two; the table, the truth's scores and the
+    # summary are made while they are drawn
+    per_kept = _truth_per_kept(matched, len(kb))
+    top_rows = np.argsort(-scores, kind="stable")[:N_TOP]  # (the anomaly table's ranks 1..N_TOP, in order)
+    top_list = _top_list(names, fs, plan, top_rows, scores, ctx, kb, per_kept)
+    late = figures.draw(SimpleNamespace(fs=fs, top=top_list), ("top",))
+    ph.lap("context")
+    view = _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged_mask, T.gather(overview_futures),
+                        per_kept, kb, rec_offset, names)
+    late.update(figures.draw(SimpleNamespace(**view), LATE_FIGURES))
     ph.lap("figures_started")
     table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
                           threshold, names)
     top = table.nsmallest(N_TOP, "rank")
-    top_list = _top_list(names, fs, plan, top, ctx, kb, per_kept)
-    late.update(figures.draw(SimpleNamespace(fs=fs, top=top_list), ("top",)))
-    ph.lap("context")
     truth = None
     if checking is not None:
         truth = FigurePool.result(checking)
@@ -664,49 +666,53 @@ def _draw_early_figures(figures: FigurePool, fs, trained) -> dict:
 LATE_FIGURES = ("stream", "scores", "latent", "latent_truth")
 
 
-def _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged, overview, matched, kb, rec_offset,
-                 names=()):
-    """``(fields, per_kept)``: the report's fields that the scores decide (what :data:`LATE_FIGURES`
-    draw: the stream's picture with the flagged beats' times, every score, and a sample of at most
-    20 000 test beats' latent means with their scores and truth labels), and the truth label of every
-    kept beat (None without a truth; ``matched``: :func:`beatflow.metrics.match_truth`'s result)."""
+def _truth_per_kept(matched, n_kept: int):
+    """The truth label of every kept beat (0 normal, 1 PVC, 2 artifact; an unmatched beat 0), or None
+    without a truth (``matched``: :func:`beatflow.metrics.match_truth`'s result)."""
+    if matched is None:
+        return None
+    m, labels = matched["matched"], matched["labels"]
+    per_kept = np.zeros(n_kept, np.int64)
+    per_kept[m[m >= 0]] = labels[m >= 0]
+    return per_kept
+
+
+def _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged, overview, per_kept, kb, rec_offset,
+                 names=()) -> dict:
+    """The report's fields that the scores decide (what :data:`LATE_FIGURES` draw: the stream's picture
+    with the flagged beats' times, every score, and a sample of at most 20 000 test beats' latent means
+    with their scores and truth labels; ``per_kept``: :func:`_truth_per_kept`)."""
     from beatflow.report import combine_minmax
 
     smin, smax = combine_minmax(overview, N_COLUMNS)
     test_idx = np.asarray(trained["test_index"])
     rng = np.random.default_rng(0)
     sub = np.sort(rng.choice(test_idx, size=min(20000, len(test_idx)), replace=False))
-    per_kept = truth_labels = None
-    if matched is not None:
-        m, labels = matched["matched"], matched["labels"]
-        per_kept = np.zeros(len(kb), np.int64)
-        per_kept[m[m >= 0]] = labels[m >= 0]
-        truth_labels = per_kept[sub]
+    truth_labels = per_kept[sub] if per_kept is not None else None
     fb = kb[np.asarray(flagged, bool)]  # the flagged beats, on the time axis of all recordings
     offsets = np.asarray([rec_offset[r] for r in range(len(rec_offset))], dtype=np.int64)
     times = (plan.start[fb].astype(np.int64) + offsets[plan.recording[fb]]) / fs
     return dict(fs=fs, total_samples=int(total), stream_min=smin, stream_max=smax, latent_mu=mu[sub],
                 latent_score=scores[sub], threshold=threshold, score_all=scores, anomaly_times_s=times,
                 truth_labels=truth_labels, recording_names=list(names),
-                recording_starts_s=(offsets / fs).tolist()), per_kept
+                recording_starts_s=(offsets / fs).tolist())
 
 
-def _top_list(names, fs, plan, top, ctx, kb, per_kept) -> list[dict]:
-    """The report's top anomalies (rows of ``top``, the anomaly table's highest scores), each with the
-    signal around it from its partition's snippets ``ctx`` (the partition's own top beats': the one
-    that starts ``fs`` samples before the beat) and, with a truth, its label."""
+def _top_list(names, fs, plan, rows, scores, ctx, kb, per_kept) -> list[dict]:
+    """The report's top anomalies: kept rows ``rows`` (the highest ``scores`` first), each with the signal
+    around it from its partition's snippets ``ctx`` (the partition's own top beats': the one that starts
+    ``fs`` samples before the beat) and, with a truth, its label."""
     out = []
-    for _, row in top.iterrows():
-        b = int(row["beat"])
+    for i in np.asarray(rows, np.int64):
+        b = int(kb[i])
+        start = int(plan.start[b])
         pieces = ctx[int(plan.owner[b])]
-        want = int(row["start"]) - int(fs)
-        piece = min(pieces, key=lambda p: abs(p[0] - want))
+        piece = min(pieces, key=lambda p: abs(p[0] - (start - int(fs))))
         label = None
         if per_kept is not None:
-            label = {0: "normal", 1: "pvc", 2: "artifact"}[int(per_kept[np.searchsorted(kb, b)])]
-        out.append({"beat": b, "start": int(row["start"]), "time_s": float(row["time_s"]),
-                    "length": int(row["length"]), "score": float(row["score"]), "context": piece[1],
-                    "context_start": int(piece[0]),
+            label = {0: "normal", 1: "pvc", 2: "artifact"}[int(per_kept[i])]
+        out.append({"beat": b, "start": start, "time_s": start / fs, "length": int(plan.length[b]),
+                    "score": float(np.float32(scores[i])), "context": piece[1], "context_start": int(piece[0]),
                     "label": (f"{names[int(plan.recording[b])]} " if len(names) > 1 else "") + (label or "")})
     return out
 

@@ -330,3 +330,32 @@ def test_flow_threshold_spread_within_recordings(harness, tmp_path):
         assert r["beats"] == len(mine) > 100 and r["flagged"] == int(mine["flagged"].sum())
     html = (out / "report.html").read_text()
     assert "<h3>Recordings</h3>" in html and "<td class=l>noisy</td>" in html
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_report_top_rows_are_the_tables_top_ranks(seed):
+    """The report's top anomalies (taken from the scores, before the table exists) are the anomaly table's
+    ranks 1..N in order, ties included, with the table's start, time, length and score."""
+    from types import SimpleNamespace
+
+    from beatflow.scoring import anomaly_table
+    from flows.pipeline import N_TOP, _top_list
+
+    rng = np.random.default_rng(seed)
+    n = 500
+    scores = rng.integers(0, 30, n).astype(np.float32)  # many ties
+    kb = np.sort(rng.choice(2 * n, size=n, replace=False))
+    plan = SimpleNamespace(start=np.arange(2 * n) * 200, length=rng.integers(100, 300, 2 * n),
+                           owner=np.zeros(2 * n, int), recording=np.zeros(2 * n, int))
+    table = anomaly_table(kb, plan.recording[kb], plan.start[kb], plan.start[kb], plan.length[kb], scores, 250.0,
+                          1e9, ["r"])
+    rows = np.argsort(-scores, kind="stable")[:N_TOP]
+    ctx = {0: [(int(plan.start[b]) - 250, np.zeros(3, np.float32)) for b in kb]}
+    top = _top_list(["r"], 250.0, plan, rows, scores, ctx, kb, None)
+    want = table.nsmallest(N_TOP, "rank")
+    assert [t["beat"] for t in top] == want["beat"].tolist()
+    assert [t["start"] for t in top] == want["start"].tolist()
+    assert [t["length"] for t in top] == want["length"].tolist()
+    assert [t["score"] for t in top] == want["score"].astype(float).tolist()
+    assert [t["time_s"] for t in top] == want["time_s"].tolist()
+    assert all(t["context_start"] == t["start"] - 250 for t in top)
