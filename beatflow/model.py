@@ -339,7 +339,16 @@ def train_vae(
             if use_kernel:  # (the parameters become views of the kernel's flat vector before Adam sees them)
                 from .train_kernel import KernelStep
 
-                step_loss = raw_step = KernelStep(model, data.device)
+                try:
+                    step_loss = raw_step = KernelStep(model, data.device)
+                except Exception as e:  # not built or not launched here: PyTorch's steps
+                    import warnings
+
+                    warnings.warn(f"the training step kernel cannot run here ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); training with PyTorch's steps",
+                                  RuntimeWarning)
+                    use_kernel = keep_graphs = False  # (kept under the kernel's key, they would be misread)
+                    compiled = training_compiled(compile, graphs)
             opt = torch.optim.Adam(model.parameters(), lr=lr, fused=True if on_cuda else None, capturable=graphs)
             # (graphs capture each batch shape once, compiled; without them the last short batch of an
             # epoch runs uncompiled instead of compiling a second graph)

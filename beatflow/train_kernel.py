@@ -499,6 +499,15 @@ class KernelStep:
         self._views: dict = {}
         self._streams: dict = {}
         self._dp = cuda.as_cuda_array(self.flat, sync=False)
+        # one row through the kernel now: it is compiled here, and a kernel that cannot run on this GPU
+        # is an error of the constructor (train_vae then trains with PyTorch's steps), not of a step
+        row = torch.zeros((1, model.width), dtype=torch.float32, device=self.device)
+        g = torch.empty((1, n + 1), dtype=torch.float32, device=self.device)
+        self.kernel[1, WARP](cuda.as_cuda_array(row, sync=False), cuda.as_cuda_array(row[:, :2], sync=False),
+                            self._dp, cuda.as_cuda_array(g, sync=False))
+        torch.cuda.synchronize(self.device)
+        if not torch.isfinite(g).all():
+            raise RuntimeError("the step kernel's trial row gave a non-finite gradient")
 
     def view_of(self, t):
         """Numba's view of tensor ``t``, kept per address and shape: a graph's batches are made once,

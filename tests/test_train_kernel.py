@@ -98,6 +98,21 @@ def test_kernel_training_is_refused_where_it_cannot_run():
     assert not res.kernel
 
 
+def test_a_kernel_that_cannot_run_falls_back_to_pytorchs_steps(monkeypatch):
+    """Where the step kernel is chosen but cannot be built or launched (here: a CPU tensor), training
+    warns once and runs PyTorch's steps: the same result as without the kernel, nothing kept."""
+    from beatflow import model as M
+
+    beats = np.random.default_rng(1).normal(size=(200, 16)).astype(np.float32)
+    monkeypatch.setattr(M, "training_kernel", lambda kernel, device, amp=None: True)
+    with pytest.warns(RuntimeWarning, match="the training step kernel cannot run here"):
+        res = train_vae(beats, epochs=2, batch_size=32, seed=4, keep_graphs=True)
+    monkeypatch.undo()
+    plain = train_vae(beats, epochs=2, batch_size=32, seed=4)
+    assert not res.kernel and not res.graphs_kept and not M._KEPT
+    assert res.train_loss == plain.train_loss and res.test_loss == plain.test_loss
+
+
 @needs_gpu
 def test_kernel_step_fills_the_models_gradients():
     """``KernelStep``: the batch's gradient in each parameter's ``.grad`` and the batch's loss, against
