@@ -7,7 +7,9 @@ small reductions, while its memory traffic is tens of microseconds. Here a warp 
 whole forward pass (its activations in shared memory, the lanes along the row), its loss, and its
 backward pass, and writes that row's gradient of every parameter (and its loss) into a row of ``g``.
 Summing ``g`` over the rows (``torch.sum``: a fixed order, so the weights are the same run after
-run) gives the batch's gradient; a fused Adam updates the parameters. Three kernels a step.
+run) gives the batch's gradient; a fused Adam updates the parameters. A step is four kernels (the
+noise, this one, the sum, Adam), 156 µs of GPU time on an H100, of which this kernel 142 µs; 10 epochs
+of the 20 h stream train in 0.15 s against 0.28 s for the compiled bf16 steps (session 28).
 
 The arithmetic is the model's (:class:`beatflow.model.LightVAE`, :func:`beatflow.model.vae_loss`) in
 float32: ``tests/test_train_kernel.py`` checks each row's gradient and loss against PyTorch's autograd
