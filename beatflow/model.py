@@ -344,9 +344,8 @@ def train_vae(
                 except Exception as e:  # not built or not launched here: PyTorch's steps
                     import warnings
 
-                    warnings.warn(f"the training step kernel cannot run here ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}); training with PyTorch's steps",
-                                  RuntimeWarning)
+                    warnings.warn(f"the training step kernel cannot run here ({_why(e)}); training with "
+                                  "PyTorch's steps", RuntimeWarning)
                     use_kernel = keep_graphs = False  # (kept under the kernel's key, they would be misread)
                     compiled = training_compiled(compile, graphs)
             opt = torch.optim.Adam(model.parameters(), lr=lr, fused=True if on_cuda else None, capturable=graphs)
@@ -363,18 +362,16 @@ def train_vae(
                     except Exception as e:
                         import warnings
 
-                        warnings.warn(f"CUDA graph capture of a whole epoch failed ({type(e).__name__}: "
-                                      f"{str(e).splitlines()[0] if str(e) else ''}); a graph per step instead",
-                                      RuntimeWarning)
+                        warnings.warn(f"CUDA graph capture of a whole epoch failed ({_why(e)}); a graph per "
+                                      "step instead", RuntimeWarning)
                         step_loss = _GraphedSteps(model, opt, step_loss, shapes, width, data.device)
                 else:
                     step_loss = _GraphedSteps(model, opt, step_loss, shapes, width, data.device)
             except Exception as e:  # capture failed: the same steps, launched one by one
                 import warnings
 
-                warnings.warn(f"CUDA graph capture of the training step failed ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); training without graphs",
-                              RuntimeWarning)
+                warnings.warn(f"CUDA graph capture of the training step failed ({_why(e)}); training without "
+                              "graphs", RuntimeWarning)
                 graphs = False
             else:
                 if keep_graphs:
@@ -552,6 +549,12 @@ def capture_graph(graph, pool, stream, arena_bytes: int, arenas: list):
         raise RuntimeError(f"the capture needed more than its arena of {arena.size} bytes")
 
 
+def _why(e: BaseException) -> str:
+    """An exception as a warning names it: its type and the first line of its message."""
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _set_start(model, opt, state: dict) -> None:
     """Where training starts: the model's weights set to ``state``'s, the optimizer's state zeroed (the
     tensors stay: captured graphs read and write them)."""
@@ -569,7 +572,7 @@ class _KeptSteps:
     the model and optimizer whose tensors the graphs update, and the CUDA generator's offset right
     after the capture (where the epochs of a fresh call start drawing their noise)."""
 
-    def __init__(self, model, opt, steps: "_GraphedSteps", device, compiled: bool):
+    def __init__(self, model, opt, steps: "_GraphedSteps | _EpochGraph", device, compiled: bool):
         self.model, self.opt, self.steps = model, opt, steps
         self.offset = torch.cuda.default_generators[_cuda_index(device)].get_offset()
         self.compiled = compiled  # (whether the captured steps are the compiled ones)
@@ -842,8 +845,8 @@ def _step_loss(model: "LightVAE", device_type: str, amp, compile: bool, fused: b
             except Exception as e:  # no Triton / compiler here: the same step, uncompiled
                 import warnings
 
-                warnings.warn(f"torch.compile of the training step failed ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); training uncompiled", RuntimeWarning)
+                warnings.warn(f"torch.compile of the training step failed ({_why(e)}); training uncompiled",
+                              RuntimeWarning)
                 step.failed = True
         return fusible(xb, eps)
 

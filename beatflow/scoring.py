@@ -51,6 +51,12 @@ def robust_threshold(scores, k: float = DEFAULT_MAD_K, recording=None) -> float:
     return float(np.exp(med + k * max(mad, 1e-6)))
 
 
+def rank_order(score) -> np.ndarray:
+    """Row numbers from the highest score down, ties in row order: the anomaly table's ranks 1, 2, ...
+    (float32 scores, as the table keeps them)."""
+    return np.argsort(-np.asarray(score, dtype=np.float32), kind="stable")
+
+
 def anomaly_table(beat, recording, peak, start, length, score, fs: float, threshold: float, recording_names):
     """The per-beat table written to ``anomalies.parquet`` (one row per kept beat).
 
@@ -61,7 +67,7 @@ def anomaly_table(beat, recording, peak, start, length, score, fs: float, thresh
     import pandas as pd
 
     score = np.asarray(score, dtype=np.float32)
-    order = np.argsort(-score, kind="stable")
+    order = rank_order(score)
     rank = np.empty_like(order)
     rank[order] = np.arange(1, order.shape[0] + 1)
     # the recordings' names as codes into their sorted distinct names (what pd.Categorical of the names

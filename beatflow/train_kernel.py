@@ -441,7 +441,9 @@ def row_grads(x, eps, params, width: int | None = None):
     dx, de, dp, dg = (cuda.to_device(a) for a in (x, np.ascontiguousarray(eps, np.float32),
                                                    np.ascontiguousarray(params, np.float32), g))
     blocks, threads = launch_config(kernel, x.shape[0])
-    sim = _simulator()
+    from beatflow.kernels import simulator_active
+
+    sim = simulator_active()
     old = sys.getswitchinterval()
     if sim:  # (the simulator's lanes are threads: with the default 5 ms each barrier waits for the GIL)
         sys.setswitchinterval(min(old, 2e-4))
@@ -452,18 +454,14 @@ def row_grads(x, eps, params, width: int | None = None):
     return dg.copy_to_host()
 
 
-def _simulator() -> bool:
-    from beatflow.kernels import simulator_active
-
-    return simulator_active()
-
-
 def kernel_available() -> bool:
     """Whether the step kernel can run on a GPU here (Numba's CUDA target on a CUDA device, not the simulator)."""
+    from beatflow.kernels import simulator_active
+
     try:
         from numba import cuda as numba_cuda
 
-        return (not numba_cuda.is_available.__module__.endswith("simulator_init")) and numba_cuda.is_available()
+        return not simulator_active() and numba_cuda.is_available()
     except Exception:
         return False
 

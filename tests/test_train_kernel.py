@@ -1,7 +1,7 @@
 """The training step kernel (``beatflow.train_kernel``) against PyTorch's autograd of the LightVAE.
 
-On CI it runs under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set by ``conftest`` when there is
-no GPU), on small rows; on a GPU the same tests run on the device, and one more on the flow's shapes.
+On CI it runs under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, exported by ``scripts/test.sh``), on
+small rows; on a GPU the same tests run on the device, with more of them on the flow's shapes.
 """
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ from beatflow.train_kernel import param_layout, row_grads
 
 def _mode():
     """``"gpu"``, ``"sim"`` (Numba's CUDA simulator: ``NUMBA_ENABLE_CUDASIM=1``, as scripts/test.sh sets) or None."""
+    from beatflow.kernels import simulator_active
+
+    if simulator_active():
+        return "sim"
     try:
         from numba import cuda
 
-        if cuda.is_available.__module__.endswith("simulator_init"):
-            return "sim"
         return "gpu" if cuda.is_available() else None
     except Exception:
         return None
