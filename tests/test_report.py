@@ -482,3 +482,27 @@ def test_figure_pool_is_kept_from_run_to_run_and_replaced_when_broken():
     assert second is not first and not second.broken()
     d = _fake_data()
     assert P.FigurePool.collect(second.draw(d, ["lengths"])) == render_figures(d, ["lengths"])
+
+
+def test_png_is_the_figure_savefig_draws_without_its_alpha():
+    """A figure's PNG (``_png``: RGB, zlib level 1) has the pixels of Matplotlib's own ``savefig`` of it
+    (RGBA; the figures are opaque), at the figure's size."""
+    import io
+
+    from PIL import Image
+
+    from beatflow.report import _DPI, _new_fig, _png
+
+    fig = _new_fig(4.0, 2.5)
+    ax = fig.add_subplot(1, 1, 1)
+    rng = np.random.default_rng(3)
+    ax.plot(rng.normal(size=300), lw=0.8)
+    ax.scatter(rng.normal(size=50), rng.normal(size=50), c=rng.random(50), alpha=0.5)
+    ax.set_title("a title")
+    mine = Image.open(io.BytesIO(base64.b64decode(_png(fig))))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=_DPI)
+    ref = np.asarray(Image.open(io.BytesIO(buf.getvalue())))
+    assert mine.mode == "RGB" and mine.size == (int(4.0 * _DPI), int(2.5 * _DPI))
+    assert (ref[..., 3] == 255).all()  # (opaque: the alpha channel carries nothing)
+    np.testing.assert_array_equal(np.asarray(mine), ref[..., :3])

@@ -174,8 +174,10 @@ def test_an_epoch_graph_trains_as_a_graph_per_step(monkeypatch):
         pytest.skip("PyTorch allocates from another allocator here: no capture")
     beats = torch.as_tensor(synthetic_beats(4000, width=64)).cuda()
     kw = dict(epochs=4, batch_size=512, device="cuda", seed=2, kernel=True, cudagraphs=True)
-    whole = train_vae(beats, **kw)
+    seen = []
+    whole = train_vae(beats, on_epoch=lambda e, loss, t: seen.append((e, loss)), **kw)
     assert whole.epoch_graph and whole.cudagraphs and whole.kernel
+    assert seen == list(enumerate(whole.train_loss, start=1))  # (each epoch reported once, in order)
 
     class Refused:
         def __init__(self, *args, **kwargs):
@@ -204,3 +206,32 @@ def test_flow_shapes_on_the_gpu():
         np.testing.assert_allclose(got[:16, :-1], want[:, :-1], rtol=1e-3, atol=1e-4 * float(scale.max()))
         np.testing.assert_allclose(got[:16, -1], want[:, -1], rtol=1e-4)
         assert np.isfinite(got).all()
+
+
+@needs_gpu
+def test_queued_epochs_train_as_epoch_by_epoch(monkeypatch):
+    """All epochs queued before a loss is read (``_queued_epochs``) train exactly as the epochs run one
+    at a time, each order made and each loss read before the next epoch (the naive loop, here)."""
+    from beatflow import model as M
+    from test_model import synthetic_beats
+
+    if not M.training_graphs(None, "cuda"):
+        pytest.skip("PyTorch allocates from another allocator here: no capture")
+    beats = torch.as_tensor(synthetic_beats(3000, width=64)).cuda()
+    kw = dict(epochs=5, batch_size=256, device="cuda", seed=4, kernel=True, cudagraphs=True)
+    queued = train_vae(beats, **kw)
+    assert queued.epoch_graph
+
+    def one_at_a_time(graph, data, train_idx, n_train, epochs, gen, on_epoch, t0):
+        losses = []
+        for e in range(epochs):
+            order = train_idx[torch.randperm(n_train, generator=gen).to(data.device)]
+            losses.append(float(graph.run(data, order)) / n_train)
+        return losses
+
+    monkeypatch.setattr(M, "_queued_epochs", one_at_a_time)
+    naive = train_vae(beats, **kw)
+    assert naive.epoch_graph
+    assert queued.train_loss == naive.train_loss and queued.test_loss == naive.test_loss
+    for (k, a), b in zip(queued.model.state_dict().items(), naive.model.state_dict().values()):
+        assert torch.equal(a, b), k
