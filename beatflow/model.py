@@ -207,6 +207,7 @@ class TrainResult:
     epoch_graph: bool = False  # whether each epoch was one CUDA graph (the step kernel's, see ``_EpochGraph``)
     #: seconds of its parts: ``setup`` (the model, the optimizer, graph capture), ``epochs``, ``test``
     phases: dict = field(default_factory=dict)
+    epoch_gpu_ms: list = field(default_factory=list)  # each epoch's GPU time (the epoch graph's queued epochs)
 
 
 def _as_float_tensor(beats: ArrayLike, device: Optional[Union[str, torch.device]] = None) -> torch.Tensor:
@@ -381,6 +382,7 @@ def train_vae(
                             raw_step, graphs, scaler, compiled, kept, perm[:n_train], perm[n_train:])
         res.kernel = use_kernel
         res.epoch_graph = isinstance(step_loss, _EpochGraph)
+        res.epoch_gpu_ms = list(getattr(step_loss, "epoch_gpu_ms", None) or [])
         return res
     finally:
         if kept is not None:
@@ -709,18 +711,21 @@ def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: 
     perms = torch.stack([torch.randperm(n_train, generator=gen) for _ in range(epochs)])
     orders = train_idx[perms.to(device)]  # (one copy; the GPU has nothing queued yet)
     host = torch.zeros(epochs, dtype=torch.float64).pin_memory()
-    done = []
+    began = [torch.cuda.Event(enable_timing=True) for _ in range(epochs)]
+    done = [torch.cuda.Event(enable_timing=True) for _ in range(epochs)]
     for e in range(epochs):
+        began[e].record()
         total = graph.run(data, orders[e])  # (the next replay overwrites the total: copied first, in order)
         host[e].copy_(total, non_blocking=True)
-        done.append(torch.cuda.Event())
-        done[-1].record()
+        done[e].record()
     losses: list[float] = []
     for e in range(epochs):
         done[e].synchronize()
         losses.append(float(host[e]) / n_train)
         if on_epoch is not None:
             on_epoch(e + 1, losses[-1], time.perf_counter() - t0)
+    # each epoch's time on the GPU, from its gather to its loss's copy (where the epochs' wall time went)
+    graph.epoch_gpu_ms = [round(b.elapsed_time(d), 3) for b, d in zip(began, done)]
     return losses
 
 

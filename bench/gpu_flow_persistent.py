@@ -108,8 +108,8 @@ def main() -> int:
                   + f"  transfers {s.get('transfers')}", flush=True)
             detail = s.get("timings_detail_s", {})
             if detail:  # where the load's and the report's waits went (sessions 24-26)
-                print(f"  load {detail.get('load')}\n  figures {detail.get('figures')}\n  report {detail.get('report')}",
-                      flush=True)
+                print(f"  load {detail.get('load')}\n  figures {detail.get('figures')}\n  report {detail.get('report')}"
+                      f"\n  train {detail.get('train')}\n  score {detail.get('score')}", flush=True)
     finally:
         client.close()
         cluster.close()

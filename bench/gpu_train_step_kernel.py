@@ -10,6 +10,9 @@ the flow's training task calls it. Variants (``VARIANTS``, default all):
 * ``kernel``: the step kernel in fp32, CUDA graphs (a whole epoch a graph);
 * ``kernel-eager``: the step kernel launched step by step (no graphs).
 
+``IDLE_S``: seconds the GPU idles before each run (as between the flow's stages); the epoch graph's runs
+also print their epochs' GPU time (``TrainResult.epoch_gpu_ms``).
+
 A table: seconds of ``train_vae`` and its parts, ms per step over epochs 2-10, test loss; JSON to
 ``$OUT/train_step_kernel.json``. Then (``PROFILE`` steps, default 20) the kernel step's GPU kernels by
 ``torch.profiler``. Run on the GPU machine from the repository root (``PYTHONPATH=$PWD``)::
@@ -59,6 +62,7 @@ def main() -> int:
         for run in range(1, int(os.environ.get("RUNS", "3")) + 1):
             marks = []
             torch.cuda.synchronize()
+            time.sleep(float(os.environ.get("IDLE_S", "0")))  # (the GPU idle before, as in the flow between runs)
             t = time.perf_counter()
             try:
                 res = M.train_vae(data, epochs=10, batch_size=1024, seed=0, device="cuda", keep_graphs=True,
@@ -74,8 +78,11 @@ def main() -> int:
                        test_loss=res.test_loss, train_loss=res.train_loss)
             out["runs"].append(row)
             graphs = "epoch" if res.epoch_graph else res.cudagraphs
+            row["epoch_gpu_ms"] = res.epoch_gpu_ms
+            gpu = (f" (GPU: epoch 1 {res.epoch_gpu_ms[0]:.1f} ms, epochs 2-10 {sum(res.epoch_gpu_ms[1:]):.1f} ms)"
+                   if res.epoch_gpu_ms else "")
             print(f"| {name} | {run} | {res.kernel} | {graphs} | {res.graphs_kept} | {res.compiled} | "
-                  f"{total:.3f} | {res.phases['setup']:.3f} | {res.phases['epochs']:.3f} | {per_step:.3f} | "
+                  f"{total:.3f} | {res.phases['setup']:.3f} | {res.phases['epochs']:.3f}{gpu} | {per_step:.3f} | "
                   f"{res.test_loss:.6f} |", flush=True)
     for name in {r["variant"] for r in out["runs"]}:  # kept graphs train to the fresh capture's weights
         runs = [r for r in out["runs"] if r["variant"] == name]

@@ -221,6 +221,7 @@ def test_queued_epochs_train_as_epoch_by_epoch(monkeypatch):
     kw = dict(epochs=5, batch_size=256, device="cuda", seed=4, kernel=True, cudagraphs=True)
     queued = train_vae(beats, **kw)
     assert queued.epoch_graph
+    assert len(queued.epoch_gpu_ms) == 5 and all(ms > 0 for ms in queued.epoch_gpu_ms)
 
     def one_at_a_time(graph, data, train_idx, n_train, epochs, gen, on_epoch, t0):
         losses = []
