@@ -4,6 +4,7 @@
 # process sampled by py-spy (where the flow's thread waits: bench/stack_summary.py, in the log), then
 # (STEPS "cpuwarm") the CPU path on the host's cores for the ratio.
 #   LIMIT=570 STEPS="tests kbench idle flow cpuwarm" RUNS=4 bash bench/gpu_session29.sh
+# "busy": the epoch graph beside a thread busy in Python (bench/gpu_train_step_kernel.py kernel-busy*).
 # "idle": the epoch graph after the GPU idled (IDLE_S 0, 3); the flow step samples nvidia-smi (clocks) every 20 ms.
 # py-spy travels as a wheel in .whl/core (pip download py-spy); without it the runs are not sampled.
 set -u
@@ -29,6 +30,11 @@ if want kbench && [ "$(left)" -gt 120 ]; then
   echo "== the training step kernel against the compiled bf16 steps ($(el))"
   timeout $(( $(left) - 10 )) python3 bench/gpu_train_step_kernel.py 2>&1 | grep -v -i "warn" | tail -30
 fi
+if want busy && [ "$(left)" -gt 100 ]; then  # the epoch graph beside a thread busy in Python, switch interval 0.1 / 5 ms
+  echo "== the step kernel's epoch graph beside a busy thread ($(el))"
+  VARIANTS="kernel kernel-busy kernel-busy-5ms" RUNS=${BUSY_RUNS:-3} PROFILE=0 timeout $(( $(left) - 10 )) \
+    python3 bench/gpu_train_step_kernel.py 2>&1 | grep "^| kernel\|agree\|DIFFER"
+fi
 if want idle && [ "$(left)" -gt 100 ]; then  # the epoch graph's runs with the GPU idle 0 and 3 s before each
   for idle in 0 3; do
     echo "== the step kernel's epoch graph, IDLE_S=$idle ($(el))"
@@ -46,7 +52,7 @@ if want flow && [ "$(left)" -gt 200 ]; then
   kill $smi 2>/dev/null
   [ -d /tmp/spy ] && tar czf "$OUT/stacks-gpu.tar.gz" -C /tmp spy  # (one file: a call brings back only a few)
 fi
-if want cpuwarm && [ "$(left)" -gt 200 ]; then
+if want cpuwarm && [ "$(left)" -gt ${CPU_MIN:-200} ]; then
   echo "== the flow on the CPU, a standing cluster of ${WORKERS:-16} workers ($(el))"
   rm -rf /tmp/bf-persistent-cpu-*
   DEVICE=cpu WORKERS=${WORKERS:-16} RUNS=${CPU_RUNS:-3} RUN_LIMIT=${RUN_LIMIT:-240} timeout $(( $(left) - 10 )) \

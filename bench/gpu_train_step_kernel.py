@@ -11,7 +11,9 @@ the flow's training task calls it. Variants (``VARIANTS``, default all):
 * ``kernel-eager``: the step kernel launched step by step (no graphs).
 
 ``IDLE_S``: seconds the GPU idles before each run (as between the flow's stages); the epoch graph's runs
-also print their epochs' GPU time (``TrainResult.epoch_gpu_ms``).
+also print their epochs' GPU time and the host's time to queue them (``TrainResult.epoch_gpu_ms``, ``queue_s``).
+``kernel-busy`` and ``kernel-busy-5ms`` (not in the default ``VARIANTS``): the epoch graph while another
+thread runs Python, with the queued epochs' switch interval (``model.QUEUE_SWITCH_INTERVAL``) and without.
 
 A table: seconds of ``train_vae`` and its parts, ms per step over epochs 2-10, test loss; JSON to
 ``$OUT/train_step_kernel.json``. Then (``PROFILE`` steps, default 20) the kernel step's GPU kernels by
@@ -32,6 +34,34 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 VARIANTS = {"bf16": dict(precision="bf16", compile=True, kernel=False, cudagraphs=None),
             "kernel": dict(precision="fp32", compile=False, kernel=True, cudagraphs=None),
             "kernel-eager": dict(precision="fp32", compile=False, kernel=True, cudagraphs=False)}
+# the epoch graph with another thread of the process busy in Python (as a Dask worker's), the queued
+# epochs' switch interval as it is (model.QUEUE_SWITCH_INTERVAL) or left at the interpreter's 5 ms
+for _busy, _switch in (("kernel-busy", "default"), ("kernel-busy-5ms", None)):
+    VARIANTS[_busy] = dict(VARIANTS["kernel"], busy=True, switch=_switch)
+
+
+class Busy:
+    """A thread that runs Python until stopped (it wants the interpreter's lock all the time)."""
+
+    def __init__(self):
+        import threading
+
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self):
+        n = 0
+        while not self.stop.is_set():
+            for _ in range(1000):
+                n += 1
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
 
 
 def main() -> int:
@@ -57,16 +87,22 @@ def main() -> int:
     out = {"rows": list(data.shape), "steps_per_epoch": steps, "runs": []}
     print("| variant | run | kernel | graphs | kept | compiled | total s | setup s | epochs s | ms per step (2-10) "
           "| test loss |\n|---|---:|---|---|---|---|---:|---:|---:|---:|---:|")
-    for name in os.environ.get("VARIANTS", " ".join(VARIANTS)).split():
-        kw = VARIANTS[name]
+    import contextlib
+
+    default_switch = M.QUEUE_SWITCH_INTERVAL
+    for name in os.environ.get("VARIANTS", "bf16 kernel kernel-eager").split():
+        kw = dict(VARIANTS[name])
+        busy, switch = kw.pop("busy", False), kw.pop("switch", "default")
+        M.QUEUE_SWITCH_INTERVAL = default_switch if switch == "default" else switch
         for run in range(1, int(os.environ.get("RUNS", "3")) + 1):
             marks = []
             torch.cuda.synchronize()
             time.sleep(float(os.environ.get("IDLE_S", "0")))  # (the GPU idle before, as in the flow between runs)
             t = time.perf_counter()
             try:
-                res = M.train_vae(data, epochs=10, batch_size=1024, seed=0, device="cuda", keep_graphs=True,
-                                  on_epoch=lambda e, loss, s: marks.append(s), **kw)
+                with Busy() if busy else contextlib.nullcontext():
+                    res = M.train_vae(data, epochs=10, batch_size=1024, seed=0, device="cuda", keep_graphs=True,
+                                      on_epoch=lambda e, loss, s: marks.append(s), **kw)
             except Exception as e:  # a variant that fails is a row, not the end of the call
                 print(f"| {name} | {run} | failed: {type(e).__name__}: {str(e).splitlines()[0][:200]} |", flush=True)
                 break
@@ -79,8 +115,9 @@ def main() -> int:
             out["runs"].append(row)
             graphs = "epoch" if res.epoch_graph else res.cudagraphs
             row["epoch_gpu_ms"] = res.epoch_gpu_ms
-            gpu = (f" (GPU: epoch 1 {res.epoch_gpu_ms[0]:.1f} ms, epochs 2-10 {sum(res.epoch_gpu_ms[1:]):.1f} ms)"
-                   if res.epoch_gpu_ms else "")
+            row["queue_s"] = res.queue_s
+            gpu = (f" (GPU {sum(res.epoch_gpu_ms):.1f} ms; host: orders {res.queue_s.get('orders', 0) * 1e3:.1f} ms, "
+                   f"queue {res.queue_s.get('queue', 0) * 1e3:.1f} ms)" if res.epoch_gpu_ms else "")
             print(f"| {name} | {run} | {res.kernel} | {graphs} | {res.graphs_kept} | {res.compiled} | "
                   f"{total:.3f} | {res.phases['setup']:.3f} | {res.phases['epochs']:.3f}{gpu} | {per_step:.3f} | "
                   f"{res.test_loss:.6f} |", flush=True)

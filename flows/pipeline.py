@@ -308,9 +308,9 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
                                            [sp.recording for sp in specs], train_precision=train_precision,
                                            compile=compile_steps, cache_token=train_token)
     over = _task_overhead(t_submit, trained)  # (empty for a result from the cache: its phases are an earlier run's)
-    detail = {"load": load_detail, "train": {**over, **(trained.get("phases_s") or {}),
-                                             **({"epoch_gpu_ms": trained["epoch_gpu_ms"]}
-                                                if trained.get("epoch_gpu_ms") else {})} if over else {}}
+    queued = ({"epoch_gpu_ms": trained["epoch_gpu_ms"], "queue_s": trained.get("queue_s")}
+              if trained.get("epoch_gpu_ms") else {})  # (the GPU's queued epochs: where their time went)
+    detail = {"load": load_detail, "train": {**over, **(trained.get("phases_s") or {}), **queued} if over else {}}
     if cache:  # the cached model lives in the cache; the run's outputs get a copy
         for name in ("model.pt", "model.json", "validation_beats.npy"):
             shutil.copy(Path(model_folder) / name, work / name)

@@ -394,7 +394,7 @@ def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: i
         "compiled": res.compiled, "cuda_graphs": res.cudagraphs, "graphs_kept": res.graphs_kept, "kernel": res.kernel,
         "epoch_graph": res.epoch_graph,
         "epochs_done": done,
-        "epoch_gpu_ms": res.epoch_gpu_ms,
+        "epoch_gpu_ms": res.epoch_gpu_ms, "queue_s": res.queue_s,
         # where the task's time went: the matrix's set-up, train_vae's parts, saving the outputs
         "phases_s": {"rows": round(marks[1] - marks[0], 4), **{f"train_{k}": v for k, v in res.phases.items()},
                      "train_other": round(marks[2] - marks[1] - sum(res.phases.values()), 4),
