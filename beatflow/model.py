@@ -717,13 +717,27 @@ def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: 
     process wants it (a Dask worker's), taking it back waited up to the switch interval, 5 ms: in the flow's
     worker the epochs took 0.27-0.31 s against 113 ms of GPU time (H200), where a bare process took 0.12 s.
     While the epochs are queued the interval is :data:`QUEUE_SWITCH_INTERVAL`. Kept on the graph: each
-    epoch's GPU time (``epoch_gpu_ms``) and the host's seconds to make the orders and to queue the epochs."""
+    epoch's GPU time (``epoch_gpu_ms``); the host's seconds to make the orders, to queue the epochs and to
+    read them, the garbage collector's seconds meanwhile and the process's other threads (``queue_s``)."""
     device = data.device
     if not epochs:
         return []
+    import gc
+
+    in_gc = [0.0, None, 0]  # (seconds in the garbage collector meanwhile, in any thread; its start; collections)
+
+    def collecting(phase, info):
+        if phase == "start":
+            in_gc[1] = time.perf_counter()
+        elif in_gc[1] is not None:
+            in_gc[0] += time.perf_counter() - in_gc[1]
+            in_gc[1] = None
+            in_gc[2] += 1
+
     old = sys.getswitchinterval()
     if QUEUE_SWITCH_INTERVAL is not None:
         sys.setswitchinterval(min(old, QUEUE_SWITCH_INTERVAL))
+    gc.callbacks.append(collecting)
     try:
         t_start = time.perf_counter()
         perms = torch.stack([torch.randperm(n_train, generator=gen) for _ in range(epochs)])
@@ -740,16 +754,24 @@ def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: 
         t_queued = time.perf_counter()
     finally:
         sys.setswitchinterval(old)
-    losses: list[float] = []
-    for e in range(epochs):
-        done[e].synchronize()
-        losses.append(float(host[e]) / n_train)
-        if on_epoch is not None:
-            on_epoch(e + 1, losses[-1], time.perf_counter() - t0)
-    # each epoch's time on the GPU, from its gather to its loss's copy (where the epochs' wall time went)
+    try:
+        losses: list[float] = []
+        for e in range(epochs):
+            done[e].synchronize()
+            losses.append(float(host[e]) / n_train)
+            if on_epoch is not None:
+                on_epoch(e + 1, losses[-1], time.perf_counter() - t0)
+    finally:
+        gc.callbacks.remove(collecting)
+    # each epoch's time on the GPU, from its gather to its loss's copy, and the host's side: where the
+    # epochs' wall time went (the process's other threads by name: what may have held the interpreter)
     graph.epoch_gpu_ms = [round(b.elapsed_time(d), 3) for b, d in zip(began, done)]
+    others = sorted({t.name.rstrip("0123456789-_") or t.name for t in threading.enumerate()
+                     if t is not threading.current_thread()})
     graph.queue_s = {"orders": round(t_orders - t_start, 4), "queue": round(t_queued - t_orders, 4),
-                     "read": round(time.perf_counter() - t_queued, 4)}
+                     "read": round(time.perf_counter() - t_queued, 4), "gc": round(in_gc[0], 4),
+                     "gc_collections": in_gc[2], "other_threads": threading.active_count() - 1,
+                     "thread_names": others[:16]}
     return losses
 
 

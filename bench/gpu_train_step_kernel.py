@@ -117,7 +117,8 @@ def main() -> int:
             row["epoch_gpu_ms"] = res.epoch_gpu_ms
             row["queue_s"] = res.queue_s
             gpu = (f" (GPU {sum(res.epoch_gpu_ms):.1f} ms; host: orders {res.queue_s.get('orders', 0) * 1e3:.1f} ms, "
-                   f"queue {res.queue_s.get('queue', 0) * 1e3:.1f} ms)" if res.epoch_gpu_ms else "")
+                   f"queue {res.queue_s.get('queue', 0) * 1e3:.1f} ms, GC {res.queue_s.get('gc', 0) * 1e3:.1f} ms)"
+                   if res.epoch_gpu_ms else "")
             print(f"| {name} | {run} | {res.kernel} | {graphs} | {res.graphs_kept} | {res.compiled} | "
                   f"{total:.3f} | {res.phases['setup']:.3f} | {res.phases['epochs']:.3f}{gpu} | {per_step:.3f} | "
                   f"{res.test_loss:.6f} |", flush=True)
