@@ -42,7 +42,7 @@ if want idle && [ "$(left)" -gt 100 ]; then  # the epoch graph's runs with the G
       | grep "^| kernel"
   done
 fi
-if want flow && [ "$(left)" -gt 200 ]; then
+if want flow && [ "$(left)" -gt ${FLOW_MIN:-200} ]; then
   echo "== flow on a standing cluster, RUNS=${RUNS:-5} ($(el))"
   rm -rf /tmp/bf-persistent-gpu-*
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,utilization.gpu,power.draw --format=csv,noheader -lms 20 \
