@@ -716,7 +716,9 @@ def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: 
     Every PyTorch call lets go of the interpreter's lock and takes it back; where another thread of the
     process wants it (a Dask worker's), taking it back waited up to the switch interval, 5 ms: in the flow's
     worker the epochs took 0.27-0.31 s against 113 ms of GPU time (H200), where a bare process took 0.12 s.
-    While the epochs are queued the interval is :data:`QUEUE_SWITCH_INTERVAL`. Kept on the graph: each
+    While the epochs are queued the interval is :data:`QUEUE_SWITCH_INTERVAL`, the garbage collector waits,
+    and the orders are made on one intra-op thread (not a team of the machine's cores, which the flow's
+    figure processes share). Kept on the graph: each
     epoch's GPU time (``epoch_gpu_ms``); the host's seconds to make the orders, to queue the epochs and to
     read them, the garbage collector's seconds meanwhile and the process's other threads (``queue_s``)."""
     device = data.device
@@ -734,13 +736,18 @@ def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: 
             in_gc[1] = None
             in_gc[2] += 1
 
-    old = sys.getswitchinterval()
+    old, threads, collect = sys.getswitchinterval(), torch.get_num_threads(), gc.isenabled()
     if QUEUE_SWITCH_INTERVAL is not None:
         sys.setswitchinterval(min(old, QUEUE_SWITCH_INTERVAL))
     gc.callbacks.append(collecting)
+    gc.disable()  # (no collection of a worker's whole heap while the GPU waits; counted if another thread asks)
     try:
         t_start = time.perf_counter()
-        perms = torch.stack([torch.randperm(n_train, generator=gen) for _ in range(epochs)])
+        torch.set_num_threads(1)  # (the orders are small: no intra-op team to wake beside the figure processes)
+        try:
+            perms = torch.stack([torch.randperm(n_train, generator=gen) for _ in range(epochs)])
+        finally:
+            torch.set_num_threads(threads)
         orders = train_idx[perms.to(device)]  # (one copy; the GPU has nothing queued yet)
         host = torch.zeros(epochs, dtype=torch.float64).pin_memory()
         began = [torch.cuda.Event(enable_timing=True) for _ in range(epochs)]
@@ -754,6 +761,8 @@ def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: 
         t_queued = time.perf_counter()
     finally:
         sys.setswitchinterval(old)
+        if collect:
+            gc.enable()
     try:
         losses: list[float] = []
         for e in range(epochs):
