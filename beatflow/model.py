@@ -740,30 +740,30 @@ def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: 
     if QUEUE_SWITCH_INTERVAL is not None:
         sys.setswitchinterval(min(old, QUEUE_SWITCH_INTERVAL))
     gc.callbacks.append(collecting)
-    gc.disable()  # (no collection of a worker's whole heap while the GPU waits; counted if another thread asks)
     try:
-        t_start = time.perf_counter()
-        torch.set_num_threads(1)  # (the orders are small: no intra-op team to wake beside the figure processes)
+        gc.disable()  # (no collection of a worker's whole heap while the GPU waits; counted if another thread asks)
         try:
-            perms = torch.stack([torch.randperm(n_train, generator=gen) for _ in range(epochs)])
+            t_start = time.perf_counter()
+            torch.set_num_threads(1)  # (the orders are small: no intra-op team to wake beside the figure processes)
+            try:
+                perms = torch.stack([torch.randperm(n_train, generator=gen) for _ in range(epochs)])
+            finally:
+                torch.set_num_threads(threads)
+            orders = train_idx[perms.to(device)]  # (one copy; the GPU has nothing queued yet)
+            host = torch.zeros(epochs, dtype=torch.float64).pin_memory()
+            began = [torch.cuda.Event(enable_timing=True) for _ in range(epochs)]
+            done = [torch.cuda.Event(enable_timing=True) for _ in range(epochs)]
+            t_orders = time.perf_counter()
+            for e in range(epochs):
+                began[e].record()
+                total = graph.run(data, orders[e])  # (the next replay overwrites the total: copied first, in order)
+                host[e].copy_(total, non_blocking=True)
+                done[e].record()
+            t_queued = time.perf_counter()
         finally:
-            torch.set_num_threads(threads)
-        orders = train_idx[perms.to(device)]  # (one copy; the GPU has nothing queued yet)
-        host = torch.zeros(epochs, dtype=torch.float64).pin_memory()
-        began = [torch.cuda.Event(enable_timing=True) for _ in range(epochs)]
-        done = [torch.cuda.Event(enable_timing=True) for _ in range(epochs)]
-        t_orders = time.perf_counter()
-        for e in range(epochs):
-            began[e].record()
-            total = graph.run(data, orders[e])  # (the next replay overwrites the total: copied first, in order)
-            host[e].copy_(total, non_blocking=True)
-            done[e].record()
-        t_queued = time.perf_counter()
-    finally:
-        sys.setswitchinterval(old)
-        if collect:
-            gc.enable()
-    try:
+            sys.setswitchinterval(old)
+            if collect:
+                gc.enable()
         losses: list[float] = []
         for e in range(epochs):
             done[e].synchronize()

@@ -330,3 +330,72 @@ def test_graph_allocator_rule(monkeypatch):
         assert M.rmm_async_resource() is is_async and M.graph_allocator() is graphs
         assert M.training_compiled(True, True) is graphs  # compiled steps captured only through the arena
         assert M.training_compiled(True, False) and not M.training_compiled(False, True)
+
+
+class _FakeEvent:
+    """A CUDA event's stand-in on the CPU: it records when it was recorded."""
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        import time
+
+        self.at = time.perf_counter()
+
+    def synchronize(self):
+        assert self.at is not None, "read before it was queued"
+
+    def elapsed_time(self, other):
+        return (other.at - self.at) * 1e3
+
+
+class _FakeEpochGraph:
+    """An epoch graph's stand-in: the epoch's "loss" is the sum of its rows in its order's first half."""
+
+    def __init__(self):
+        self.total = torch.zeros((), dtype=torch.float64)
+        self.orders = []
+
+    def run(self, data, order):
+        self.orders.append(order.clone())
+        self.total.fill_(float(data[order[: len(order) // 2]].sum()))
+        return self.total
+
+
+def test_queued_epochs_host_side_matches_epoch_by_epoch_and_restores_the_process(monkeypatch):
+    """``_queued_epochs`` on the host (the GPU's events and pinned memory stood in for): the same orders and
+    losses as epoch by epoch from the same generator, each epoch reported once in order, and the process's
+    switch interval, garbage collector and PyTorch threads as they were, also when an epoch fails."""
+    import gc
+    import sys
+    import time
+
+    from beatflow import model as M
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    data = torch.randn(300, 8, dtype=torch.float64)
+    train_idx = torch.arange(7, 257)
+    n = int(train_idx.shape[0])
+    gen = torch.Generator().manual_seed(5)
+    want_orders = [train_idx[torch.randperm(n, generator=gen)] for _ in range(4)]
+    want = [float(data[o[: n // 2]].sum()) / n for o in want_orders]
+    before = (sys.getswitchinterval(), gc.isenabled(), torch.get_num_threads(), list(gc.callbacks))
+    graph, seen = _FakeEpochGraph(), []
+    got = M._queued_epochs(graph, data, train_idx, n, 4, torch.Generator().manual_seed(5),
+                           lambda e, loss, t: seen.append((e, loss)), time.perf_counter())
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(graph.orders, want_orders))
+    assert seen == list(enumerate(want, start=1))
+    assert len(graph.epoch_gpu_ms) == 4 and {"orders", "queue", "read", "gc", "other_threads"} <= set(graph.queue_s)
+    assert (sys.getswitchinterval(), gc.isenabled(), torch.get_num_threads(), list(gc.callbacks)) == before
+    assert M._queued_epochs(graph, data, train_idx, n, 0, gen, None, 0.0) == []
+
+    class Failing(_FakeEpochGraph):
+        def run(self, data, order):
+            raise RuntimeError("replay failed")
+
+    with pytest.raises(RuntimeError, match="replay failed"):
+        M._queued_epochs(Failing(), data, train_idx, n, 3, gen, None, time.perf_counter())
+    assert (sys.getswitchinterval(), gc.isenabled(), torch.get_num_threads(), list(gc.callbacks)) == before
