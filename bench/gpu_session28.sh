@@ -1,44 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call (session 28): the GPU tests (TESTS), the training step kernel against the compiled bf16
-# steps (STEPS "kbench": bench/gpu_train_step_kernel.py), the warm flow on a standing cluster with the flow's
-# process sampled by py-spy (where the flow's thread waits: bench/stack_summary.py, in the log), then
-# (STEPS "cpuwarm") the CPU path on the host's cores for the ratio.
+# Session 28's device call: its steps (tests, kbench, flow, cpuwarm) live on, unchanged, in bench/gpu_session29.sh
+# (which adds the "busy" and "idle" steps and samples nvidia-smi during the flow).
 #   LIMIT=570 STEPS="tests kbench flow cpuwarm" RUNS=4 bash bench/gpu_session28.sh
-# py-spy travels as a wheel in .whl/core (pip download py-spy); without it the runs are not sampled.
-set -u
-t0=$(date +%s)
-bash .whl/install.sh >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
-el() { echo "$(( $(date +%s) - t0 )) s"; }
-left() { echo $(( ${LIMIT:-570} - ($(date +%s) - t0) )); }
-want() { case " ${STEPS:-tests kbench flow cpuwarm} " in *" $1 "*) return 0 ;; esac; return 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; echo "cores: $(nproc)"
-spy=""
-if [ -x /tmp/site/bin/py-spy ] && [ "${PYSPY:-1}" = 1 ]; then
-  if /tmp/site/bin/py-spy record -o /tmp/spy-check.txt -f raw -r 100 --nonblocking -- python3 -c "sum(range(10**7))" \
-      >/dev/null 2>&1 && [ -s /tmp/spy-check.txt ]; then spy=/tmp/site/bin/py-spy; echo "py-spy: works"
-  else echo "py-spy: cannot sample here"; fi
-fi
-if want tests && [ "$(left)" -gt 60 ]; then
-  echo "== GPU tests: ${TESTS:-tests/test_train_kernel.py tests/test_model.py} ($(el))"
-  timeout $(( $(left) - 5 )) python3 -m pytest -x -q -rs --tb=short -p no:cacheprovider -p no:warnings \
-    ${TESTS:-tests/test_train_kernel.py tests/test_model.py} 2>&1 | tail -12
-fi
-if want kbench && [ "$(left)" -gt 120 ]; then
-  echo "== the training step kernel against the compiled bf16 steps ($(el))"
-  timeout $(( $(left) - 10 )) python3 bench/gpu_train_step_kernel.py 2>&1 | grep -v -i "warn" | tail -30
-fi
-if want flow && [ "$(left)" -gt 200 ]; then
-  echo "== flow on a standing cluster, RUNS=${RUNS:-5} ($(el))"
-  rm -rf /tmp/bf-persistent-gpu-*
-  rm -rf /tmp/spy; PYSPY=$spy PYSPY_DIR=/tmp/spy RUNS=${RUNS:-5} RUN_LIMIT=${RUN_LIMIT:-240} timeout $(( $(left) - 10 )) \
-    python3 bench/gpu_flow_persistent.py 2>&1 | grep -v -i "warn\|^\s*$" | tail -40
-  [ -d /tmp/spy ] && tar czf "$OUT/stacks-gpu.tar.gz" -C /tmp spy  # (one file: a call brings back only a few)
-fi
-if want cpuwarm && [ "$(left)" -gt 200 ]; then
-  echo "== the flow on the CPU, a standing cluster of ${WORKERS:-16} workers ($(el))"
-  rm -rf /tmp/bf-persistent-cpu-*
-  DEVICE=cpu WORKERS=${WORKERS:-16} RUNS=${CPU_RUNS:-3} RUN_LIMIT=${RUN_LIMIT:-240} timeout $(( $(left) - 10 )) \
-    python3 bench/gpu_flow_persistent.py 2>&1 | grep -v -i "warn\|^\s*$" | tail -30
-fi
-echo "== done ($(el))"
+exec bash "$(dirname "$0")/gpu_session29.sh" "$@"
