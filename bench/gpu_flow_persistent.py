@@ -11,7 +11,10 @@ Run on the GPU machine from the repository root (``PYTHONPATH=/tmp/site:$PWD``):
     RUNS=3 python3 bench/gpu_flow_persistent.py     # a table; all runs' summaries and logs in two files under $OUT
 
 ``PYSPY=path/to/py-spy`` samples each run's flow process into ``$PYSPY_DIR`` (default ``$OUT``), and
-``bench/stack_summary.py`` adds where the flow's thread spent its time to the log. ``DEVICE=cpu WORKERS=16`` does the same for the CPU path: a standing ``LocalCluster`` of 16
+``bench/stack_summary.py`` adds where the flow's thread spent its time to the log. ``SWITCH=none`` (or
+seconds) sets the workers' ``beatflow.model.QUEUE_SWITCH_INTERVAL`` for the runs (``none``: the
+interpreter's own); ``DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False`` in the environment turns the
+workers' Dask profiler off (which one is on is printed): what held a worker's interpreter. ``DEVICE=cpu WORKERS=16`` does the same for the CPU path: a standing ``LocalCluster`` of 16
 single-threaded workers set up as the flow's own (``tasks.cluster``), and ``beatflow run --device
 cpu`` against it, so that warm runs of both paths can be compared.
 """
@@ -27,6 +30,19 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 OUT = os.environ.get("OUT", os.path.join(ROOT, "bench", "out"))
+
+
+def _set_queue_switch(value):
+    """On a worker: ``beatflow.model.QUEUE_SWITCH_INTERVAL`` set to ``value``; returns it."""
+    from beatflow import model
+
+    model.QUEUE_SWITCH_INTERVAL = value
+    return value
+
+
+def _profiler_on(dask_worker=None):
+    """On a worker: whether Dask's statistical profiler samples its task threads."""
+    return "profile" in getattr(dask_worker, "periodic_callbacks", {})
 
 
 def main() -> int:
@@ -68,6 +84,10 @@ def main() -> int:
         print(f"threads per worker: {threads}", flush=True)
     client = Client(cluster)
     print(f"cluster up in {time.perf_counter() - t:.1f} s: {cluster.scheduler_address}", flush=True)
+    if os.environ.get("SWITCH"):  # the queued epochs' switch interval on the workers ("none": the interpreter's)
+        value = None if os.environ["SWITCH"] == "none" else float(os.environ["SWITCH"])
+        print(f"queued epochs' switch interval: {client.run(_set_queue_switch, value)}", flush=True)
+    print(f"workers' profiler: {client.run(_profiler_on)}", flush=True)
     rows = []
     log_path = os.path.join(OUT, f"log-persistent-{device}.txt")
     if os.path.exists(log_path):
