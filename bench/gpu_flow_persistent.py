@@ -14,7 +14,8 @@ Run on the GPU machine from the repository root (``PYTHONPATH=/tmp/site:$PWD``):
 ``bench/stack_summary.py`` adds where the flow's thread spent its time to the log. ``SWITCH=none`` (or
 seconds) sets the workers' ``beatflow.model.QUEUE_SWITCH_INTERVAL`` for the runs (``none``: the
 interpreter's own); ``DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False`` in the environment turns the
-workers' Dask profiler off (which one is on is printed): what held a worker's interpreter. ``DEVICE=cpu WORKERS=16`` does the same for the CPU path: a standing ``LocalCluster`` of 16
+workers' Dask profiler off (which one is on is printed): what held a worker's interpreter. ``TAG``: a suffix for
+the log's and the summaries' file names. ``DEVICE=cpu WORKERS=16`` does the same for the CPU path: a standing ``LocalCluster`` of 16
 single-threaded workers set up as the flow's own (``tasks.cluster``), and ``beatflow run --device
 cpu`` against it, so that warm runs of both paths can be compared.
 """
@@ -89,7 +90,7 @@ def main() -> int:
         print(f"queued epochs' switch interval: {client.run(_set_queue_switch, value)}", flush=True)
     print(f"workers' profiler: {client.run(_profiler_on)}", flush=True)
     rows = []
-    log_path = os.path.join(OUT, f"log-persistent-{device}.txt")
+    log_path = os.path.join(OUT, f"log-persistent-{device}{os.environ.get('TAG', '')}.txt")
     if os.path.exists(log_path):
         os.remove(log_path)  # (an earlier call's)
     try:
@@ -120,7 +121,7 @@ def main() -> int:
                                     os.environ.get("PYSPY_RATE", "1000")], stdout=log, stderr=subprocess.STDOUT)
             s = json.load(open(os.path.join(out, "summary.json"))) if os.path.exists(os.path.join(out, "summary.json")) else {}
             rows.append((r, rc, wall, s))
-            with open(os.path.join(OUT, f"summaries-persistent-{device}.json"), "w") as f:
+            with open(os.path.join(OUT, f"summaries-persistent-{device}{os.environ.get('TAG', '')}.json"), "w") as f:
                 json.dump({str(k): {"rc": c, "wall_s": round(w, 2), "summary": v} for k, c, w, v in rows}, f, indent=1)
             t_ = s.get("timings_s", {})
             print(f"run {r}: rc={rc} wall {wall:.1f} s  " + "  ".join(f"{k} {v:.2f}" for k, v in t_.items())

@@ -4,6 +4,7 @@
 # process sampled by py-spy (where the flow's thread waits: bench/stack_summary.py, in the log), then
 # (STEPS "cpuwarm") the CPU path on the host's cores for the ratio.
 #   LIMIT=570 STEPS="tests kbench idle flow cpuwarm" RUNS=4 bash bench/gpu_session29.sh
+#   next: LIMIT=560 STEPS="flow cpuwarm diag" RUNS=4 CPU_RUNS=3 PYSPY=0 bash bench/gpu_session29.sh  (both paths, one machine)
 # "busy": the epoch graph beside a thread busy in Python (bench/gpu_train_step_kernel.py kernel-busy*).
 # "diag": the flow with the queued epochs' switch interval left at 5 ms, Dask's worker profiler on, then off.
 # "idle": the epoch graph after the GPU idled (IDLE_S 0, 3); the flow step samples nvidia-smi (clocks) every 20 ms.
@@ -53,18 +54,19 @@ if want flow && [ "$(left)" -gt ${FLOW_MIN:-200} ]; then
   kill $smi 2>/dev/null
   [ -d /tmp/spy ] && tar czf "$OUT/stacks-gpu.tar.gz" -C /tmp spy  # (one file: a call brings back only a few)
 fi
-if want diag && [ "$(left)" -gt 150 ]; then  # which worker thread held the interpreter: the fix off, Dask's profiler on / off
-  for prof in True False; do
-    echo "== flow, the queued epochs' switch interval the interpreter's, the workers' profiler $prof ($(el))"
-    rm -rf /tmp/bf-persistent-gpu-*
-    DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=$prof SWITCH=none RUNS=${DIAG_RUNS:-3} RUN_LIMIT=${RUN_LIMIT:-240} \
-      timeout $(( $(left) - 10 )) python3 bench/gpu_flow_persistent.py 2>&1 | grep "profiler\|switch\|^  train\|^| [0-9]"
-  done
-fi
 if want cpuwarm && [ "$(left)" -gt ${CPU_MIN:-200} ]; then
   echo "== the flow on the CPU, a standing cluster of ${WORKERS:-16} workers ($(el))"
   rm -rf /tmp/bf-persistent-cpu-*
   DEVICE=cpu WORKERS=${WORKERS:-16} RUNS=${CPU_RUNS:-3} RUN_LIMIT=${RUN_LIMIT:-240} timeout $(( $(left) - 10 )) \
     python3 bench/gpu_flow_persistent.py 2>&1 | grep -v -i "warn\|^\s*$" | tail -30
+fi
+if want diag && [ "$(left)" -gt 150 ]; then  # which worker thread held the interpreter: the fix off, Dask's profiler on / off
+  for prof in True False; do
+    echo "== flow, the queued epochs' switch interval the interpreter's, the workers' profiler $prof ($(el))"
+    rm -rf /tmp/bf-persistent-gpu-*
+    TAG=-diag-profile-$prof DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=$prof SWITCH=none \
+      RUNS=${DIAG_RUNS:-3} RUN_LIMIT=${RUN_LIMIT:-240} \
+      timeout $(( $(left) - 10 )) python3 bench/gpu_flow_persistent.py 2>&1 | grep "profiler\|switch\|^  train\|^| [0-9]"
+  done
 fi
 echo "== done ($(el))"
