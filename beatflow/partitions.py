@@ -140,9 +140,9 @@ def top_windows(score, start, length, top: int, pad: int) -> list[tuple[int, int
     first (ties in row order, as the anomaly table ranks them). A partition's own top rows include every
     beat of it among the whole stream's top: a beat with fewer than ``top`` higher-ranked beats in the
     stream has fewer in its partition."""
-    from .scoring import rank_order
+    from .scoring import top_order
 
-    order = rank_order(score)[:max(0, int(top))]
+    order = top_order(score, max(0, int(top)))
     return [(int(start[i]) - int(pad), int(start[i]) + int(length[i]) + int(pad)) for i in order]
 
 

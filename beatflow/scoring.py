@@ -57,6 +57,24 @@ def rank_order(score) -> np.ndarray:
     return np.argsort(-np.asarray(score, dtype=np.float32), kind="stable")
 
 
+def top_order(score, n: int) -> np.ndarray:
+    """``rank_order(score)[:n]`` without ranking every row: the ``n`` highest scores' rows, highest first, ties
+    in row order. A partition finds the ``n``-th score; only the rows above it and its ties are sorted (97 k
+    scores: about 1 ms where the whole ranking took 5-8)."""
+    s = np.asarray(score, dtype=np.float32).reshape(-1)
+    n = max(0, min(int(n), s.shape[0]))
+    if n == 0:
+        return np.zeros(0, np.int64)
+    if 4 * n >= s.shape[0]:
+        return rank_order(s)[:n]
+    neg = -s
+    cut = np.partition(neg, n - 1)[n - 1]  # (the n-th highest score, negated)
+    if np.isnan(cut):  # (fewer than n numbers: NaNs come last, as in the whole ranking)
+        return rank_order(s)[:n]
+    rows = np.flatnonzero(neg <= cut)  # (every row above it and all its ties, in row order)
+    return rows[np.argsort(neg[rows], kind="stable")][:n]
+
+
 def anomaly_table(beat, recording, peak, start, length, score, fs: float, threshold: float, recording_names):
     """The per-beat table written to ``anomalies.parquet`` (one row per kept beat).
 

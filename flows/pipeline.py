@@ -31,7 +31,7 @@ from beatflow.params import DEFAULT_FS, TRAIN_FRACTION, SegmentParams, compile_p
 from beatflow.leads import SecondLeadParams
 from beatflow.partitions import assemble_halos, plan_beats, second_lead_gathered
 from beatflow.reading import open_second_lead, open_source
-from beatflow.scoring import anomaly_table, rank_order, robust_threshold, write_anomaly_table
+from beatflow.scoring import anomaly_table, robust_threshold, top_order, write_anomaly_table
 from tasks import stages as T
 from tasks.caching import cached, code_version, input_digest, token
 from tasks.cluster import flow_client, prepare_gpu_workers, run_on_workers, wait_for_workers
@@ -352,7 +352,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     # then the stream, the scores and the latent space's two; the table, the truth's scores and the
     # summary are made while they are drawn
     per_kept = _truth_per_kept(matched, len(kb))
-    top_rows = rank_order(scores)[:N_TOP]  # (the anomaly table's ranks 1..N_TOP, in order)
+    top_rows = top_order(scores, N_TOP)  # (the anomaly table's ranks 1..N_TOP, in order)
     top_list = _top_list(names, fs, plan, top_rows, scores, ctx, kb, per_kept)
     late = figures.draw(SimpleNamespace(fs=fs, top=top_list), ("top",))
     ph.lap("context")

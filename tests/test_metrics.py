@@ -136,3 +136,22 @@ def test_truth_check_scores_the_matched_truth_beats():
     assert got["auc_pvc"] == pytest.approx(0.5)
     assert (got["se"], got["ppv"], got["f1"]) == (0.8, 1.0, 0.889)
     assert (got["true_beats"], got["abnormal"], got["abnormal_scored"]) == (5, 3, 2)
+
+
+@pytest.mark.parametrize("kind", ["distinct", "ties", "nan"])
+def test_top_order_is_the_ranking_s_first_rows(kind):
+    """``top_order(s, n)`` (a partition, then the few rows sorted) equals the whole ranking's first ``n`` rows
+    (``rank_order``, the anomaly table's order: highest first, ties in row order, NaN last), n from 0 past the end."""
+    from beatflow.scoring import rank_order, top_order
+
+    rng = np.random.default_rng({"distinct": 1, "ties": 2, "nan": 3}[kind])
+    for _ in range(60):
+        m = int(rng.integers(1, 4000))
+        if kind == "distinct":
+            s = rng.random(m).astype(np.float32)
+        else:
+            s = rng.integers(0, int(rng.integers(1, 40)), m).astype(np.float32)
+        if kind == "nan":
+            s[rng.random(m) < rng.random()] = np.nan
+        for n in (0, 1, 7, 12, m // 5, m // 2, m, m + 4):
+            np.testing.assert_array_equal(top_order(s, n), rank_order(s)[:n])
