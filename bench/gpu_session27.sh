@@ -4,14 +4,8 @@
 # the figures' queue with 6 figure processes), segmentation + embedding variants (SegmentGraph), the GPU
 # tests of the kernels, then (STEPS "cpuwarm") the CPU path on the host's cores for the ratio.
 #   LIMIT=570 STEPS="import flow timeline tests" RUNS=5 bash bench/gpu_session27.sh
-set -u
-t0=$(date +%s)
-bash .whl/install.sh >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
-el() { echo "$(( $(date +%s) - t0 )) s"; }
-left() { echo $(( ${LIMIT:-570} - ($(date +%s) - t0) )); }
-want() { case " ${STEPS:-import flow timeline tests} " in *" $1 "*) return 0 ;; esac; return 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; echo "cores: $(nproc)"
+DEFAULT_STEPS="import flow timeline tests"
+source "$(dirname "$0")/gpu_common.sh"
 if want import; then
   echo "== import cupy in a fresh process ($(el))"
   for i in 1 2; do python3 -c "import time; t = time.perf_counter(); import cupy; print(f'import cupy: {time.perf_counter() - t:.3f} s')"; done

@@ -9,14 +9,8 @@
 # "diag": the flow with the queued epochs' switch interval left at 5 ms, Dask's worker profiler on, then off.
 # "idle": the epoch graph after the GPU idled (IDLE_S 0, 3); the flow step samples nvidia-smi (clocks) every 20 ms.
 # py-spy travels as a wheel in .whl/core (pip download py-spy); without it the runs are not sampled.
-set -u
-t0=$(date +%s)
-bash .whl/install.sh >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
-el() { echo "$(( $(date +%s) - t0 )) s"; }
-left() { echo $(( ${LIMIT:-570} - ($(date +%s) - t0) )); }
-want() { case " ${STEPS:-tests kbench flow cpuwarm} " in *" $1 "*) return 0 ;; esac; return 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; echo "cores: $(nproc)"
+DEFAULT_STEPS="tests kbench flow cpuwarm"
+source "$(dirname "$0")/gpu_common.sh"
 spy=""
 if [ -x /tmp/site/bin/py-spy ] && [ "${PYSPY:-1}" = 1 ]; then
   if /tmp/site/bin/py-spy record -o /tmp/spy-check.txt -f raw -r 100 --nonblocking -- python3 -c "sum(range(10**7))" \
