@@ -353,6 +353,22 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 
 @contextlib.contextmanager
+def switch_interval(seconds):
+    """The interpreter's thread switch interval at most ``seconds`` inside (None: unchanged), restored after.
+
+    A thread that lets go of the interpreter's lock often (each PyTorch call, each barrier of the CUDA
+    simulator's lanes) waits up to the interval, 5 ms by default, to take it back while another thread
+    wants it."""
+    old = sys.getswitchinterval()
+    if seconds is not None:
+        sys.setswitchinterval(min(old, seconds))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+@contextlib.contextmanager
 def device_memory(what: str, nbytes: int, gpu: bool = True):
     """Turn a failed device allocation inside into a :class:`DeviceError` naming the sizes: ``what``
     (e.g. "partition 3 (4 500 000 samples)") and its ``nbytes``, against the worker's pool limit and

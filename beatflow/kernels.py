@@ -716,12 +716,10 @@ class _Ctx:
             if _FAST_LAUNCH:
                 _FastLaunch.register(kernel, args, nargs, self.dev, sig)
             return
-        old = sys.getswitchinterval()
-        sys.setswitchinterval(min(old, 2e-4))
-        try:
+        from .backend import switch_interval
+
+        with switch_interval(2e-4):
             kernel[blocks, threads, 0, shared](*args)
-        finally:
-            sys.setswitchinterval(old)
 
 
 def _no_join():

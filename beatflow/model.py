@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -699,6 +698,41 @@ class _GraphedSteps:
         return loss
 
 
+@contextlib.contextmanager
+def _collector_watched():
+    """``{"seconds", "collections"}`` of the garbage collector's passes inside, in any thread (filled on exit)."""
+    import gc
+
+    stats, began = {"seconds": 0.0, "collections": 0}, []
+
+    def watch(phase, info):
+        if phase == "start":
+            began[:] = [time.perf_counter()]
+        elif began:
+            stats["seconds"] += time.perf_counter() - began.pop()
+            stats["collections"] += 1
+
+    gc.callbacks.append(watch)
+    try:
+        yield stats
+    finally:
+        gc.callbacks.remove(watch)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """No automatic garbage collection inside (as it was after)."""
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 #: the interpreter's thread switch interval (s) while :func:`_queued_epochs` queues the epochs; None: unchanged
 QUEUE_SWITCH_INTERVAL: Optional[float] = 1e-4
 
@@ -723,34 +757,17 @@ def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: 
     Kept on the graph: each epoch's GPU time (``epoch_gpu_ms``); the host's seconds to make the orders, to
     queue the epochs and to read them, the garbage collector's seconds meanwhile and the process's other
     threads (``queue_s``)."""
+    from .backend import switch_interval
+    from .engine import torch_threads
+
     device = data.device
     if not epochs:
         return []
-    import gc
-
-    in_gc = [0.0, None, 0]  # (seconds in the garbage collector meanwhile, in any thread; its start; collections)
-
-    def collecting(phase, info):
-        if phase == "start":
-            in_gc[1] = time.perf_counter()
-        elif in_gc[1] is not None:
-            in_gc[0] += time.perf_counter() - in_gc[1]
-            in_gc[1] = None
-            in_gc[2] += 1
-
-    old, threads, collect = sys.getswitchinterval(), torch.get_num_threads(), gc.isenabled()
-    if QUEUE_SWITCH_INTERVAL is not None:
-        sys.setswitchinterval(min(old, QUEUE_SWITCH_INTERVAL))
-    gc.callbacks.append(collecting)
-    try:
-        gc.disable()  # (no collection of a worker's whole heap while the GPU waits; counted if another thread asks)
-        try:
+    with _collector_watched() as in_gc:
+        with switch_interval(QUEUE_SWITCH_INTERVAL), _collector_paused():
             t_start = time.perf_counter()
-            torch.set_num_threads(1)  # (the orders are small: no intra-op team to wake beside the figure processes)
-            try:
+            with torch_threads(1):  # (the orders are small: no intra-op team to wake beside the figure processes)
                 perms = torch.stack([torch.randperm(n_train, generator=gen) for _ in range(epochs)])
-            finally:
-                torch.set_num_threads(threads)
             orders = train_idx[perms.to(device)]  # (one copy; the GPU has nothing queued yet)
             host = torch.zeros(epochs, dtype=torch.float64).pin_memory()
             began = [torch.cuda.Event(enable_timing=True) for _ in range(epochs)]
@@ -762,26 +779,20 @@ def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: 
                 host[e].copy_(total, non_blocking=True)
                 done[e].record()
             t_queued = time.perf_counter()
-        finally:
-            sys.setswitchinterval(old)
-            if collect:
-                gc.enable()
         losses: list[float] = []
         for e in range(epochs):
             done[e].synchronize()
             losses.append(float(host[e]) / n_train)
             if on_epoch is not None:
                 on_epoch(e + 1, losses[-1], time.perf_counter() - t0)
-    finally:
-        gc.callbacks.remove(collecting)
     # each epoch's time on the GPU, from its gather to its loss's copy, and the host's side: where the
     # epochs' wall time went (the process's other threads by name: what may have held the interpreter)
     graph.epoch_gpu_ms = [round(b.elapsed_time(d), 3) for b, d in zip(began, done)]
     others = sorted({t.name.rstrip("0123456789-_") or t.name for t in threading.enumerate()
                      if t is not threading.current_thread()})
     graph.queue_s = {"orders": round(t_orders - t_start, 4), "queue": round(t_queued - t_orders, 4),
-                     "read": round(time.perf_counter() - t_queued, 4), "gc": round(in_gc[0], 4),
-                     "gc_collections": in_gc[2], "other_threads": threading.active_count() - 1,
+                     "read": round(time.perf_counter() - t_queued, 4), "gc": round(in_gc["seconds"], 4),
+                     "gc_collections": in_gc["collections"], "other_threads": threading.active_count() - 1,
                      "thread_names": others[:16]}
     return losses
 

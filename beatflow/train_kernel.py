@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import threading
 import weakref
 
@@ -441,16 +440,12 @@ def row_grads(x, eps, params, width: int | None = None):
     dx, de, dp, dg = (cuda.to_device(a) for a in (x, np.ascontiguousarray(eps, np.float32),
                                                    np.ascontiguousarray(params, np.float32), g))
     blocks, threads = launch_config(kernel, x.shape[0])
+    from beatflow.backend import switch_interval
     from beatflow.kernels import simulator_active
 
-    sim = simulator_active()
-    old = sys.getswitchinterval()
-    if sim:  # (the simulator's lanes are threads: with the default 5 ms each barrier waits for the GIL)
-        sys.setswitchinterval(min(old, 2e-4))
-    try:
+    # (the simulator's lanes are threads: with the default 5 ms each barrier waits for the GIL)
+    with switch_interval(2e-4 if simulator_active() else None):
         kernel[blocks, threads](dx, de, dp, dg)
-    finally:
-        sys.setswitchinterval(old)
     return dg.copy_to_host()
 
 
