@@ -401,9 +401,16 @@ def _train_epochs(t0, data, n_train, width, epochs, batch_size, seed, on_epoch, 
     losses: list[float] = []
     t_setup = time.perf_counter()
     queued = isinstance(step_loss, _EpochGraph)
-    if queued:  # every epoch queued on the GPU (one replay each) before the first loss is read
+    test_idx = torch.from_numpy(test_index).to(data.device) if len(test_index) else None
+    # on the GPU few large batches (launch-bound); on the CPU the training's own batches: 8192
+    # rows at a time took 2.2x as long (0.77 against 0.35 s for 19 k rows on 2 cores)
+    chunk = max(batch_size, 8192) if on_cuda else batch_size
+    test_total = None
+    if queued:  # every epoch queued on the GPU (one replay each), then the held-out loss, before a loss is read
         model.train()
-        losses = _queued_epochs(step_loss, data, train_idx, n_train, int(epochs), gen, on_epoch, t0)
+        losses, test_total = _queued_epochs(
+            step_loss, data, train_idx, n_train, int(epochs), gen, on_epoch, t0,
+            then=None if test_idx is None else lambda: _held_out_total(model, data, test_idx, chunk))
     for epoch in ([] if queued else range(1, int(epochs) + 1)):
         model.train()
         order = train_idx[torch.randperm(n_train, generator=gen).to(data.device)]
@@ -439,18 +446,10 @@ def _train_epochs(t0, data, n_train, width, epochs, batch_size, seed, on_epoch, 
     t_epochs = time.perf_counter()
     model.eval()
     test_loss = float("nan")
-    if len(test_index):
-        test_idx = torch.from_numpy(test_index).to(data.device)
-        total = torch.zeros((), dtype=torch.float64, device=data.device)
-        # on the GPU few large batches (launch-bound); on the CPU the training's own batches: 8192
-        # rows at a time took 2.2x as long (0.77 against 0.35 s for 19 k rows on 2 cores)
-        chunk = max(batch_size, 8192) if on_cuda else batch_size
-        with torch.no_grad():
-            for start in range(0, len(test_index), chunk):
-                xb = data[test_idx[start:start + chunk]]
-                recon, mu, logvar = model(xb)
-                total += vae_loss(xb, recon, mu, logvar)
-        test_loss = float(total) / len(test_index)
+    if test_idx is not None:
+        if test_total is None:
+            test_total = _held_out_total(model, data, test_idx, chunk)
+        test_loss = float(test_total) / len(test_index)
 
     t_end = time.perf_counter()
     if kept is not None:  # the kept steps update these tensors: the result is a copy
@@ -470,6 +469,18 @@ def _train_epochs(t0, data, n_train, width, epochs, batch_size, seed, on_epoch, 
         phases={"setup": round(t_setup - t0, 4), "epochs": round(t_epochs - t_setup, 4),
                 "test": round(t_end - t_epochs, 4)},
     )
+
+
+def _held_out_total(model, data, test_idx, chunk: int) -> torch.Tensor:
+    """The model's (eval mode) total VAE loss over ``data[test_idx]``, ``chunk`` rows at a time: a device scalar."""
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=data.device)
+    with torch.no_grad():
+        for start in range(0, len(test_idx), chunk):
+            xb = data[test_idx[start:start + chunk]]
+            recon, mu, logvar = model(xb)
+            total += vae_loss(xb, recon, mu, logvar)
+    return total
 
 
 TRAINING_PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -737,15 +748,16 @@ def _collector_paused():
 QUEUE_SWITCH_INTERVAL: Optional[float] = 1e-4
 
 
-def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: int, gen, on_epoch, t0) -> list:
+def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: int, gen, on_epoch, t0,
+                   then: Optional[Callable[[], torch.Tensor]] = None) -> tuple[list, Optional[torch.Tensor]]:
     """The epochs of an :class:`_EpochGraph`, all queued on the GPU before the first epoch's loss is read.
 
     Epoch by epoch, reading a loss waited for the GPU, and the next epoch's batch order (a permutation
     made on the CPU, then copied) was made only then: the GPU idled for that host work and for whatever
     other thread held the interpreter meanwhile (in the flow's Dask worker the epochs took 0.21 s against
-    0.13 s of GPU work, H100). Here every epoch's order is made first (the generator's sequence, so the
-    same orders as epoch by epoch) and copied at once, every replay is queued, each epoch's loss total is
-    copied to pinned memory behind an event, and the losses are read (and reported) in order.
+    0.13 s of GPU work, H100). Here the epochs' orders are made from the generator's sequence (the same
+    orders as epoch by epoch), every replay is queued, each epoch's loss total is copied to pinned memory
+    behind an event, and the losses are read (and reported) in order.
 
     Every PyTorch call lets go of the interpreter's lock and takes it back; where another thread of the
     process wants it (a Dask worker's), taking it back waited up to the switch interval, 5 ms: in the flow's
@@ -756,29 +768,49 @@ def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: 
     (H100; ``bench/gpu_train_step_kernel.py``'s ``kernel-busy`` variants show the switch interval's part).
     Kept on the graph: each epoch's GPU time (``epoch_gpu_ms``); the host's seconds to make the orders, to
     queue the epochs and to read them, the garbage collector's seconds meanwhile and the process's other
-    threads (``queue_s``)."""
+    threads (``queue_s``).
+
+    The first epoch is queued as soon as its order is made; the other orders are made while the GPU runs it
+    and copied at once (pinned, not blocking: a blocking copy would wait for the GPU). ``then``, if given, is queued after the last epoch, before
+    the first loss is read (the held-out loss: its launches overlap the epochs); its device result is
+    returned beside the losses."""
     from .backend import switch_interval
     from .engine import torch_threads
 
     device = data.device
     if not epochs:
-        return []
+        return [], (then() if then is not None else None)
     with _collector_watched() as in_gc:
         with switch_interval(QUEUE_SWITCH_INTERVAL), _collector_paused():
             t_start = time.perf_counter()
-            with torch_threads(1):  # (the orders are small: no intra-op team to wake beside the figure processes)
-                perms = torch.stack([torch.randperm(n_train, generator=gen) for _ in range(epochs)])
-            orders = train_idx[perms.to(device)]  # (one copy; the GPU has nothing queued yet)
             host = torch.zeros(epochs, dtype=torch.float64).pin_memory()
             began = [torch.cuda.Event(enable_timing=True) for _ in range(epochs)]
             done = [torch.cuda.Event(enable_timing=True) for _ in range(epochs)]
-            t_orders = time.perf_counter()
-            for e in range(epochs):
-                began[e].record()
-                total = graph.run(data, orders[e])  # (the next replay overwrites the total: copied first, in order)
-                host[e].copy_(total, non_blocking=True)
-                done[e].record()
+            t_orders = t_queue = 0.0
+
+            def queue(first, last):  # the epochs first..last-1: their orders (one copy), then their replays
+                nonlocal t_orders, t_queue
+                t = time.perf_counter()
+                with torch_threads(1):  # (small: no intra-op team to wake beside the figure processes)
+                    perms = torch.stack([torch.randperm(n_train, generator=gen) for _ in range(first, last)])
+                # (pinned, not blocking: a blocking copy from pageable memory waits for the queued epochs)
+                orders = train_idx[perms.pin_memory().to(device, non_blocking=True)]
+                t_orders += time.perf_counter() - t
+                t = time.perf_counter()
+                for e in range(first, last):
+                    began[e].record()
+                    total = graph.run(data, orders[e - first])  # (the next replay overwrites it: copied first)
+                    host[e].copy_(total, non_blocking=True)
+                    done[e].record()
+                t_queue += time.perf_counter() - t
+
+            queue(0, 1)  # (the GPU starts on epoch 1 while the host makes the other orders)
+            if epochs > 1:
+                queue(1, epochs)
+            t = time.perf_counter()
+            after = then() if then is not None else None
             t_queued = time.perf_counter()
+            t_then = t_queued - t
         losses: list[float] = []
         for e in range(epochs):
             done[e].synchronize()
@@ -790,11 +822,12 @@ def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: 
     graph.epoch_gpu_ms = [round(b.elapsed_time(d), 3) for b, d in zip(began, done)]
     others = sorted({t.name.rstrip("0123456789-_") or t.name for t in threading.enumerate()
                      if t is not threading.current_thread()})
-    graph.queue_s = {"orders": round(t_orders - t_start, 4), "queue": round(t_queued - t_orders, 4),
+    graph.queue_s = {"orders": round(t_orders, 4), "queue": round(t_queue, 4),
+                     "then": round(t_then, 4), "setup": round(t_queued - t_start - t_orders - t_queue - t_then, 4),
                      "read": round(time.perf_counter() - t_queued, 4), "gc": round(in_gc["seconds"], 4),
                      "gc_collections": in_gc["collections"], "other_threads": threading.active_count() - 1,
                      "thread_names": others[:16]}
-    return losses
+    return losses, after
 
 
 class _EpochGraph:

@@ -382,15 +382,22 @@ def test_queued_epochs_host_side_matches_epoch_by_epoch_and_restores_the_process
     want_orders = [train_idx[torch.randperm(n, generator=gen)] for _ in range(4)]
     want = [float(data[o[: n // 2]].sum()) / n for o in want_orders]
     before = (sys.getswitchinterval(), gc.isenabled(), torch.get_num_threads(), list(gc.callbacks))
-    graph, seen = _FakeEpochGraph(), []
-    got = M._queued_epochs(graph, data, train_idx, n, 4, torch.Generator().manual_seed(5),
-                           lambda e, loss, t: seen.append((e, loss)), time.perf_counter())
-    assert got == want
+    graph, seen, then_saw = _FakeEpochGraph(), [], []
+
+    def then():  # (queued after every epoch, before the first loss is read)
+        then_saw.append((len(graph.orders), len(seen)))
+        return torch.ones(())
+
+    got, after = M._queued_epochs(graph, data, train_idx, n, 4, torch.Generator().manual_seed(5),
+                                  lambda e, loss, t: seen.append((e, loss)), time.perf_counter(), then=then)
+    assert got == want and then_saw == [(4, 0)] and float(after) == 1.0
     assert all(torch.equal(a, b) for a, b in zip(graph.orders, want_orders))
     assert seen == list(enumerate(want, start=1))
-    assert len(graph.epoch_gpu_ms) == 4 and {"orders", "queue", "read", "gc", "other_threads"} <= set(graph.queue_s)
+    assert len(graph.epoch_gpu_ms) == 4
+    assert {"orders", "queue", "then", "read", "gc", "other_threads"} <= set(graph.queue_s)
     assert (sys.getswitchinterval(), gc.isenabled(), torch.get_num_threads(), list(gc.callbacks)) == before
-    assert M._queued_epochs(graph, data, train_idx, n, 0, gen, None, 0.0) == []
+    assert M._queued_epochs(graph, data, train_idx, n, 0, gen, None, 0.0) == ([], None)
+    assert M._queued_epochs(graph, data, train_idx, n, 1, torch.Generator().manual_seed(5), None, 0.0)[0] == want[:1]
 
     class Failing(_FakeEpochGraph):
         def run(self, data, order):

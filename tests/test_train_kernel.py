@@ -223,12 +223,12 @@ def test_queued_epochs_train_as_epoch_by_epoch(monkeypatch):
     assert queued.epoch_graph
     assert len(queued.epoch_gpu_ms) == 5 and all(ms > 0 for ms in queued.epoch_gpu_ms)
 
-    def one_at_a_time(graph, data, train_idx, n_train, epochs, gen, on_epoch, t0):
+    def one_at_a_time(graph, data, train_idx, n_train, epochs, gen, on_epoch, t0, then=None):
         losses = []
         for e in range(epochs):
             order = train_idx[torch.randperm(n_train, generator=gen).to(data.device)]
             losses.append(float(graph.run(data, order)) / n_train)
-        return losses
+        return losses, None  # (the held-out loss then computed after the epochs, by train_vae)
 
     monkeypatch.setattr(M, "_queued_epochs", one_at_a_time)
     naive = train_vae(beats, **kw)
