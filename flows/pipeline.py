@@ -424,6 +424,8 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     for name in ("validation_beats.npy",):
         (work / name).unlink(missing_ok=True)
     _publish_summary(summary)
+    for line in T.settle_api_calls():  # (the training's progress artifact, updated in the background)
+        log.warning("a Prefect UI update failed: %s", line)
     return summary
 
 

@@ -41,6 +41,32 @@ LOAD_ATTEMPTS = 3
 #: seconds between updates of the training progress artifact (the last epoch always updates it)
 PROGRESS_EVERY_S = 0.5
 
+_api_calls = {"executor": None, "pending": []}
+
+
+def api_call_later(fn, *args, **kwargs) -> None:
+    """``fn(*args, **kwargs)``, a Prefect API call that only updates the UI (a progress artifact), made in a
+    background thread (one, so such calls keep their order) in this thread's context: the flow goes on
+    meanwhile (each call is 10-20 ms, as long as a warm GPU run's whole epoch). :func:`settle_api_calls`
+    waits for them."""
+    import contextvars
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _api_calls["executor"] is None:
+        _api_calls["executor"] = ThreadPoolExecutor(1, thread_name_prefix="beatflow-api")
+    ctx = contextvars.copy_context()  # (the Prefect settings and run context of the caller)
+    _api_calls["pending"].append(_api_calls["executor"].submit(ctx.run, fn, *args, **kwargs))
+
+
+def settle_api_calls(timeout: float = 30.0) -> list[str]:
+    """Wait for the calls :func:`api_call_later` made; a line for each that failed or did not finish in time."""
+    from concurrent.futures import wait
+
+    pending, _api_calls["pending"] = _api_calls["pending"], []
+    done, late = wait(pending, timeout=timeout)
+    failed = [f"{type(e).__name__}: {e}" for e in (f.exception() for f in done) if e is not None]
+    return failed + [f"{len(late)} Prefect API call(s) still running after {timeout:g} s"] * bool(late)
+
 
 @partition_task(name="synthesize-ecg")
 def synthesize(hours: float, fs: float, seed: int, folder: str) -> tuple[str, str]:
@@ -425,9 +451,10 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
         shown["epoch"] = epoch
         log.info("epoch %d/%d  train loss per row %.5f  (%.1f s)", epoch, epochs, loss, elapsed)
         # the artifact at most twice a second, and at the end: each update is a call to the Prefect
-        # API (10-20 ms), as long as a whole epoch of a warm GPU run
+        # API (10-20 ms), as long as a whole epoch of a warm GPU run; made in the background (the last
+        # one was on the flow's path: a warm GPU run's epochs all end within 0.13 s)
         if epoch == epochs or time.monotonic() - shown["at"] >= PROGRESS_EVERY_S:
-            update_progress_artifact(shown["artifact"], progress=100.0 * epoch / epochs)
+            api_call_later(update_progress_artifact, shown["artifact"], progress=100.0 * epoch / epochs)
             shown["at"] = time.monotonic()
 
     topic = f"beatflow-train-{uuid.uuid4().hex[:12]}"

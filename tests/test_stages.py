@@ -154,3 +154,31 @@ def test_each_partitions_own_top_snippets_hold_the_whole_streams_top(seed):
         got = [p for p in pieces[k] if p[0] == lo and len(p[1]) == hi - lo]
         assert got, f"beat {b} (rank {int(row['rank'])}) has no snippet in partition {k}"
         np.testing.assert_array_equal(got[0][1], x[lo:hi])
+
+
+def test_api_calls_later_keep_their_order_and_context_and_settle_reports_failures():
+    """The UI's API calls made in the background (the training's progress artifact): in the order made, in the
+    caller's context (Prefect's settings live in context variables), and every failure reported once settled."""
+    import contextvars
+    import threading
+    import time
+
+    var = contextvars.ContextVar("beatflow_test_var", default="unset")
+    var.set("the caller's")
+    seen, caller = [], threading.get_ident()
+
+    def call(i, pause=0.0):
+        time.sleep(pause)
+        seen.append((i, var.get(), threading.get_ident() != caller))
+
+    def fails():
+        raise RuntimeError("server said 503")
+
+    T.api_call_later(call, 1, pause=0.05)  # (the slow first call still comes first)
+    T.api_call_later(fails)
+    T.api_call_later(call, 2)
+    assert T.settle_api_calls() == ["RuntimeError: server said 503"]
+    assert seen == [(1, "the caller's", True), (2, "the caller's", True)]
+    assert T.settle_api_calls() == []  # (each reported once)
+    T.api_call_later(time.sleep, 0.5)
+    assert T.settle_api_calls(timeout=0.01) == ["1 Prefect API call(s) still running after 0.01 s"]
