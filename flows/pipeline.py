@@ -15,6 +15,7 @@ import socket
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -368,7 +369,10 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         truth = FigurePool.result(checking)
         log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
         ph.lap("truth")
-    write_anomaly_table(table, work / "anomalies.parquet")
+    # the table's file written in a thread (pyarrow lets go of the interpreter) while the report is made
+    writing = ThreadPoolExecutor(1, thread_name_prefix="beatflow-table")
+    written = writing.submit(write_anomaly_table, table, work / "anomalies.parquet")
+    writing.shutdown(wait=False)
     meta = json.loads((work / "model.json").read_text())
     meta.update(threshold=threshold, fs=fs)
     (work / "model.json").write_text(json.dumps(meta, indent=1))
@@ -403,6 +407,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     futures = {**early, **late, **last}
     drawn = figures.collect(futures)
     ph.lap("figures_wait")
+    written.result()  # (its error, if it failed)
     detail["figures"] = FigurePool.timings(futures)
     T.write_report(str(work / "report.html"), data, drawn)
     ph.lap("write")
