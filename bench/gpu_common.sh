@@ -3,7 +3,7 @@
 # (whether STEP is in STEPS, default DEFAULT_STEPS), and the machine's GPU and cores printed.
 set -u
 t0=$(date +%s)
-bash .whl/install.sh >/dev/null 2>&1
+[ -f /tmp/site/.beatflow-wheels ] || { bash .whl/install.sh >/dev/null 2>&1 && touch /tmp/site/.beatflow-wheels; }  # (once a machine)
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 el() { echo "$(( $(date +%s) - t0 )) s"; }
 left() { echo $(( ${LIMIT:-570} - ($(date +%s) - t0) )); }
