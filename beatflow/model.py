@@ -771,9 +771,9 @@ def _queued_epochs(graph: "_EpochGraph", data, train_idx, n_train: int, epochs: 
     threads (``queue_s``).
 
     The first epoch is queued as soon as its order is made; the other orders are made while the GPU runs it
-    and copied at once (pinned, not blocking: a blocking copy would wait for the GPU). ``then``, if given, is queued after the last epoch, before
-    the first loss is read (the held-out loss: its launches overlap the epochs); its device result is
-    returned beside the losses."""
+    and copied at once (pinned, not blocking: a blocking copy would wait for the GPU). ``then``, if given,
+    is queued after the last epoch, before the first loss is read (the held-out loss: its launches overlap
+    the epochs); its device result is returned beside the losses."""
     from .backend import switch_interval
     from .engine import torch_threads
 

@@ -3,7 +3,8 @@
 # (whether STEP is in STEPS, default DEFAULT_STEPS), and the machine's GPU and cores printed.
 set -u
 t0=$(date +%s)
-[ -f /tmp/site/.beatflow-wheels ] || { bash .whl/install.sh >/dev/null 2>&1 && touch /tmp/site/.beatflow-wheels; }  # (once a machine)
+# (once a machine: a call may chain several scripts)
+[ -f /tmp/site/.beatflow-wheels ] || { bash .whl/install.sh >/dev/null 2>&1 && touch /tmp/site/.beatflow-wheels; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 el() { echo "$(( $(date +%s) - t0 )) s"; }
 left() { echo $(( ${LIMIT:-570} - ($(date +%s) - t0) )); }
