@@ -287,11 +287,111 @@ def _no_data(ax, msg: str = "no data") -> None:
     ax.set_yticks([])
 
 
-def _style(ax) -> None:
-    ax.grid(True, lw=0.4, alpha=0.5)
+def _drawn_ticks(ax, which: str, *, labels: bool = True, grid: bool = False, fontsize: float = 8,
+                 right: bool = False) -> None:
+    """The ticks of one linear axis of ``ax`` (``which`` "x": at the bottom, "y": at the left, or at the
+    right with ``right``, as a vertical colorbar's) drawn as
+    two LineCollections (marks, grid) and a Text per label, in place of Matplotlib's Tick objects: five
+    artists a tick, built at every draw, were a third of what the report's figures cost to draw (28-43 ms
+    of 75-120 ms a figure, 2 cores; ``bench/figure_times.py``), and the late figures are on the flow's
+    critical path. The axis's own locator and formatter pick and write the ticks, so the marks, labels
+    and grid are those Matplotlib would draw, at its default sizes (``tests/test_report.py`` compares
+    them). Call it once the limits are final; a log axis keeps Matplotlib's ticks (its minor ticks and
+    labels are another matter)."""
+    from matplotlib import rcParams  # noqa: PLC0415
+    from matplotlib.collections import LineCollection  # noqa: PLC0415
+    from matplotlib.ticker import NullLocator  # noqa: PLC0415
+    from matplotlib.transforms import offset_copy  # noqa: PLC0415
+
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    if axis.get_scale() != "linear":
+        axis.set_tick_params(labelsize=fontsize)
+        axis.grid(grid, lw=0.4, alpha=0.5)
+        return
+    lo, hi = sorted(axis.get_view_interval())
+    eps = 1e-9 * max(abs(lo), abs(hi), hi - lo, 1e-300)
+    locs = [float(v) for v in axis.get_major_locator()() if lo - eps <= v <= hi + eps]
+    fmt = axis.get_major_formatter()
+    texts = fmt.format_ticks(locs) if labels and locs else []
+    offset = fmt.get_offset() if texts else ""
+    axis.set_major_locator(NullLocator())  # (no Tick objects at the draw)
+    axis.set_minor_locator(NullLocator())
+    if not locs:
+        return
+    fig = ax.figure
+    pos = ax.get_position()  # (a fixed layout: its size in inches is known now)
+    size_in = pos.height * fig.get_figheight() if which == "x" else pos.width * fig.get_figwidth()
+    tick = rcParams[f"{which}tick.major.size"] / 72.0 / size_in  # (points, as a fraction of the axes)
+    pad = rcParams[f"{which}tick.major.size"] + rcParams[f"{which}tick.major.pad"]
+    colour = rcParams[f"{which}tick.color"]
+    if which == "x":
+        trans = ax.get_xaxis_transform()
+        marks = [[(v, 0.0), (v, -tick)] for v in locs]
+        lines = [[(v, 0.0), (v, 1.0)] for v in locs]
+        at = offset_copy(trans, fig=fig, y=-pad, units="points")
+        for v, t in zip(locs, texts):
+            ax.text(v, 0.0, t, transform=at, ha="center", va="top", fontsize=fontsize, color=colour, clip_on=False,
+                    gid="xtick")
+        if offset:
+            ax.text(1.0, 0.0, offset, transform=offset_copy(ax.transAxes, fig=fig, y=-pad - 1.6 * fontsize,
+                                                             units="points"),
+                    ha="right", va="top", fontsize=fontsize, color=colour, gid="xoffset")
+    else:
+        trans = ax.get_yaxis_transform()
+        edge, out, sign = (1.0, 1.0 + tick, 1) if right else (0.0, -tick, -1)
+        marks = [[(edge, v), (out, v)] for v in locs]
+        lines = [[(0.0, v), (1.0, v)] for v in locs]
+        at = offset_copy(trans, fig=fig, x=sign * pad, units="points")
+        side = "left" if right else "right"
+        for v, t in zip(locs, texts):
+            ax.text(edge, v, t, transform=at, ha=side, va="center_baseline", fontsize=fontsize, color=colour,
+                    clip_on=False, gid="ytick")
+        if offset:
+            ax.text(edge, 1.0, offset, transform=offset_copy(ax.transAxes, fig=fig, x=sign * pad, y=2, units="points"),
+                    ha=side, va="bottom", fontsize=fontsize, color=colour, gid="yoffset")
+    # the axis's label clear of the tick labels, where Matplotlib would put it (it measures its Tick
+    # objects' labels at each draw: here they are measured once, by the same renderer's font metrics)
+    wide, tall = _text_extent_pts(texts, fontsize)
+    room = pad + (tall if which == "x" else wide) + rcParams["axes.labelpad"]
+    if which == "x":
+        axis.set_label_coords(0.5, 0.0, offset_copy(ax.transAxes, fig=fig, y=-room, units="points"))
+    else:
+        axis.set_label_coords(1.0 if right else 0.0, 0.5,
+                              offset_copy(ax.transAxes, fig=fig, x=room if right else -room, units="points"))
+    width = rcParams[f"{which}tick.major.width"]
+    ax.add_collection(LineCollection(marks, colors=colour, linewidths=width, transform=trans, clip_on=False),
+                      autolim=False)
+    if grid:
+        ax.add_collection(LineCollection(lines, colors=rcParams["grid.color"], linewidths=0.4, alpha=0.5,
+                                         transform=trans, zorder=1.5), autolim=False)  # (as axisbelow "line")
+
+
+_MEASURE: list = []  # (an Agg renderer, made once a process, that measures texts)
+
+
+def _text_extent_pts(texts, fontsize: float) -> tuple[float, float]:
+    """The widest and the tallest of ``texts`` at ``fontsize`` in Matplotlib's default font, in points
+    (0, 0 for none), as the Agg renderer lays them out."""
+    if not texts:
+        return 0.0, 0.0
+    from matplotlib.backends.backend_agg import RendererAgg  # noqa: PLC0415
+    from matplotlib.font_manager import FontProperties  # noqa: PLC0415
+
+    if not _MEASURE:
+        _MEASURE.append(RendererAgg(8, 8, 72))  # (72 dpi: a pixel is a point)
+    prop = FontProperties(size=fontsize)
+    sizes = [_MEASURE[0].get_text_width_height_descent(t, prop, ismath=False) for t in texts]
+    # (a line is at least as tall as "lp", as Matplotlib lays a text out)
+    low = _MEASURE[0].get_text_width_height_descent("lp", prop, ismath=False)[1]
+    return max(w for w, _, _ in sizes), max(low, *(h for _, h, _ in sizes))
+
+
+def _style(ax, *, xlabels: bool = True) -> None:
+    """Two spines and the ticks (:func:`_drawn_ticks`) with a grid; call it once the limits are final."""
     for s in ("top", "right"):
         ax.spines[s].set_visible(False)
-    ax.tick_params(labelsize=8)
+    _drawn_ticks(ax, "x", labels=xlabels, grid=True)
+    _drawn_ticks(ax, "y", grid=True)
 
 
 # ---- individual figures ----------------------------------------------------
@@ -301,7 +401,7 @@ def _fig_stream(d: ReportData) -> str:
     fig = _new_fig(13.0, 3.4, margins=(0.95, 0.3, 0.32, 0.5))
     gs = fig.add_gridspec(2, 1, height_ratios=[1.0, 0.13], hspace=0.08)
     ax = fig.add_subplot(gs[0])
-    rug = fig.add_subplot(gs[1], sharex=ax)
+    rug = fig.add_subplot(gs[1])  # (the same time axis: its limits set alike, below)
     mn = np.asarray(d.stream_min, dtype=np.float64).reshape(-1)
     mx = np.asarray(d.stream_max, dtype=np.float64).reshape(-1)
     fs = float(d.fs) if d.fs else 1.0
@@ -316,6 +416,7 @@ def _fig_stream(d: ReportData) -> str:
     else:
         _no_data(ax)
     ax.set_xlim(0, dur_h if dur_h > 0 else 1)
+    rug.set_xlim(ax.get_xlim())
     ax.set_ylabel("amplitude", fontsize=9)
     names = list(getattr(d, "recording_names", None) or [])
     what = "Whole recording" if len(names) < 2 else f"{len(names)} recordings, one after the other"
@@ -331,8 +432,7 @@ def _fig_stream(d: ReportData) -> str:
                 ax.text((a + b) / 2, 0.985, str(name)[:12], transform=ax.get_xaxis_transform(), ha="center",
                         va="top", fontsize=7 if len(names) <= 16 else 5.5, color="#222222",
                         bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.7, "pad": 0.8})
-    _style(ax)
-    ax.tick_params(labelbottom=False)
+    _style(ax, xlabels=False)
     t = np.asarray(d.anomaly_times_s, dtype=np.float64).reshape(-1) / 3600.0
     if t.size:
         rug.vlines(t, 0, 1, color=_FLAG, lw=0.6, alpha=0.7)
@@ -341,7 +441,7 @@ def _fig_stream(d: ReportData) -> str:
     rug.set_ylabel(f"flagged\n({t.size:,})", fontsize=8, rotation=0, ha="right", va="center")
     rug.xaxis.set_major_formatter(_hours_formatter())
     rug.set_xlabel("time (h:mm)", fontsize=9)
-    rug.tick_params(labelsize=8)
+    _drawn_ticks(rug, "x")
     for s in ("top", "right", "left"):
         rug.spines[s].set_visible(False)
     return _png(fig)
@@ -504,9 +604,9 @@ def _latent_axes_done(ax, f, title: str) -> None:
     _title(ax, title)
     ax.set_xlabel("z₁", fontsize=9)
     ax.set_ylabel("z₂", fontsize=9)
-    _style(ax)
     ax.set_xlim(*f.lims[0])
     ax.set_ylim(*f.lims[1])
+    _style(ax)
 
 
 def _fig_latent(d: ReportData) -> str:
@@ -529,7 +629,7 @@ def _fig_latent(d: ReportData) -> str:
         ax.legend(fontsize=8, loc="upper right", frameon=True, framealpha=0.8)
     cb = fig.colorbar(sca, ax=ax, extend="both", shrink=0.9)
     cb.set_label("anomaly score", fontsize=9)
-    cb.ax.tick_params(labelsize=8)
+    _drawn_ticks(cb.ax, "y", right=True)
     _latent_axes_done(ax, f, f"latent means of {f.sc.size:,} test beats, coloured by score (largest per pixel)")
     return _png(fig)
 

@@ -506,3 +506,77 @@ def test_png_is_the_figure_savefig_draws_without_its_alpha():
     assert mine.mode == "RGB" and mine.size == (int(4.0 * _DPI), int(2.5 * _DPI))
     assert (ref[..., 3] == 255).all()  # (opaque: the alpha channel carries nothing)
     np.testing.assert_array_equal(np.asarray(mine), ref[..., :3])
+
+
+def _tick_figure(xlim, ylim, right=False):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from beatflow.report import _new_fig
+
+    fig = _new_fig(6.0, 3.5, margins=(1.2, 1.2, 0.4, 0.7))
+    ax = fig.add_subplot()
+    ax.plot(xlim, ylim, lw=0.5)
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.set_xlabel("x label", fontsize=9)
+    ax.set_ylabel("y label", fontsize=9)
+    if right:
+        ax.yaxis.set_label_position("right")
+        ax.yaxis.tick_right()
+    ax.tick_params(labelsize=8)
+    return fig, ax, FigureCanvasAgg(fig)
+
+
+def _tick_limits(seed):
+    if seed == "tiny":  # (a scientific offset text: 1e-7)
+        return (0.0, 3e-7), (1e9, 1e9 + 5.0), False
+    rng = np.random.default_rng(seed)
+    scale = 10.0 ** rng.integers(-7, 7)
+    centre = rng.choice([0.0, 1.0, 1e4]) * scale * rng.uniform(-3, 3)
+    xlim = tuple(np.sort(centre + scale * rng.uniform(-5, 5, 2)))
+    ylim = tuple(np.sort(rng.uniform(-50, 50, 2) * 10.0 ** rng.integers(-3, 4)))
+    return xlim, ylim, bool(seed % 2)
+
+
+@pytest.mark.parametrize("seed", [*range(6), "tiny"])
+def test_drawn_ticks_are_the_ticks_matplotlib_draws(seed):
+    """``_drawn_ticks`` (marks, labels and grid as a few artists, no Tick objects) against Matplotlib's
+    own ticks on the same axes, on random limits (offsets and tiny or huge ranges among them): the
+    same values at the same places with the same texts, the offset text alike, and the axes' labels
+    where Matplotlib puts them (within two pixels)."""
+    from beatflow.report import _drawn_ticks
+
+    xlim, ylim, right = _tick_limits(seed)
+    ref, rax, rcanvas = _tick_figure(xlim, ylim, right)
+    rcanvas.draw()
+    fig, ax, canvas = _tick_figure(xlim, ylim, right)
+    _drawn_ticks(ax, "x")
+    _drawn_ticks(ax, "y", right=right)
+    canvas.draw()
+    assert len(ax.xaxis.get_majorticklocs()) == len(ax.yaxis.get_majorticklocs()) == 0  # (no Tick objects drawn)
+    r1, r2 = rcanvas.get_renderer(), canvas.get_renderer()
+    for which, axis in (("x", rax.xaxis), ("y", rax.yaxis)):
+        lo, hi = sorted(axis.get_view_interval())
+        want = [(t.get_loc(), t.label2.get_text() if (which == "y" and right) else t.label1.get_text())
+                for t in axis.get_major_ticks() if lo - 1e-9 * (hi - lo) <= t.get_loc() <= hi + 1e-9 * (hi - lo)]
+        want = [(v, s) for v, s in want if s]  # (the ticks Matplotlib drew and labelled)
+        got = [t for t in ax.texts if t.get_gid() == f"{which}tick"]
+        assert [s for _, s in want] == [t.get_text() for t in got], which
+        # each label at its tick's place on the screen, as Matplotlib put its own
+        mine = np.array([t.get_window_extent(r2).get_points().mean(0) for t in got])
+        theirs = np.array([(t.label2 if which == "y" and right else t.label1).get_window_extent(r1).get_points().mean(0)
+                           for t in axis.get_major_ticks() if t.label1.get_text() or t.label2.get_text()
+                           if lo - 1e-9 * (hi - lo) <= t.get_loc() <= hi + 1e-9 * (hi - lo)])
+        np.testing.assert_allclose(mine, theirs, atol=1.5)
+        offset = axis.get_offset_text().get_text()
+        drawn = [t for t in ax.texts if t.get_gid() == f"{which}offset"]
+        assert ([offset] if offset else []) == [t.get_text() for t in drawn], which
+        if offset and which == "x":  # its top right corner where Matplotlib puts its own (in a 10-point font)
+            np.testing.assert_allclose(drawn[0].get_window_extent(r2).get_points()[1],
+                                       axis.get_offset_text().get_window_extent(r1).get_points()[1], atol=3)
+        elif offset:  # above the axes, beside them (Matplotlib's own is over the axes, where the titles are)
+            (x0, y0), (x1, _) = drawn[0].get_window_extent(r2).get_points()
+            box = ax.get_window_extent(r2)
+            assert y0 >= box.y1 and (x0 >= box.x1 if right else x1 <= box.x0)
+    for a, b in ((rax.xaxis.label, ax.xaxis.label), (rax.yaxis.label, ax.yaxis.label)):
+        np.testing.assert_allclose(b.get_window_extent(r2).get_points(), a.get_window_extent(r1).get_points(), atol=2)
