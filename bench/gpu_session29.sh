@@ -53,7 +53,7 @@ fi
 if want cpuwarm && [ "$(left)" -gt ${CPU_MIN:-200} ]; then
   echo "== the flow on the CPU, a standing cluster of ${WORKERS:-16} workers ($(el))"
   rm -rf /tmp/bf-persistent-cpu-*
-  DEVICE=cpu WORKERS=${WORKERS:-16} RUNS=${CPU_RUNS:-3} RUN_LIMIT=${RUN_LIMIT:-240} timeout $(( $(left) - 10 )) \
+  PYSPY="" DEVICE=cpu WORKERS=${WORKERS:-16} RUNS=${CPU_RUNS:-3} RUN_LIMIT=${RUN_LIMIT:-240} timeout $(( $(left) - 10 )) \
     python3 bench/gpu_flow_persistent.py 2>&1 | grep -v -i "warn\|^\s*$" | tail -30
 fi
 if want diag && [ "$(left)" -gt 150 ]; then  # which worker thread held the interpreter: the fix off, Dask's profiler on / off
