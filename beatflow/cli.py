@@ -157,13 +157,14 @@ def cmd_run(args) -> int:
         from .errors import InputError
 
         raise InputError("--confirm-lead/--confirm-column need --input (the synthetic ECG has one lead)")
+    from .figure_pool import figure_pool
+
+    figure_pool()  # the report's figure processes start now, while Prefect, Dask and the flow are imported and set up
     with _long_lived_imports():
         import prefect_dask  # noqa: F401  (the task runner's, imported here with the rest)
 
-        from flows.pipeline import ecg_anomaly_flow, figure_pool
+        from flows.pipeline import ecg_anomaly_flow
         from tasks.cluster import make_task_runner, parse_pool_size, prefect_api
-
-    figure_pool()  # the report's figure processes start now, while Prefect and the cluster are set up
 
     if device == "gpu" and args.rmm_pool_size is not None:
         parse_pool_size(args.rmm_pool_size)  # a bad size is an input error, before anything starts

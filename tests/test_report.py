@@ -338,7 +338,8 @@ def test_figure_processes_cover_the_figures_drawn_at_once():
     """A host with cores to spare gets one figure process per figure that can be drawing at once (the
     early ones but the beat lengths', the late ones, the top anomalies'); a small one at most 4 and
     never more than its cores."""
-    from flows.pipeline import CONCURRENT_FIGURES, LATE_FIGURES, figure_processes
+    from beatflow.figure_pool import CONCURRENT_FIGURES, figure_processes
+    from flows.pipeline import LATE_FIGURES
 
     from beatflow.report import EARLY_FIGURES, FIGURES
 
