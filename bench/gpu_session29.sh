@@ -4,9 +4,9 @@
 # process sampled by py-spy (where the flow's thread waits: bench/stack_summary.py, in the log), then
 # (STEPS "cpuwarm") the CPU path on the host's cores for the ratio.
 #   LIMIT=570 STEPS="tests kbench idle flow cpuwarm" RUNS=4 bash bench/gpu_session29.sh
-#   next (session 30's, not run: no machine started): both paths on one machine first, then the queued epochs' GPU test
-#     LIMIT=380 STEPS="flow cpuwarm" RUNS=5 CPU_RUNS=4 PYSPY=0 bash bench/gpu_session29.sh; \
-#     LIMIT=110 STEPS="tests" TESTS="tests/test_train_kernel.py" bash bench/gpu_session29.sh
+#   next (session 31): both paths on one machine, GPU runs either side of the CPU runs
+#     LIMIT=420 STEPS="flow cpuwarm" RUNS=7 CPU_RUNS=4 PYSPY=0 CPU_MIN=100 bash bench/gpu_session29.sh; \
+#     TAG=-after LIMIT=110 STEPS="flow" RUNS=5 PYSPY=0 FLOW_MIN=60 bash bench/gpu_session29.sh
 # "busy": the epoch graph beside a thread busy in Python (bench/gpu_train_step_kernel.py kernel-busy*).
 # "diag": the flow with the queued epochs' switch interval left at 5 ms, Dask's worker profiler on, then off.
 # "idle": the epoch graph after the GPU idled (IDLE_S 0, 3); the flow step samples nvidia-smi (clocks) every 20 ms.
