@@ -945,7 +945,7 @@ EARLY_FIGURES = ("lengths", "aligned", "training")
 
 
 def warm_up() -> None:
-    """Start of a figure-drawing process (``flows.pipeline.FigurePool``): Matplotlib (Agg) imported
+    """Start of a figure-drawing process (``beatflow.figure_pool.FigurePool``): Matplotlib (Agg) imported
     and its fonts loaded, so that the first figure it draws pays none of that."""
     import logging
 
@@ -978,7 +978,7 @@ def render_figures(data, names=EARLY_FIGURES) -> dict:
 
 def render_figures_timed(data, names) -> tuple[dict, tuple[float, float]]:
     """:func:`render_figures` and the wall-clock times of its start and end (a figure process's job:
-    ``flows.pipeline.FigurePool`` tells from them how long a figure waited for a process)."""
+    ``beatflow.figure_pool.FigurePool`` tells from them how long a figure waited for a process)."""
     import time  # noqa: PLC0415
 
     start = time.time()
