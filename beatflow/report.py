@@ -289,81 +289,88 @@ def _no_data(ax, msg: str = "no data") -> None:
 
 def _drawn_ticks(ax, which: str, *, labels: bool = True, grid: bool = False, fontsize: float = 8,
                  right: bool = False) -> None:
-    """The ticks of one linear axis of ``ax`` (``which`` "x": at the bottom, "y": at the left, or at the
-    right with ``right``, as a vertical colorbar's) drawn as
-    two LineCollections (marks, grid) and a Text per label, in place of Matplotlib's Tick objects: five
-    artists a tick, built at every draw, were a third of what the report's figures cost to draw (28-43 ms
-    of 75-120 ms a figure, 2 cores; ``bench/figure_times.py``), and the late figures are on the flow's
-    critical path. The axis's own locator and formatter pick and write the ticks, so the marks, labels
-    and grid are those Matplotlib would draw, at its default sizes (``tests/test_report.py`` compares
-    them). Call it once the limits are final; a log axis keeps Matplotlib's ticks (its minor ticks and
-    labels are another matter)."""
+    """The ticks of one axis of ``ax`` (``which`` "x": at the bottom, "y": at the left, or at the right
+    with ``right``, as a vertical colorbar's) drawn as LineCollections (marks, grid) and a Text per label,
+    in place of Matplotlib's Tick objects: five artists a tick (a log axis has dozens of minor ones),
+    built at every draw, were a third of what the report's figures cost to draw (28-43 ms of 75-120 ms a
+    figure, 2 cores; ``bench/figure_times.py``), and the late figures are on the flow's critical path.
+    The axis's own locators and formatters pick and write the ticks, major and minor, linear or log, so
+    the marks, labels and grid (the major ticks') are those Matplotlib would draw, at its default sizes
+    and with its labels at ``fontsize`` (``tests/test_report.py`` compares them). Call it once the
+    limits are final."""
     from matplotlib import rcParams  # noqa: PLC0415
     from matplotlib.collections import LineCollection  # noqa: PLC0415
     from matplotlib.ticker import NullLocator  # noqa: PLC0415
     from matplotlib.transforms import offset_copy  # noqa: PLC0415
 
     axis = ax.xaxis if which == "x" else ax.yaxis
-    if axis.get_scale() != "linear":
-        axis.set_tick_params(labelsize=fontsize)
-        axis.grid(grid, lw=0.4, alpha=0.5)
-        return
-    lo, hi = sorted(axis.get_view_interval())
-    eps = 1e-9 * max(abs(lo), abs(hi), hi - lo, 1e-300)
-    locs = [float(v) for v in axis.get_major_locator()() if lo - eps <= v <= hi + eps]
-    fmt = axis.get_major_formatter()
-    texts = fmt.format_ticks(locs) if labels and locs else []
-    offset = fmt.get_offset() if texts else ""
+    lo, hi = axis.get_view_interval()
+    a, b = sorted(axis.get_transform().transform([lo, hi]))  # (the view in scaled units: a log axis's logs)
+    tol = 1e-10 * (b - a)
+    kinds = []
+    for kind in ("major", "minor"):
+        locs = np.asarray(axis.get_majorticklocs() if kind == "major" else axis.get_minorticklocs(), np.float64)
+        if locs.size:  # those in view, as Matplotlib keeps them
+            t = axis.get_transform().transform(locs)
+            locs = locs[np.isfinite(t) & (t >= a - tol) & (t <= b + tol)]
+        fmt = axis.get_major_formatter() if kind == "major" else axis.get_minor_formatter()
+        texts = fmt.format_ticks(list(locs)) if labels and locs.size else [""] * locs.size
+        offset = fmt.get_offset() if kind == "major" and labels and locs.size else ""
+        kinds.append((kind, [float(v) for v in locs], texts, offset))
     axis.set_major_locator(NullLocator())  # (no Tick objects at the draw)
     axis.set_minor_locator(NullLocator())
-    if not locs:
+    if not any(k[1] for k in kinds):
         return
     fig = ax.figure
     pos = ax.get_position()  # (a fixed layout: its size in inches is known now)
     size_in = pos.height * fig.get_figheight() if which == "x" else pos.width * fig.get_figwidth()
-    tick = rcParams[f"{which}tick.major.size"] / 72.0 / size_in  # (points, as a fraction of the axes)
-    pad = rcParams[f"{which}tick.major.size"] + rcParams[f"{which}tick.major.pad"]
     colour = rcParams[f"{which}tick.color"]
-    if which == "x":
-        trans = ax.get_xaxis_transform()
-        marks = [[(v, 0.0), (v, -tick)] for v in locs]
-        lines = [[(v, 0.0), (v, 1.0)] for v in locs]
-        at = offset_copy(trans, fig=fig, y=-pad, units="points")
-        for v, t in zip(locs, texts):
-            ax.text(v, 0.0, t, transform=at, ha="center", va="top", fontsize=fontsize, color=colour, clip_on=False,
-                    gid="xtick")
-        if offset:
-            ax.text(1.0, 0.0, offset, transform=offset_copy(ax.transAxes, fig=fig, y=-pad - 1.6 * fontsize,
-                                                             units="points"),
-                    ha="right", va="top", fontsize=fontsize, color=colour, gid="xoffset")
-    else:
-        trans = ax.get_yaxis_transform()
-        edge, out, sign = (1.0, 1.0 + tick, 1) if right else (0.0, -tick, -1)
-        marks = [[(edge, v), (out, v)] for v in locs]
-        lines = [[(0.0, v), (1.0, v)] for v in locs]
-        at = offset_copy(trans, fig=fig, x=sign * pad, units="points")
-        side = "left" if right else "right"
-        for v, t in zip(locs, texts):
-            ax.text(edge, v, t, transform=at, ha=side, va="center_baseline", fontsize=fontsize, color=colour,
-                    clip_on=False, gid="ytick")
-        if offset:
-            ax.text(edge, 1.0, offset, transform=offset_copy(ax.transAxes, fig=fig, x=sign * pad, y=2, units="points"),
-                    ha=side, va="bottom", fontsize=fontsize, color=colour, gid="yoffset")
+    trans = ax.get_xaxis_transform() if which == "x" else ax.get_yaxis_transform()
+    room = 0.0
+    for kind, locs, texts, offset in kinds:
+        size = rcParams[f"{which}tick.{kind}.size"]
+        tick = size / 72.0 / size_in  # (points, as a fraction of the axes)
+        pad = size + rcParams[f"{which}tick.{kind}.pad"]
+        gid = f"{which}tick" if kind == "major" else f"{which}minor"
+        shown = [(v, t) for v, t in zip(locs, texts) if t]
+        if which == "x":
+            marks = [[(v, 0.0), (v, -tick)] for v in locs]
+            at = offset_copy(trans, fig=fig, y=-pad, units="points")
+            for v, t in shown:
+                ax.text(v, 0.0, t, transform=at, ha="center", va="top", fontsize=fontsize, color=colour,
+                        clip_on=False, gid=gid)
+            if offset:
+                ax.text(1.0, 0.0, offset, transform=offset_copy(ax.transAxes, fig=fig, y=-pad - 1.6 * fontsize,
+                                                                 units="points"),
+                        ha="right", va="top", fontsize=fontsize, color=colour, gid="xoffset")
+        else:
+            edge, out, sign = (1.0, 1.0 + tick, 1) if right else (0.0, -tick, -1)
+            marks = [[(edge, v), (out, v)] for v in locs]
+            at = offset_copy(trans, fig=fig, x=sign * pad, units="points")
+            side = "left" if right else "right"
+            for v, t in shown:
+                ax.text(edge, v, t, transform=at, ha=side, va="center_baseline", fontsize=fontsize, color=colour,
+                        clip_on=False, gid=gid)
+            if offset:
+                ax.text(edge, 1.0, offset, transform=offset_copy(ax.transAxes, fig=fig, x=sign * pad, y=2,
+                                                                 units="points"),
+                        ha=side, va="bottom", fontsize=fontsize, color=colour, gid="yoffset")
+        wide, tall = _text_extent_pts([t for _, t in shown], fontsize)
+        room = max(room, pad + (tall if which == "x" else wide))
+        ax.add_collection(LineCollection(marks, colors=colour, linewidths=rcParams[f"{which}tick.{kind}.width"],
+                                         transform=trans, clip_on=False, gid=f"{which}marks-{kind}"), autolim=False)
+        if grid and kind == "major":
+            lines = [[(v, 0.0), (v, 1.0)] if which == "x" else [(0.0, v), (1.0, v)] for v in locs]
+            ax.add_collection(LineCollection(lines, colors=rcParams["grid.color"], linewidths=0.4, alpha=0.5,
+                                             transform=trans, zorder=1.5), autolim=False)  # (as axisbelow "line")
     # the axis's label clear of the tick labels, where Matplotlib would put it (it measures its Tick
     # objects' labels at each draw: here they are measured once, by the same renderer's font metrics)
-    wide, tall = _text_extent_pts(texts, fontsize)
-    room = pad + (tall if which == "x" else wide) + rcParams["axes.labelpad"]
+    room += rcParams["axes.labelpad"]
     if which == "x":
         axis.set_label_coords(0.5, 0.0, offset_copy(ax.transAxes, fig=fig, y=-room, units="points"))
     else:
         axis.set_label_coords(1.0 if right else 0.0, 0.5,
                               offset_copy(ax.transAxes, fig=fig, x=room if right else -room, units="points"))
-    width = rcParams[f"{which}tick.major.width"]
-    ax.add_collection(LineCollection(marks, colors=colour, linewidths=width, transform=trans, clip_on=False),
-                      autolim=False)
-    if grid:
-        ax.add_collection(LineCollection(lines, colors=rcParams["grid.color"], linewidths=0.4, alpha=0.5,
-                                         transform=trans, zorder=1.5), autolim=False)  # (as axisbelow "line")
 
 
 _MEASURE: list = []  # (an Agg renderer, made once a process, that measures texts)
@@ -374,13 +381,14 @@ def _text_extent_pts(texts, fontsize: float) -> tuple[float, float]:
     (0, 0 for none), as the Agg renderer lays them out."""
     if not texts:
         return 0.0, 0.0
+    from matplotlib import cbook  # noqa: PLC0415
     from matplotlib.backends.backend_agg import RendererAgg  # noqa: PLC0415
     from matplotlib.font_manager import FontProperties  # noqa: PLC0415
 
     if not _MEASURE:
         _MEASURE.append(RendererAgg(8, 8, 72))  # (72 dpi: a pixel is a point)
     prop = FontProperties(size=fontsize)
-    sizes = [_MEASURE[0].get_text_width_height_descent(t, prop, ismath=False) for t in texts]
+    sizes = [_MEASURE[0].get_text_width_height_descent(t, prop, ismath=cbook.is_math_text(t)) for t in texts]
     # (a line is at least as tall as "lp", as Matplotlib lays a text out)
     low = _MEASURE[0].get_text_width_height_descent("lp", prop, ismath=False)[1]
     return max(w for w, _, _ in sizes), max(low, *(h for _, h, _ in sizes))

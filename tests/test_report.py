@@ -509,7 +509,7 @@ def test_png_is_the_figure_savefig_draws_without_its_alpha():
     np.testing.assert_array_equal(np.asarray(mine), ref[..., :3])
 
 
-def _tick_figure(xlim, ylim, right=False):
+def _tick_figure(xlim, ylim, right=False, log=False):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     from beatflow.report import _new_fig
@@ -517,6 +517,8 @@ def _tick_figure(xlim, ylim, right=False):
     fig = _new_fig(6.0, 3.5, margins=(1.2, 1.2, 0.4, 0.7))
     ax = fig.add_subplot()
     ax.plot(xlim, ylim, lw=0.5)
+    if log:
+        ax.set_yscale("log")
     ax.set_xlim(*xlim)
     ax.set_ylim(*ylim)
     ax.set_xlabel("x label", fontsize=9)
@@ -524,51 +526,59 @@ def _tick_figure(xlim, ylim, right=False):
     if right:
         ax.yaxis.set_label_position("right")
         ax.yaxis.tick_right()
-    ax.tick_params(labelsize=8)
+    ax.tick_params(which="both", labelsize=8)
     return fig, ax, FigureCanvasAgg(fig)
 
 
 def _tick_limits(seed):
     if seed == "tiny":  # (a scientific offset text: 1e-7)
-        return (0.0, 3e-7), (1e9, 1e9 + 5.0), False
+        return (0.0, 3e-7), (1e9, 1e9 + 5.0), False, False
+    if seed == "log-decades":  # (a histogram's counts: major labels only)
+        return (-0.3, 7.9), (0.5, 3e3), False, True
+    if seed == "log-narrow":  # (less than a decade: minor ticks labelled too)
+        return (0.0, 1.0), (2.0, 15.0), True, True
     rng = np.random.default_rng(seed)
     scale = 10.0 ** rng.integers(-7, 7)
     centre = rng.choice([0.0, 1.0, 1e4]) * scale * rng.uniform(-3, 3)
     xlim = tuple(np.sort(centre + scale * rng.uniform(-5, 5, 2)))
     ylim = tuple(np.sort(rng.uniform(-50, 50, 2) * 10.0 ** rng.integers(-3, 4)))
-    return xlim, ylim, bool(seed % 2)
+    if seed >= 6:  # (log y axes over random spans)
+        ylim = tuple(np.sort(10.0 ** rng.uniform(-3, 5, 2)))
+    return xlim, ylim, bool(seed % 2), seed >= 6
 
 
-@pytest.mark.parametrize("seed", [*range(6), "tiny"])
+@pytest.mark.parametrize("seed", [*range(9), "tiny", "log-decades", "log-narrow"])
 def test_drawn_ticks_are_the_ticks_matplotlib_draws(seed):
     """``_drawn_ticks`` (marks, labels and grid as a few artists, no Tick objects) against Matplotlib's
-    own ticks on the same axes, on random limits (offsets and tiny or huge ranges among them): the
-    same values at the same places with the same texts, the offset text alike, and the axes' labels
-    where Matplotlib puts them (within two pixels)."""
+    own ticks on the same axes (the ticks its draw made: ``Axis._update_ticks``), on random limits
+    (offsets, tiny or huge ranges and log axes among them): the same ticks, major and minor, their labels'
+    texts at the same places, the offset text alike, and the axes' labels where Matplotlib puts them
+    (within two pixels)."""
     from beatflow.report import _drawn_ticks
 
-    xlim, ylim, right = _tick_limits(seed)
-    ref, rax, rcanvas = _tick_figure(xlim, ylim, right)
+    xlim, ylim, right, log = _tick_limits(seed)
+    ref, rax, rcanvas = _tick_figure(xlim, ylim, right, log)
     rcanvas.draw()
-    fig, ax, canvas = _tick_figure(xlim, ylim, right)
+    fig, ax, canvas = _tick_figure(xlim, ylim, right, log)
     _drawn_ticks(ax, "x")
     _drawn_ticks(ax, "y", right=right)
     canvas.draw()
-    assert len(ax.xaxis.get_majorticklocs()) == len(ax.yaxis.get_majorticklocs()) == 0  # (no Tick objects drawn)
+    assert ax.xaxis._update_ticks() == ax.yaxis._update_ticks() == []  # (no Tick objects drawn)
     r1, r2 = rcanvas.get_renderer(), canvas.get_renderer()
     for which, axis in (("x", rax.xaxis), ("y", rax.yaxis)):
-        lo, hi = sorted(axis.get_view_interval())
-        want = [(t.get_loc(), t.label2.get_text() if (which == "y" and right) else t.label1.get_text())
-                for t in axis.get_major_ticks() if lo - 1e-9 * (hi - lo) <= t.get_loc() <= hi + 1e-9 * (hi - lo)]
-        want = [(v, s) for v, s in want if s]  # (the ticks Matplotlib drew and labelled)
-        got = [t for t in ax.texts if t.get_gid() == f"{which}tick"]
-        assert [s for _, s in want] == [t.get_text() for t in got], which
-        # each label at its tick's place on the screen, as Matplotlib put its own
-        mine = np.array([t.get_window_extent(r2).get_points().mean(0) for t in got])
-        theirs = np.array([(t.label2 if which == "y" and right else t.label1).get_window_extent(r1).get_points().mean(0)
-                           for t in axis.get_major_ticks() if t.label1.get_text() or t.label2.get_text()
-                           if lo - 1e-9 * (hi - lo) <= t.get_loc() <= hi + 1e-9 * (hi - lo)])
-        np.testing.assert_allclose(mine, theirs, atol=1.5)
+        drawn_ticks = axis._update_ticks()  # (what Matplotlib's draw drew)
+        for kind, theirs_ticks in (("major", axis.majorTicks), ("minor", axis.minorTicks)):
+            ticks = [t for t in drawn_ticks if any(t is u for u in theirs_ticks)]
+            marks = [c for c in ax.collections if c.get_gid() == f"{which}marks-{kind}"]
+            got_locs = sorted(seg[0][0 if which == "x" else 1] for c in marks for seg in c.get_segments())
+            np.testing.assert_allclose(got_locs, sorted(t.get_loc() for t in ticks), rtol=1e-12, err_msg=which + kind)
+            label = (lambda t: t.label2) if which == "y" and right else (lambda t: t.label1)
+            want = [label(t) for t in ticks if label(t).get_text()]
+            got = [t for t in ax.texts if t.get_gid() == (f"{which}tick" if kind == "major" else f"{which}minor")]
+            assert [t.get_text() for t in want] == [t.get_text() for t in got], (which, kind)
+            if got:  # each label at its tick's place on the screen, as Matplotlib put its own
+                np.testing.assert_allclose([t.get_window_extent(r2).get_points().mean(0) for t in got],
+                                           [t.get_window_extent(r1).get_points().mean(0) for t in want], atol=1.5)
         offset = axis.get_offset_text().get_text()
         drawn = [t for t in ax.texts if t.get_gid() == f"{which}offset"]
         assert ([offset] if offset else []) == [t.get_text() for t in drawn], which
