@@ -10,3 +10,6 @@ el() { echo "$(( $(date +%s) - t0 )) s"; }
 left() { echo $(( ${LIMIT:-570} - ($(date +%s) - t0) )); }
 want() { case " ${STEPS:-$DEFAULT_STEPS} " in *" $1 "*) return 0 ;; esac; return 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; echo "cores: $(nproc)"
+# what the cores are (threads per core, model) and any CPU quota of this container (cgroup v2 cpu.max)
+echo "cpu: $(lscpu 2>/dev/null | grep -E '^(Model name|Thread\(s\) per core|Socket\(s\))' | tr -s ' ' | paste -sd';'); \
+cpu.max: $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo none); load: $(cut -d' ' -f1-3 /proc/loadavg)"
