@@ -1,8 +1,8 @@
 """The report's figure processes: a pool of spawned processes that draw the figures (and run the
 truth check) while the flow goes on, kept from run to run in a process.
 
-A light module (NumPy, the standard library; the processes import only :mod:`beatflow.report` and
-what their jobs name), so that ``beatflow run`` starts the pool before it imports Prefect, Dask and
+A light module (the standard library; the processes import :mod:`beatflow.report` and what their
+jobs name, no Prefect, no Dask), so that ``beatflow run`` starts the pool before it imports Prefect, Dask and
 the flow: the processes' start (1-1.5 s each, spawned) then overlaps all of that.
 """
 
