@@ -13,7 +13,7 @@ import shutil
 import socket
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -171,13 +171,34 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
         if final.exists():
             final.rmdir()
         (work / _OWNER).unlink(missing_ok=True)
+        _join_writes(work)
         os.replace(work, final)
     except BaseException:
+        _join_writes(work)  # (a write still going would leave a file in the folder removed here)
         shutil.rmtree(work, ignore_errors=True)
         raise
     log.info("outputs in %s", final)
     summary["out"] = str(final)
     return summary
+
+
+_WRITES: dict[str, list] = {}  # the background writes of each run's work folder
+
+
+def _write_in_background(work: Path, fn, *args):
+    """``fn(*args)``, a write into ``work``, in a thread of its own while the flow goes on (a future);
+    :func:`_join_writes` waits for it before the folder is moved or removed."""
+    writing = ThreadPoolExecutor(1, thread_name_prefix="beatflow-write")
+    future = writing.submit(fn, *args)
+    writing.shutdown(wait=False)
+    _WRITES.setdefault(str(work), []).append(future)
+    return future
+
+
+def _join_writes(work: Path) -> None:
+    """Wait for the background writes into ``work`` (their errors are the flow's to raise)."""
+    for future in _WRITES.pop(str(work), []):
+        wait([future])
 
 
 def _run(*args, **kwargs) -> dict:
@@ -369,9 +390,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
         ph.lap("truth")
     # the table's file written in a thread (pyarrow lets go of the interpreter) while the report is made
-    writing = ThreadPoolExecutor(1, thread_name_prefix="beatflow-table")
-    written = writing.submit(write_anomaly_table, table, work / "anomalies.parquet")
-    writing.shutdown(wait=False)
+    written = _write_in_background(work, write_anomaly_table, table, work / "anomalies.parquet")
     meta = json.loads((work / "model.json").read_text())
     meta.update(threshold=threshold, fs=fs)
     (work / "model.json").write_text(json.dumps(meta, indent=1))
@@ -428,7 +447,10 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     for name in ("validation_beats.npy",):
         (work / name).unlink(missing_ok=True)
     _publish_summary(summary)
-    for line in T.settle_api_calls():  # (the training's progress artifact, updated in the background)
+    # the training's progress artifact is updated in the background by the process that trained: a worker
+    # (or this process, under another task runner)
+    unsettled = [T.settle_api_calls(), *run_on_workers(T.settle_api_calls).values()]
+    for line in (line for lines in unsettled for line in lines):
         log.warning("a Prefect UI update failed: %s", line)
     return summary
 
