@@ -329,8 +329,7 @@ def train_vae(
         torch.backends.cudnn.benchmark = False
     scaler = torch.amp.GradScaler(data.device.type) if amp == torch.float16 else None
     shapes = sorted({min(batch_size, n_train), n_train % batch_size or min(batch_size, n_train)})
-    key = (str(data.device), width, tuple(shapes), str(amp), compiled, bool(compile), use_kernel, float(lr),
-           step_kernel_threads() if use_kernel else None)  # (kept steps of another thread count are another kernel's)
+    key = (str(data.device), width, tuple(shapes), str(amp), compiled, bool(compile), use_kernel, float(lr))
     kept = _take_kept(key) if graphs and keep_graphs else None
     try:
         if kept is not None:  # the kept steps, from this call's initial weights and the generator's offset
@@ -892,13 +891,6 @@ class _EpochGraph:
         self.graph = None
         self.arenas.clear()
         self.step_loss = None
-
-
-def step_kernel_threads() -> int:
-    """The step kernel's threads per row (``$BEATFLOW_STEP_THREADS``, :func:`beatflow.train_kernel.row_threads`)."""
-    from .train_kernel import row_threads
-
-    return row_threads()
 
 
 def training_kernel(kernel: Optional[bool], device, amp=None) -> bool:

@@ -17,12 +17,6 @@ of the ``nn.Module`` on random weights and inputs (on the CPU under ``NUMBA_ENAB
 a GPU). It knows nothing of the flow: :func:`beatflow.model.train_vae` uses it through
 :class:`KernelStep`.
 
-A row can also be shared by a block of 2 to 8 warps (``BEATFLOW_STEP_THREADS`` = 64 to 256, :func:`row_threads`):
-its positions spread over the warps, each layer's sums made per warp and then added through shared memory
-in warp order. A batch of 1024 rows is 1024 warps with one warp a row, under 8 resident warps an SM of an
-H100, so each warp waits on its own loads; more warps a row shorten each row's loops. The default stays a warp
-a row until the GPU has timed both (``bench/gpu_train_step_kernel.py``'s ``kernel-t*`` variants).
-
 Layout: ``p`` is every parameter flattened in ``LightVAE.parameters()`` order (:func:`param_layout`);
 ``g[b, :NP]`` the gradient of row ``b``'s loss in that order, ``g[b, NP]`` the loss.
 """
@@ -64,31 +58,11 @@ def param_layout(width: int) -> dict:
     return out
 
 
-def row_threads(threads: int | None = None) -> int:
-    """Threads per row of the step kernel: ``threads``, else ``$BEATFLOW_STEP_THREADS``, else 32 (a warp);
-    a multiple of 32 up to 256."""
-    import os
-
-    given = threads or os.environ.get("BEATFLOW_STEP_THREADS") or WARP
-    try:
-        t = int(given)
-    except ValueError:
-        t = -1
-    if t % WARP or not WARP <= t <= 256:
-        raise ValueError(f"the step kernel's threads per row must be a multiple of {WARP} up to 256, got {given!r}")
-    return t
-
-
-def build_step_kernel(width: int, threads: int | None = None):
+@functools.lru_cache(maxsize=None)
+def build_step_kernel(width: int):
     """The step kernel for rows of ``width`` samples (a multiple of 8; compiled on first launch):
     ``kernel[grid, block, stream](x, eps, p, g)`` with ``x`` (B, width), ``eps`` (B, 2), ``p`` (NP,),
-    ``g`` (B, NP + 1), all float32; ``threads`` per row (:func:`row_threads`: a warp, or a block of
-    several warps that share the row's positions; :func:`launch_config`)."""
-    return _build_step_kernel(int(width), row_threads(threads))
-
-
-@functools.lru_cache(maxsize=None)
-def _build_step_kernel(width: int, threads: int):
+    ``g`` (B, NP + 1), all float32; a warp per row (:func:`launch_config`)."""
     global cuda
     from numba import cuda as numba_cuda
     from numba import float32
@@ -103,7 +77,7 @@ def _build_step_kernel(width: int, threads: int):
         K._sim_lock_shared_arrays()
         shfl_xor, syncwarp = None, _sim_syncwarp
     else:
-        shfl_xor, syncwarp = K._shfl_xor, (K._syncwarp if int(threads) == WARP else K._syncthreads)
+        shfl_xor, syncwarp = K._shfl_xor, K._syncwarp
     FULL = 0xFFFFFFFF
     W = int(width)
     if W <= 0 or W % 8:
@@ -124,11 +98,7 @@ def _build_step_kernel(width: int, threads: int):
     RX, RE1, RD1, RE2, RD2, RE3, RD3 = 0, W, 3 * W, 4 * W, 6 * W, 7 * W, 9 * W
     RH0, RF1, RF2, RGA, RGB = 10 * W, 11 * W, 12 * W, 13 * W, 15 * W
     S = 17 * W
-    T = int(threads)  # threads per row: NW warps share its positions (one row per block when NW > 1)
-    NW = T // WARP
-    WPB = 1 if sim or NW > 1 else WARPS_PER_BLOCK
-    NJ = 104  # the most sums of one layer's weight gradient (8 * 4 * 3 + 8): the warps' partials, per warp
-    RS = NW * NJ if NW > 1 else 1
+    WPB = 1 if sim else WARPS_PER_BLOCK
     NONE = -1
 
     if sim:
@@ -140,22 +110,6 @@ def _build_step_kernel(width: int, threads: int):
             for m in (16, 8, 4, 2, 1):
                 v += shfl_xor(FULL, v, m)
             return v
-
-    @cuda.jit(device=True)
-    def row_sum(v, rr, lane, w):
-        """The row's total of ``v`` (every thread's), in every thread: the warps' sums, then theirs
-        through ``rr`` (the row's scratch), in warp order."""
-        t = wsum(v)
-        if NW == 1:
-            return t
-        if lane == 0:
-            rr[w] = t
-        syncwarp()
-        tot = float32(0.0)
-        for k in range(NW):
-            tot += rr[k]
-        syncwarp()
-        return tot
 
     @cuda.jit(device=True)
     def _exp(v):
@@ -180,7 +134,7 @@ def _build_step_kernel(width: int, threads: int):
         """``s[dst + o*lout + t] = b[o] + Σ_c Σ_k w[o,c,k] in(c, t+k-1)`` (zero padding 1), lout = lsrc << up."""
         lout = lsrc << up
         win = cuda.local.array(24, float32)
-        for t in range(lane, lout, T):
+        for t in range(lane, lout, WARP):
             for c in range(cin):
                 for k in range(3):
                     i = t + k - 1
@@ -197,7 +151,7 @@ def _build_step_kernel(width: int, threads: int):
         of the ``cn`` channels of length ``lin`` at ``src``."""
         lout = lin // 2
         a = p[alpha]
-        for t in range(lane, lout, T):
+        for t in range(lane, lout, WARP):
             for c in range(cn):
                 base = src + c * lin
                 v = float32(0.5) * act(s[base + 2 * t], a) + float32(0.25) * act(s[base + 2 * t + 1], a)
@@ -206,7 +160,7 @@ def _build_step_kernel(width: int, threads: int):
                 s[dst + c * lout + t] = v
 
     @cuda.jit(device=True)
-    def conv_wgrad(s, p, g, b, lane, gsrc, cout, lout, src, cin, lsrc, up, alpha, ow, ob, rr):
+    def conv_wgrad(s, p, g, b, lane, gsrc, cout, lout, src, cin, lsrc, up, alpha, ow, ob):
         """Row ``b``'s gradient of the convolution's weights and biases into ``g[b, ow...]``, ``g[b, ob...]``:
         ``Σ_t gout[o,t] in(c, t+k-1)`` and ``Σ_t gout[o,t]`` (gout at ``gsrc``, (cout, lout))."""
         acc = cuda.local.array(104, float32)
@@ -214,7 +168,7 @@ def _build_step_kernel(width: int, threads: int):
         for j in range(n + cout):
             acc[j] = float32(0.0)
         win = cuda.local.array(24, float32)
-        for t in range(lane, lout, T):
+        for t in range(lane, lout, WARP):
             for c in range(cin):
                 for k in range(3):
                     i = t + k - 1
@@ -224,23 +178,10 @@ def _build_step_kernel(width: int, threads: int):
                 acc[n + oc] += go
                 for j in range(cin * 3):
                     acc[oc * cin * 3 + j] += go * win[j]
-        wl = lane % WARP
-        wi = lane // WARP
         for j in range(n + cout):
             tot = wsum(acc[j])
-            if wl == j % WARP:
-                if NW == 1:
-                    g[b, (ow + j) if j < n else (ob + j - n)] = tot
-                else:
-                    rr[wi * NJ + j] = tot
-        if NW > 1:  # the warps' partial sums, added in warp order
-            syncwarp()
-            for j in range(lane, n + cout, T):
-                tot = float32(0.0)
-                for k in range(NW):
-                    tot += rr[k * NJ + j]
+            if lane == j % WARP:
                 g[b, (ow + j) if j < n else (ob + j - n)] = tot
-            syncwarp()
 
     @cuda.jit(device=True)
     def conv_igrad(s, p, lane, gsrc, cout, lout, ow, cin, up, fsrc, alpha, dst):
@@ -249,7 +190,7 @@ def _build_step_kernel(width: int, threads: int):
         returns this lane's part of the Swish's ``alpha`` gradient."""
         lsrc = lout >> up
         ga = float32(0.0)
-        for j in range(lane, lsrc, T):
+        for j in range(lane, lsrc, WARP):
             for c in range(cin):
                 v = float32(0.0)
                 for i in range(j << up, (j + 1) << up):
@@ -275,7 +216,7 @@ def _build_step_kernel(width: int, threads: int):
         lout = lin // 2
         a = p[alpha]
         ga = float32(0.0)
-        for i in range(lane, lin, T):
+        for i in range(lane, lin, WARP):
             t = i // 2
             for c in range(cn):
                 if i % 2 == 0:
@@ -293,18 +234,14 @@ def _build_step_kernel(width: int, threads: int):
     @cuda.jit
     def step_kernel(x, eps, p, g):
         sm = cuda.shared.array((WPB, S), float32)
-        red = cuda.shared.array((WPB, RS), float32)
-        lane = cuda.threadIdx.x % T  # (the thread's place in its row: "lane" where a warp has the row)
-        r = cuda.threadIdx.x // T
-        wl = lane % WARP  # its lane in its warp, and its warp in the row
-        wr = lane // WARP
-        b = cuda.blockIdx.x * WPB + r
+        lane = cuda.threadIdx.x % WARP
+        w = cuda.threadIdx.x // WARP
+        b = cuda.blockIdx.x * WPB + w
         if b >= x.shape[0]:
-            return  # (whole rows: the row count decides per warp, or per block where a row has several warps)
-        s = sm[r]
-        rr = red[r]
+            return  # (whole warps: the row count decides per warp)
+        s = sm[w]
         # ---- forward
-        for t in range(lane, L0, T):
+        for t in range(lane, L0, WARP):
             s[RX + t] = x[b, t]
         syncwarp()
         conv_fwd(s, p, lane, RX, 1, L0, 0, NONE, W1, B1, 2, RE1)
@@ -324,7 +261,7 @@ def _build_step_kernel(width: int, threads: int):
         m1 = float32(0.0)
         v0 = float32(0.0)
         v1 = float32(0.0)
-        for t in range(lane, L3, T):
+        for t in range(lane, L3, WARP):
             for c in range(8):
                 for k in range(3):
                     i = t + k - 1
@@ -335,15 +272,15 @@ def _build_step_kernel(width: int, threads: int):
                         v0 += p[WL + (0 * 8 + c) * 3 + k] * d
                         v1 += p[WL + (1 * 8 + c) * 3 + k] * d
         inv3 = float32(1.0) / float32(L3)
-        mu0 = p[BM] + row_sum(m0, rr, wl, wr) * inv3
-        mu1 = p[BM + 1] + row_sum(m1, rr, wl, wr) * inv3
-        lv0 = p[BL] + row_sum(v0, rr, wl, wr) * inv3
-        lv1 = p[BL + 1] + row_sum(v1, rr, wl, wr) * inv3
+        mu0 = p[BM] + wsum(m0) * inv3
+        mu1 = p[BM + 1] + wsum(m1) * inv3
+        lv0 = p[BL] + wsum(v0) * inv3
+        lv1 = p[BL + 1] + wsum(v1) * inv3
         sd0 = _exp(float32(0.5) * lv0)
         sd1 = _exp(float32(0.5) * lv1)
         z0 = mu0 + sd0 * eps[b, 0]
         z1 = mu1 + sd1 * eps[b, 1]
-        for q in range(lane, 8 * L3, T):
+        for q in range(lane, 8 * L3, WARP):
             s[RH0 + q] = p[FB + q] + p[FW + 2 * q] * z0 + p[FW + 2 * q + 1] * z1
         syncwarp()
         conv_fwd(s, p, lane, RH0, 8, L3, 1, NONE, D1, C1, 4, RF1)
@@ -354,45 +291,45 @@ def _build_step_kernel(width: int, threads: int):
         syncwarp()
         # ---- loss and the gradient of the reconstruction (in place)
         se = float32(0.0)
-        for t in range(lane, L0, T):
+        for t in range(lane, L0, WARP):
             r = s[RGA + t] - s[RX + t]
             se += r * r
             s[RGA + t] = float32(2.0) * r / float32(L0)
         e0 = _exp(lv0)
         e1 = _exp(lv1)
         kl = float32(-0.05) * ((float32(1.0) + lv0 - mu0 * mu0 - e0) + (float32(1.0) + lv1 - mu1 * mu1 - e1))
-        loss = row_sum(se, rr, wl, wr) / float32(L0) + kl
+        loss = wsum(se) / float32(L0) + kl
         if lane == 0:
             g[b, NP] = loss
         syncwarp()
         # ---- backward through the decoder
-        conv_wgrad(s, p, g, b, lane, RGA, 1, L0, RF2, 2, L1, 1, G2, D3, C3, rr)
+        conv_wgrad(s, p, g, b, lane, RGA, 1, L0, RF2, 2, L1, 1, G2, D3, C3)
         ga = conv_igrad(s, p, lane, RGA, 1, L0, D3, 2, 1, RF2, G2, RGB)  # gF2 (2, L1)
-        ga = row_sum(ga, rr, wl, wr)
+        ga = wsum(ga)
         if lane == 0:
             g[b, G2] = ga
         syncwarp()
-        conv_wgrad(s, p, g, b, lane, RGB, 2, L1, RF1, 4, L2, 1, G1, D2, C2, rr)
+        conv_wgrad(s, p, g, b, lane, RGB, 2, L1, RF1, 4, L2, 1, G1, D2, C2)
         ga = conv_igrad(s, p, lane, RGB, 2, L1, D2, 4, 1, RF1, G1, RGA)  # gF1 (4, L2)
-        ga = row_sum(ga, rr, wl, wr)
+        ga = wsum(ga)
         if lane == 0:
             g[b, G1] = ga
         syncwarp()
-        conv_wgrad(s, p, g, b, lane, RGA, 4, L2, RH0, 8, L3, 1, NONE, D1, C1, rr)
+        conv_wgrad(s, p, g, b, lane, RGA, 4, L2, RH0, 8, L3, 1, NONE, D1, C1)
         conv_igrad(s, p, lane, RGA, 4, L2, D1, 8, 1, 0, NONE, RGB)  # gH0 (8·L3)
         syncwarp()
         # the linear layer (each lane owns its outputs' weights) and the latent
         gz0 = float32(0.0)
         gz1 = float32(0.0)
-        for q in range(lane, 8 * L3, T):
+        for q in range(lane, 8 * L3, WARP):
             gh = s[RGB + q]
             g[b, FB + q] = gh
             g[b, FW + 2 * q] = gh * z0
             g[b, FW + 2 * q + 1] = gh * z1
             gz0 += p[FW + 2 * q] * gh
             gz1 += p[FW + 2 * q + 1] * gh
-        gz0 = row_sum(gz0, rr, wl, wr)
-        gz1 = row_sum(gz1, rr, wl, wr)
+        gz0 = wsum(gz0)
+        gz1 = wsum(gz1)
         gm0 = gz0 + float32(0.1) * mu0
         gm1 = gz1 + float32(0.1) * mu1
         gl0 = gz0 * float32(0.5) * sd0 * eps[b, 0] - float32(0.05) * (float32(1.0) - e0)
@@ -402,36 +339,22 @@ def _build_step_kernel(width: int, threads: int):
             c = j // 3
             k = j % 3
             acc = float32(0.0)
-            for t in range(lane, L3, T):
+            for t in range(lane, L3, WARP):
                 i = t + k - 1
                 if 0 <= i < L3:
                     acc += s[RD3 + c * L3 + i]
             tot = wsum(acc) * inv3
-            if wl == j % WARP:
-                if NW == 1:
-                    g[b, WM + j] = gm0 * tot
-                    g[b, WM + 24 + j] = gm1 * tot
-                    g[b, WL + j] = gl0 * tot
-                    g[b, WL + 24 + j] = gl1 * tot
-                else:
-                    rr[wr * NJ + j] = tot
-        if NW > 1:  # the warps' partial sums, added in warp order
-            syncwarp()
-            for j in range(lane, 24, T):
-                tot = float32(0.0)
-                for k in range(NW):
-                    tot += rr[k * NJ + j]
+            if lane == j % WARP:
                 g[b, WM + j] = gm0 * tot
                 g[b, WM + 24 + j] = gm1 * tot
                 g[b, WL + j] = gl0 * tot
                 g[b, WL + 24 + j] = gl1 * tot
-            syncwarp()
         if lane == 0:
             g[b, BM] = gm0
             g[b, BM + 1] = gm1
             g[b, BL] = gl0
             g[b, BL + 1] = gl1
-        for i in range(lane, L3, T):
+        for i in range(lane, L3, WARP):
             for c in range(8):
                 v = float32(0.0)
                 for k in range(3):
@@ -442,29 +365,28 @@ def _build_step_kernel(width: int, threads: int):
                 s[RGA + c * L3 + i] = v * inv3
         syncwarp()
         # ---- backward through the encoder
-        ga = row_sum(down_act_bwd(s, p, lane, RGA, 8, L2, RE3, A3, RGB), rr, wl, wr)  # gE3 (8, L2)
+        ga = wsum(down_act_bwd(s, p, lane, RGA, 8, L2, RE3, A3, RGB))  # gE3 (8, L2)
         if lane == 0:
             g[b, A3] = ga
         syncwarp()
-        conv_wgrad(s, p, g, b, lane, RGB, 8, L2, RD2, 4, L2, 0, NONE, W3, B3, rr)
+        conv_wgrad(s, p, g, b, lane, RGB, 8, L2, RD2, 4, L2, 0, NONE, W3, B3)
         conv_igrad(s, p, lane, RGB, 8, L2, W3, 4, 0, 0, NONE, RGA)  # gD2 (4, L2)
         syncwarp()
-        ga = row_sum(down_act_bwd(s, p, lane, RGA, 4, L1, RE2, A2, RGB), rr, wl, wr)  # gE2 (4, L1)
+        ga = wsum(down_act_bwd(s, p, lane, RGA, 4, L1, RE2, A2, RGB))  # gE2 (4, L1)
         if lane == 0:
             g[b, A2] = ga
         syncwarp()
-        conv_wgrad(s, p, g, b, lane, RGB, 4, L1, RD1, 2, L1, 0, NONE, W2, B2, rr)
+        conv_wgrad(s, p, g, b, lane, RGB, 4, L1, RD1, 2, L1, 0, NONE, W2, B2)
         conv_igrad(s, p, lane, RGB, 4, L1, W2, 2, 0, 0, NONE, RGA)  # gD1 (2, L1)
         syncwarp()
-        ga = row_sum(down_act_bwd(s, p, lane, RGA, 2, L0, RE1, A1, RGB), rr, wl, wr)  # gE1 (2, L0)
+        ga = wsum(down_act_bwd(s, p, lane, RGA, 2, L0, RE1, A1, RGB))  # gE1 (2, L0)
         if lane == 0:
             g[b, A1] = ga
         syncwarp()
-        conv_wgrad(s, p, g, b, lane, RGB, 2, L0, RX, 1, L0, 0, NONE, W1, B1, rr)
+        conv_wgrad(s, p, g, b, lane, RGB, 2, L0, RX, 1, L0, 0, NONE, W1, B1)
 
     step_kernel.params = NP
-    step_kernel.warps_per_block = WPB  # (rows per block)
-    step_kernel.threads_per_row = T
+    step_kernel.warps_per_block = WPB
     return step_kernel
 
 
@@ -482,7 +404,7 @@ def _sim_state():
     with _sim_lock:
         per = _sim_blocks.setdefault(launch, {})
         if block not in per:
-            per[block] = (threading.Barrier(cuda.blockDim.x), [0.0] * cuda.blockDim.x)
+            per[block] = (threading.Barrier(cuda.blockDim.x), [0.0] * WARP)
         return per[block]
 
 
@@ -492,30 +414,28 @@ def _sim_syncwarp():
 
 def _sim_wsum(v):
     barrier, buf = _sim_state()
-    buf[cuda.threadIdx.x] = v
+    buf[cuda.threadIdx.x % WARP] = v
     barrier.wait(timeout=120)
     total = np.float32(0.0)
-    w = cuda.threadIdx.x // WARP * WARP  # (the thread's warp)
-    for u in buf[w:w + WARP]:  # (in lane order in every lane: the same total everywhere)
+    for u in buf:  # (in lane order in every lane: the same total everywhere)
         total = np.float32(total + np.float32(u))
     barrier.wait(timeout=120)
     return total
 
 
 def launch_config(kernel, rows: int) -> tuple[int, int]:
-    """``(blocks, threads)`` for ``rows`` rows: ``kernel.threads_per_row`` threads per row."""
+    """``(blocks, threads)`` for ``rows`` rows: a warp per row."""
     wpb = kernel.warps_per_block
-    return max(1, -(-int(rows) // wpb)), wpb * kernel.threads_per_row
+    return max(1, -(-int(rows) // wpb)), wpb * WARP
 
 
-def row_grads(x, eps, params, width: int | None = None, threads: int | None = None):
+def row_grads(x, eps, params, width: int | None = None):
     """Each row's gradient and loss (``g``, (B, NP + 1)) of the step kernel for NumPy inputs, on the GPU
-    (or the simulator); for tests and checks. ``params``: the flat vector (:func:`param_layout`);
-    ``threads`` per row: :func:`row_threads`."""
+    (or the simulator); for tests and checks. ``params``: the flat vector (:func:`param_layout`)."""
     from numba import cuda
 
     x = np.ascontiguousarray(x, np.float32)
-    kernel = build_step_kernel(int(width or x.shape[1]), threads)
+    kernel = build_step_kernel(int(width or x.shape[1]))
     g = np.zeros((x.shape[0], kernel.params + 1), np.float32)
     dx, de, dp, dg = (cuda.to_device(a) for a in (x, np.ascontiguousarray(eps, np.float32),
                                                    np.ascontiguousarray(params, np.float32), g))
@@ -578,9 +498,8 @@ class KernelStep:
         # is an error of the constructor (train_vae then trains with PyTorch's steps), not of a step
         row = torch.zeros((1, model.width), dtype=torch.float32, device=self.device)
         g = torch.empty((1, n + 1), dtype=torch.float32, device=self.device)
-        self.kernel[launch_config(self.kernel, 1)](cuda.as_cuda_array(row, sync=False),
-                                                   cuda.as_cuda_array(row[:, :2], sync=False), self._dp,
-                                                   cuda.as_cuda_array(g, sync=False))
+        self.kernel[1, WARP](cuda.as_cuda_array(row, sync=False), cuda.as_cuda_array(row[:, :2], sync=False),
+                            self._dp, cuda.as_cuda_array(g, sync=False))
         torch.cuda.synchronize(self.device)
         if not torch.isfinite(g).all():
             raise RuntimeError("the step kernel's trial row gave a non-finite gradient")

@@ -480,9 +480,7 @@ def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshol
         "training": {"precision": trained.get("precision", "fp32"), "compiled": trained.get("compiled", False),
                      "cuda_graphs": trained.get("cuda_graphs", False),
                      "graphs_kept": trained.get("graphs_kept", False), "kernel": trained.get("kernel", False),
-                     "epoch_graph": trained.get("epoch_graph", False),
-                     **({"kernel_threads_per_row": trained["kernel_threads"]} if trained.get("kernel_threads")
-                        else {})},
+                     "epoch_graph": trained.get("epoch_graph", False)},
         "threshold": threshold, "device": device, "workers": workers,
         "engine": {**{k: engine[k] for k in ("backend", "precision", "cache", "max_abs_err", "throughput_beats_per_s")},
                    "latency_batch1_us": prof.get("latency_batch1_us"),

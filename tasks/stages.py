@@ -351,7 +351,7 @@ def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: i
     import torch
 
     from beatflow.beats import MODEL_INPUT, dominant_beat, residual_rows
-    from beatflow.model import save_model, step_kernel_threads, train_vae, training_kernel, training_precision
+    from beatflow.model import save_model, train_vae, training_kernel, training_precision
 
     torch.set_num_threads(max(1, threads))
     rows = [r for r, _ in embedded]
@@ -419,7 +419,6 @@ def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: i
         "sample_rows": raw_rows, "rows": int(beats.shape[0]), "dominant": dominant, "precision": precision,
         "compiled": res.compiled, "cuda_graphs": res.cudagraphs, "graphs_kept": res.graphs_kept, "kernel": res.kernel,
         "epoch_graph": res.epoch_graph,
-        "kernel_threads": step_kernel_threads() if res.kernel else None,  # (the step kernel's threads a row)
         "epochs_done": done,
         "epoch_gpu_ms": res.epoch_gpu_ms, "queue_s": res.queue_s,
         # where the task's time went: the matrix's set-up, train_vae's parts, saving the outputs

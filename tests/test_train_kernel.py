@@ -92,33 +92,6 @@ def test_each_rows_gradient_and_loss_match_autograd(width, rows, seed):
         assert got[b, -1] == pytest.approx(want[b, -1], rel=1e-5)
 
 
-@needs_kernel
-@pytest.mark.parametrize("threads,width,rows,seed", [(64, 72, 2, 3), (128, 40, 1, 4)])
-def test_a_row_shared_by_several_warps_matches_autograd(threads, width, rows, seed):
-    """The kernel with a block of warps a row (``threads``): the row's positions spread over the warps (72
-    samples over 64 threads: the second warp has the last 8 at the first layer, none at the deepest), the
-    warps' partial sums added through shared memory; each gradient and the loss as autograd's."""
-    rng = np.random.default_rng(seed)
-    model = random_model(width, seed)
-    x = rng.normal(size=(rows, width)).astype(np.float32)
-    eps = rng.normal(size=(rows, 2)).astype(np.float32)
-    got = row_grads(x, eps, flat_params(model), threads=threads)
-    want = reference(model, x, eps)
-    for b in range(rows):
-        scale = np.abs(want[b, :-1]).max()
-        np.testing.assert_allclose(got[b, :-1], want[b, :-1], rtol=2e-4, atol=2e-5 * scale)
-        assert got[b, -1] == pytest.approx(want[b, -1], rel=1e-5)
-
-
-@pytest.mark.parametrize("value", ["48", "0", "512", "x"])
-def test_a_thread_count_that_is_no_row_of_warps_is_refused(monkeypatch, value):
-    from beatflow.train_kernel import row_threads
-
-    monkeypatch.setenv("BEATFLOW_STEP_THREADS", value)
-    with pytest.raises(ValueError, match="threads per row"):
-        row_threads()
-
-
 def test_kernel_training_is_refused_where_it_cannot_run():
     beats = np.random.default_rng(0).normal(size=(64, 16)).astype(np.float32)
     with pytest.raises(ValueError, match="training with the step kernel: it runs on a CUDA device"):
@@ -219,17 +192,15 @@ def test_an_epoch_graph_trains_as_a_graph_per_step(monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.parametrize("threads", [32, 64, 128, 256])
-def test_flow_shapes_on_the_gpu(threads):
-    """The flow's rows (256 samples), a full batch of 1024 and a partial one, on the device; a warp a
-    row, or a block of 2, 4 or 8 warps."""
+def test_flow_shapes_on_the_gpu():
+    """The flow's rows (256 samples), a full batch of 1024 and a partial one, on the device."""
 
     rng = np.random.default_rng(7)
     model = random_model(256, 7)
     for rows in (1024, 77):
         x = (rng.normal(size=(rows, 256)) * 0.2).astype(np.float32)
         eps = rng.normal(size=(rows, 2)).astype(np.float32)
-        got = row_grads(x, eps, flat_params(model), threads=threads)
+        got = row_grads(x, eps, flat_params(model))
         want = reference(model, x[:16], eps[:16])
         scale = np.abs(want[:, :-1]).max(axis=1, keepdims=True)
         np.testing.assert_allclose(got[:16, :-1], want[:, :-1], rtol=1e-3, atol=1e-4 * float(scale.max()))
@@ -265,24 +236,3 @@ def test_queued_epochs_train_as_epoch_by_epoch(monkeypatch):
     assert queued.train_loss == naive.train_loss and queued.test_loss == naive.test_loss
     for (k, a), b in zip(queued.model.state_dict().items(), naive.model.state_dict().values()):
         assert torch.equal(a, b), k
-
-
-@needs_gpu
-def test_queued_epochs_with_a_row_shared_by_warps(monkeypatch):
-    """The epoch graph with 4 warps a row (``BEATFLOW_STEP_THREADS=128``): its own kept steps (not those
-    of the warp-a-row kernel), training to the warp-a-row kernel's losses within 1 % (other sums' order)."""
-    from beatflow import model as M
-    from test_model import synthetic_beats
-
-    if not M.training_graphs(None, "cuda"):
-        pytest.skip("PyTorch allocates from another allocator here: no capture")
-    beats = torch.as_tensor(synthetic_beats(3000, width=64)).cuda()
-    kw = dict(epochs=5, batch_size=256, device="cuda", seed=4, kernel=True, cudagraphs=True, keep_graphs=True)
-    one = train_vae(beats, **kw)
-    monkeypatch.setenv("BEATFLOW_STEP_THREADS", "128")
-    four = train_vae(beats, **kw)
-    assert four.epoch_graph and not four.graphs_kept  # (a kernel of its own, captured afresh)
-    again = train_vae(beats, **kw)
-    assert again.graphs_kept and again.train_loss == four.train_loss
-    assert abs(four.test_loss / one.test_loss - 1) < 0.01
-    assert all(abs(a / b - 1) < 0.01 for a, b in zip(four.train_loss, one.train_loss))
