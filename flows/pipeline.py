@@ -509,7 +509,6 @@ def _length_histogram(plan, s):
     return np.histogram(plan.length, bins=np.arange(0, 3 * s.upper + 8, 4))
 
 
-
 def _task_overhead(t_submit: float, result: dict) -> dict:
     """Seconds of a task on a worker outside its own work: from submitting it to its start there
     (``dispatch``) and from its end to its result here (``return``), from the ``task_span`` the task
