@@ -125,15 +125,16 @@ def step_sums(sums: str | None = None) -> str:
     return got
 
 
-def build_step_kernel(width: int, sums: str | None = None):
+def build_step_kernel(width: int, sums: str | None = None, shuffles: bool = False):
     """The step kernel for rows of ``width`` samples (a multiple of 8; compiled on first launch):
     ``kernel[grid, block, stream](x, eps, p, g)`` with ``x`` (B, width), ``eps`` (B, 2), ``p`` (NP,),
-    ``g`` (B, NP + 1), all float32; a warp per row (:func:`launch_config`); ``sums``: :func:`step_sums`."""
-    return _build_step_kernel(int(width), step_sums(sums))
+    ``g`` (B, NP + 1), all float32; a warp per row (:func:`launch_config`); ``sums``: :func:`step_sums`;
+    ``shuffles``: under the simulator, the GPU's sums on its shuffles (:func:`warp_sums`; slow, for tests)."""
+    return _build_step_kernel(int(width), step_sums(sums), bool(shuffles))
 
 
 @functools.lru_cache(maxsize=None)
-def _build_step_kernel(width: int, sums: str):
+def _build_step_kernel(width: int, sums: str, shuffles: bool = False):
     global cuda
     from numba import cuda as numba_cuda
     from numba import float32
@@ -173,7 +174,7 @@ def _build_step_kernel(width: int, sums: str):
     TRANSPOSED = sums == "transposed"
     NONE = -1
 
-    wsum, tsum = warp_sums()
+    wsum, tsum = warp_sums(shuffles)
 
     @cuda.jit(device=True)
     def _exp(v):
@@ -543,13 +544,13 @@ def launch_config(kernel, rows: int) -> tuple[int, int]:
     return max(1, -(-int(rows) // wpb)), wpb * WARP
 
 
-def row_grads(x, eps, params, width: int | None = None, sums: str | None = None):
+def row_grads(x, eps, params, width: int | None = None, sums: str | None = None, shuffles: bool = False):
     """Each row's gradient and loss (``g``, (B, NP + 1)) of the step kernel for NumPy inputs, on the GPU
     (or the simulator); for tests and checks. ``params``: the flat vector (:func:`param_layout`)."""
     from numba import cuda
 
     x = np.ascontiguousarray(x, np.float32)
-    kernel = build_step_kernel(int(width or x.shape[1]), sums)
+    kernel = build_step_kernel(int(width or x.shape[1]), sums, shuffles)
     g = np.zeros((x.shape[0], kernel.params + 1), np.float32)
     dx, de, dp, dg = (cuda.to_device(a) for a in (x, np.ascontiguousarray(eps, np.float32),
                                                    np.ascontiguousarray(params, np.float32), g))

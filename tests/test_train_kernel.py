@@ -108,6 +108,21 @@ def test_the_transposed_sums_are_the_butterflys_bit_for_bit():
         np.testing.assert_allclose(t, want, rtol=1e-5, atol=1e-6 * float(np.abs(vals).sum(axis=0).max()))
 
 
+@needs_kernel
+def test_the_step_kernels_transposed_sums_give_the_butterflies_gradients():
+    """The step kernel as the GPU runs it (its shuffles; the simulator's here), its weight gradients summed
+    32 at a time transposed and a butterfly each: the same gradients to the bit, and autograd's."""
+    rng = np.random.default_rng(8)
+    width = 16
+    model = random_model(width, 8)
+    x = rng.normal(size=(1, width)).astype(np.float32)
+    eps = rng.normal(size=(1, 2)).astype(np.float32)
+    got = row_grads(x, eps, flat_params(model), sums="transposed", shuffles=True)
+    assert np.array_equal(got, row_grads(x, eps, flat_params(model), sums="butterfly", shuffles=True))
+    want = reference(model, x, eps)
+    np.testing.assert_allclose(got[0, :-1], want[0, :-1], rtol=2e-4, atol=2e-5 * np.abs(want[0, :-1]).max())
+
+
 def test_sums_that_are_neither_are_refused(monkeypatch):
     from beatflow.train_kernel import step_sums
 
