@@ -91,6 +91,8 @@ def warp_sums(shuffles: bool = False):
             values its partner does not and adds the partner's partial of the same values: 31 shuffles where
             32 butterflies take 160, and the same pairs added (own + partner's, as the butterfly's lanes
             add theirs), so each total is bit for bit :func:`wsum`'s."""
+            # (the rounds written out: as a loop over (16, 8, 4, 2, 1) NVVM kept v in local memory, 98 loads
+            # and 168 stores in the PTX against 32 and 18 written out: numba-cuda 0.30.4, cc 9.0)
             hi = (lane >> 4) & 1
             for i in range(16):
                 a, z = v[i], v[i + 16]
