@@ -415,32 +415,36 @@ def _build_step_kernel(width: int, sums: str, shuffles: bool = False):
         gl0 = gz0 * float32(0.5) * sd0 * eps[b, 0] - float32(0.05) * (float32(1.0) - e0)
         gl1 = gz1 * float32(0.5) * sd1 * eps[b, 1] - float32(0.05) * (float32(1.0) - e1)
         # the heads: weights from the time sums of their input, the input's gradient into GA
-        hv = cuda.local.array(32, float32)
-        for j in range(32):  # (c, k) for j < 24
-            c = j // 3
-            k = j % 3
-            acc = float32(0.0)
-            if j < 24:
-                for t in range(lane, L3, WARP):
-                    i = t + k - 1
+        if TRANSPOSED:  # (positions outside, the 24 sums inside: their indices constant, the sums in registers)
+            hv = cuda.local.array(32, float32)
+            for j in range(32):
+                hv[j] = float32(0.0)
+            for t in range(lane, L3, WARP):
+                for j in range(24):  # (c, k)
+                    i = t + j % 3 - 1
                     if 0 <= i < L3:
-                        acc += s[RD3 + c * L3 + i]
-            if TRANSPOSED:
-                hv[j] = acc
-            elif j < 24:
-                tot = wsum(acc) * inv3
-                if lane == j:
-                    g[b, WM + j] = gm0 * tot
-                    g[b, WM + 24 + j] = gm1 * tot
-                    g[b, WL + j] = gl0 * tot
-                    g[b, WL + 24 + j] = gl1 * tot
-        if TRANSPOSED:
+                        hv[j] += s[RD3 + (j // 3) * L3 + i]
             tot = tsum(hv, lane) * inv3  # (lane j: the j-th sum)
             if lane < 24:
                 g[b, WM + lane] = gm0 * tot
                 g[b, WM + 24 + lane] = gm1 * tot
                 g[b, WL + lane] = gl0 * tot
                 g[b, WL + 24 + lane] = gl1 * tot
+        else:
+            for j in range(24):  # (c, k)
+                c = j // 3
+                k = j % 3
+                acc = float32(0.0)
+                for t in range(lane, L3, WARP):
+                    i = t + k - 1
+                    if 0 <= i < L3:
+                        acc += s[RD3 + c * L3 + i]
+                tot = wsum(acc) * inv3
+                if lane == j % WARP:
+                    g[b, WM + j] = gm0 * tot
+                    g[b, WM + 24 + j] = gm1 * tot
+                    g[b, WL + j] = gl0 * tot
+                    g[b, WL + 24 + j] = gl1 * tot
         if lane == 0:
             g[b, BM] = gm0
             g[b, BM + 1] = gm1
