@@ -131,6 +131,11 @@ def main() -> int:
         runs = [r for r in out["runs"] if r["variant"] == name]
         same = all(r["train_loss"] == runs[0]["train_loss"] for r in runs)
         print(f"{name}: the runs' losses {'agree' if same else 'DIFFER'}")
+    firsts = {r["variant"]: r for r in out["runs"] if r["run"] == 1}
+    if "kernel" in firsts and "kernel-butterfly" in firsts:  # (the sums' two ways: the same bits, so the same losses)
+        a, b = firsts["kernel"], firsts["kernel-butterfly"]
+        same = a["train_loss"] == b["train_loss"] and a["test_loss"] == b["test_loss"]
+        print(f"kernel (transposed sums) and kernel-butterfly: losses {'identical' if same else 'DIFFER'}")
     n = int(os.environ.get("PROFILE", "20"))
     if n:
         profile_kernel_step(M, data, n)
