@@ -329,7 +329,8 @@ def train_vae(
         torch.backends.cudnn.benchmark = False
     scaler = torch.amp.GradScaler(data.device.type) if amp == torch.float16 else None
     shapes = sorted({min(batch_size, n_train), n_train % batch_size or min(batch_size, n_train)})
-    key = (str(data.device), width, tuple(shapes), str(amp), compiled, bool(compile), use_kernel, float(lr))
+    key = (str(data.device), width, tuple(shapes), str(amp), compiled, bool(compile), use_kernel, float(lr),
+           _kernel_sums() if use_kernel else None)  # (kept steps with the other sums are another kernel's)
     kept = _take_kept(key) if graphs and keep_graphs else None
     try:
         if kept is not None:  # the kept steps, from this call's initial weights and the generator's offset
@@ -891,6 +892,12 @@ class _EpochGraph:
         self.graph = None
         self.arenas.clear()
         self.step_loss = None
+
+
+def _kernel_sums() -> str:
+    from .train_kernel import step_sums
+
+    return step_sums()
 
 
 def training_kernel(kernel: Optional[bool], device, amp=None) -> bool:

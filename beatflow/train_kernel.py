@@ -59,10 +59,84 @@ def param_layout(width: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def build_step_kernel(width: int):
+def warp_sums(shuffles: bool = False):
+    """``(wsum, tsum)``, the warp's sums as device functions: ``wsum(v)`` the total of every lane's ``v``,
+    in every lane; ``tsum(v, lane)`` the totals of 32 values (``v``, each lane's local array of 32,
+    overwritten), lane ``l`` given that of ``v[l]``. Under the simulator, stand-ins that add in lane order
+    (one exchange each), unless ``shuffles``: then the GPU's own, on the simulator's shuffles (slow; tests)."""
+    global cuda
+    from numba import cuda as numba_cuda
+
+    from beatflow import kernels as K
+
+    cuda = numba_cuda
+    K._build()
+    sim = K.simulator_active()
+    shfl_xor = _sim_shfl_xor if sim else K._shfl_xor
+    FULL = 0xFFFFFFFF
+    if sim and not shuffles:
+        wsum, tsum = _sim_wsum, _sim_tsum
+    else:
+        @cuda.jit(device=True)
+        def wsum(v):
+            """The warp's total of ``v``, in every lane (a butterfly of shuffles)."""
+            for m in (16, 8, 4, 2, 1):
+                v += shfl_xor(FULL, v, m)
+            return v
+
+        @cuda.jit(device=True)
+        def tsum(v, lane):
+            """The warp's totals of 32 values, lane ``l`` given that of ``v[l]`` (``v``: each lane's 32, a
+            local array, overwritten): a transposed butterfly. At each round a lane keeps the half of its
+            values its partner does not and adds the partner's partial of the same values: 31 shuffles where
+            32 butterflies take 160, and the same pairs added (own + partner's, as the butterfly's lanes
+            add theirs), so each total is bit for bit :func:`wsum`'s."""
+            # (the rounds written out: as a loop over (16, 8, 4, 2, 1) NVVM kept v in local memory, 98 loads
+            # and 168 stores in the PTX against 32 and 18 written out: numba-cuda 0.30.4, cc 9.0)
+            hi = (lane >> 4) & 1
+            for i in range(16):
+                a, z = v[i], v[i + 16]
+                v[i] = (z if hi else a) + shfl_xor(FULL, a if hi else z, 16)
+            hi = (lane >> 3) & 1
+            for i in range(8):
+                a, z = v[i], v[i + 8]
+                v[i] = (z if hi else a) + shfl_xor(FULL, a if hi else z, 8)
+            hi = (lane >> 2) & 1
+            for i in range(4):
+                a, z = v[i], v[i + 4]
+                v[i] = (z if hi else a) + shfl_xor(FULL, a if hi else z, 4)
+            hi = (lane >> 1) & 1
+            for i in range(2):
+                a, z = v[i], v[i + 2]
+                v[i] = (z if hi else a) + shfl_xor(FULL, a if hi else z, 2)
+            hi = lane & 1
+            a, z = v[0], v[1]
+            return (z if hi else a) + shfl_xor(FULL, a if hi else z, 1)
+    return wsum, tsum
+
+
+def step_sums(sums: str | None = None) -> str:
+    """How the step kernel sums a layer's weight gradients over a row: ``"transposed"`` (:func:`warp_sums`'
+    ``tsum``, 32 at a time) or ``"butterfly"`` (a ``wsum`` each); ``sums``, else ``$BEATFLOW_STEP_SUMS``, else
+    transposed. Both give the same bits; the choice is there to time them."""
+    import os
+
+    got = sums or os.environ.get("BEATFLOW_STEP_SUMS") or "transposed"
+    if got not in ("transposed", "butterfly"):
+        raise ValueError(f"the step kernel's sums are 'transposed' or 'butterfly', got {got!r}")
+    return got
+
+
+def build_step_kernel(width: int, sums: str | None = None, shuffles: bool = False):
     """The step kernel for rows of ``width`` samples (a multiple of 8; compiled on first launch):
     ``kernel[grid, block, stream](x, eps, p, g)`` with ``x`` (B, width), ``eps`` (B, 2), ``p`` (NP,),
-    ``g`` (B, NP + 1), all float32; a warp per row (:func:`launch_config`)."""
+    ``g`` (B, NP + 1), all float32; a warp per row (:func:`launch_config`); ``sums``: :func:`step_sums`;
+    ``shuffles``: under the simulator, the GPU's sums on its shuffles (:func:`warp_sums`; slow, for tests)."""
+    return _build_step_kernel(int(width), step_sums(sums), bool(shuffles))
+
+
+@functools.lru_cache(maxsize=None)
+def _build_step_kernel(width: int, sums: str, shuffles: bool = False):
     global cuda
     from numba import cuda as numba_cuda
     from numba import float32
@@ -75,10 +149,9 @@ def build_step_kernel(width: int):
     sim = K.simulator_active()
     if sim:
         K._sim_lock_shared_arrays()
-        shfl_xor, syncwarp = None, _sim_syncwarp
+        syncwarp = _sim_syncwarp
     else:
-        shfl_xor, syncwarp = K._shfl_xor, K._syncwarp
-    FULL = 0xFFFFFFFF
+        syncwarp = K._syncwarp
     W = int(width)
     if W <= 0 or W % 8:
         raise ValueError(f"LightVAE width must be a positive multiple of 8, got {W}")
@@ -99,17 +172,11 @@ def build_step_kernel(width: int):
     RH0, RF1, RF2, RGA, RGB = 10 * W, 11 * W, 12 * W, 13 * W, 15 * W
     S = 17 * W
     WPB = 1 if sim else WARPS_PER_BLOCK
+    FEW_SUMS = 6  # (up to this many sums left: a butterfly each, 5 shuffles, rather than a transposed round's 31)
+    TRANSPOSED = sums == "transposed"
     NONE = -1
 
-    if sim:
-        wsum = _sim_wsum
-    else:
-        @cuda.jit(device=True)
-        def wsum(v):
-            """The warp's total of ``v``, in every lane (a butterfly of shuffles)."""
-            for m in (16, 8, 4, 2, 1):
-                v += shfl_xor(FULL, v, m)
-            return v
+    wsum, tsum = warp_sums(shuffles)
 
     @cuda.jit(device=True)
     def _exp(v):
@@ -178,10 +245,23 @@ def build_step_kernel(width: int):
                 acc[n + oc] += go
                 for j in range(cin * 3):
                     acc[oc * cin * 3 + j] += go * win[j]
-        for j in range(n + cout):
-            tot = wsum(acc[j])
-            if lane == j % WARP:
-                g[b, (ow + j) if j < n else (ob + j - n)] = tot
+        # the sums over the row's positions: 32 at a time transposed (lane l writes the l-th), a butterfly
+        # each for a last few (a transposed round costs 31 shuffles whatever its count)
+        nj = n + cout
+        v = cuda.local.array(32, float32)
+        for j0 in range(0, nj, WARP):
+            if TRANSPOSED and nj - j0 > FEW_SUMS:
+                for i in range(WARP):
+                    v[i] = acc[j0 + i] if j0 + i < nj else float32(0.0)
+                tot = tsum(v, lane)
+                j = j0 + lane
+                if j < nj:
+                    g[b, (ow + j) if j < n else (ob + j - n)] = tot
+            else:
+                for j in range(j0, nj):
+                    tot = wsum(acc[j])
+                    if lane == j % WARP:
+                        g[b, (ow + j) if j < n else (ob + j - n)] = tot
 
     @cuda.jit(device=True)
     def conv_igrad(s, p, lane, gsrc, cout, lout, ow, cin, up, fsrc, alpha, dst):
@@ -335,20 +415,36 @@ def build_step_kernel(width: int):
         gl0 = gz0 * float32(0.5) * sd0 * eps[b, 0] - float32(0.05) * (float32(1.0) - e0)
         gl1 = gz1 * float32(0.5) * sd1 * eps[b, 1] - float32(0.05) * (float32(1.0) - e1)
         # the heads: weights from the time sums of their input, the input's gradient into GA
-        for j in range(24):  # (c, k)
-            c = j // 3
-            k = j % 3
-            acc = float32(0.0)
+        if TRANSPOSED:  # (positions outside, the 24 sums inside: their indices constant, the sums in registers)
+            hv = cuda.local.array(32, float32)
+            for j in range(32):
+                hv[j] = float32(0.0)
             for t in range(lane, L3, WARP):
-                i = t + k - 1
-                if 0 <= i < L3:
-                    acc += s[RD3 + c * L3 + i]
-            tot = wsum(acc) * inv3
-            if lane == j % WARP:
-                g[b, WM + j] = gm0 * tot
-                g[b, WM + 24 + j] = gm1 * tot
-                g[b, WL + j] = gl0 * tot
-                g[b, WL + 24 + j] = gl1 * tot
+                for j in range(24):  # (c, k)
+                    i = t + j % 3 - 1
+                    if 0 <= i < L3:
+                        hv[j] += s[RD3 + (j // 3) * L3 + i]
+            tot = tsum(hv, lane) * inv3  # (lane j: the j-th sum)
+            if lane < 24:
+                g[b, WM + lane] = gm0 * tot
+                g[b, WM + 24 + lane] = gm1 * tot
+                g[b, WL + lane] = gl0 * tot
+                g[b, WL + 24 + lane] = gl1 * tot
+        else:
+            for j in range(24):  # (c, k)
+                c = j // 3
+                k = j % 3
+                acc = float32(0.0)
+                for t in range(lane, L3, WARP):
+                    i = t + k - 1
+                    if 0 <= i < L3:
+                        acc += s[RD3 + c * L3 + i]
+                tot = wsum(acc) * inv3
+                if lane == j % WARP:
+                    g[b, WM + j] = gm0 * tot
+                    g[b, WM + 24 + j] = gm1 * tot
+                    g[b, WL + j] = gl0 * tot
+                    g[b, WL + 24 + j] = gl1 * tot
         if lane == 0:
             g[b, BM] = gm0
             g[b, BM + 1] = gm1
@@ -387,6 +483,7 @@ def build_step_kernel(width: int):
 
     step_kernel.params = NP
     step_kernel.warps_per_block = WPB
+    step_kernel.sums = sums
     return step_kernel
 
 
@@ -412,6 +509,30 @@ def _sim_syncwarp():
     _sim_state()[0].wait(timeout=120)
 
 
+def _sim_shfl_xor(mask, value, lane_mask):
+    """The simulator's ``shfl_xor_sync`` for this module's kernels (:func:`warp_sums` ``shuffles``)."""
+    barrier, buf = _sim_state()
+    lane = cuda.threadIdx.x % WARP
+    buf[lane] = value
+    barrier.wait(timeout=120)
+    out = buf[lane ^ lane_mask]
+    barrier.wait(timeout=120)
+    return out
+
+
+def _sim_tsum(v, lane):
+    """The simulator's :func:`tsum`: lane ``l`` the warp's total of ``v[l]``, added in lane order (as
+    :func:`_sim_wsum` adds)."""
+    barrier, buf = _sim_state()
+    buf[cuda.threadIdx.x % WARP] = [np.float32(u) for u in v[:WARP]]
+    barrier.wait(timeout=120)
+    total = np.float32(0.0)
+    for u in buf:
+        total = np.float32(total + u[lane])
+    barrier.wait(timeout=120)
+    return total
+
+
 def _sim_wsum(v):
     barrier, buf = _sim_state()
     buf[cuda.threadIdx.x % WARP] = v
@@ -429,13 +550,13 @@ def launch_config(kernel, rows: int) -> tuple[int, int]:
     return max(1, -(-int(rows) // wpb)), wpb * WARP
 
 
-def row_grads(x, eps, params, width: int | None = None):
+def row_grads(x, eps, params, width: int | None = None, sums: str | None = None, shuffles: bool = False):
     """Each row's gradient and loss (``g``, (B, NP + 1)) of the step kernel for NumPy inputs, on the GPU
     (or the simulator); for tests and checks. ``params``: the flat vector (:func:`param_layout`)."""
     from numba import cuda
 
     x = np.ascontiguousarray(x, np.float32)
-    kernel = build_step_kernel(int(width or x.shape[1]))
+    kernel = build_step_kernel(int(width or x.shape[1]), sums, shuffles)
     g = np.zeros((x.shape[0], kernel.params + 1), np.float32)
     dx, de, dp, dg = (cuda.to_device(a) for a in (x, np.ascontiguousarray(eps, np.float32),
                                                    np.ascontiguousarray(params, np.float32), g))
@@ -447,6 +568,46 @@ def row_grads(x, eps, params, width: int | None = None):
     with switch_interval(2e-4 if simulator_active() else None):
         kernel[blocks, threads](dx, de, dp, dg)
     return dg.copy_to_host()
+
+
+@functools.lru_cache(maxsize=None)
+def _totals_kernel():
+    from numba import float32
+
+    wsum, tsum = warp_sums(shuffles=True)
+
+    @cuda.jit
+    def totals(vals, t_out, w_out):
+        lane = cuda.threadIdx.x
+        v = cuda.local.array(32, float32)
+        for i in range(WARP):
+            v[i] = vals[lane, i]
+        for j in range(WARP):
+            tot = wsum(vals[lane, j])
+            if lane == j:
+                w_out[j] = tot
+        t_out[lane] = tsum(v, lane)
+
+    return totals
+
+
+def warp_totals(values):
+    """For tests: the warp's totals of each column of ``values`` (32 × 32, row ``l`` lane ``l``'s values),
+    ``(by tsum, by wsum)``, each read from the lane that writes it in the step kernel (lane ``j`` column ``j``);
+    the GPU's shuffles, or the simulator's (:func:`warp_sums` ``shuffles``)."""
+    from numba import cuda
+
+    from beatflow.backend import switch_interval
+    from beatflow.kernels import simulator_active
+
+    vals = np.ascontiguousarray(values, np.float32)
+    if vals.shape != (WARP, WARP):
+        raise ValueError(f"warp_totals takes {WARP} x {WARP} values, got {vals.shape}")
+    kernel = _totals_kernel()
+    t, w = cuda.to_device(np.zeros(WARP, np.float32)), cuda.to_device(np.zeros(WARP, np.float32))
+    with switch_interval(2e-4 if simulator_active() else None):
+        kernel[1, WARP](cuda.to_device(vals), t, w)
+    return t.copy_to_host(), w.copy_to_host()
 
 
 def kernel_available() -> bool:

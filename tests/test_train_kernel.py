@@ -77,19 +77,59 @@ def test_layout_follows_the_models_parameters():
 
 
 @needs_kernel
-@pytest.mark.parametrize("width,rows,seed", [(16, 2, 0), (24, 2, 1), (8, 2, 2)])
-def test_each_rows_gradient_and_loss_match_autograd(width, rows, seed):
+@pytest.mark.parametrize("width,rows,seed,sums", [(16, 2, 0, "transposed"), (24, 2, 1, "transposed"),
+                                                   (8, 2, 2, "transposed"), (16, 2, 0, "butterfly")])
+def test_each_rows_gradient_and_loss_match_autograd(width, rows, seed, sums):
     rng = np.random.default_rng(seed)
     model = random_model(width, seed)
     x = rng.normal(size=(rows, width)).astype(np.float32)
     eps = rng.normal(size=(rows, 2)).astype(np.float32)
-    got = row_grads(x, eps, flat_params(model))
+    got = row_grads(x, eps, flat_params(model), sums=sums)
     want = reference(model, x, eps)
     assert got.shape == want.shape == (rows, param_layout(width)["size"] + 1)
     for b in range(rows):  # per row: relative to the row's largest gradient
         scale = np.abs(want[b, :-1]).max()
         np.testing.assert_allclose(got[b, :-1], want[b, :-1], rtol=2e-4, atol=2e-5 * scale)
         assert got[b, -1] == pytest.approx(want[b, -1], rel=1e-5)
+
+
+@needs_kernel
+def test_the_transposed_sums_are_the_butterflys_bit_for_bit():
+    """``tsum`` (a warp's 32 totals in 31 shuffles, lane l the l-th) gives each total bit for bit as the
+    butterfly ``wsum`` does (on a GPU: the same pairs added in the same order), and the sums are the columns'."""
+    from beatflow.train_kernel import warp_totals
+
+    rng = np.random.default_rng(5)
+    for scale in (1.0, 1e-4, 3e4):
+        vals = (rng.normal(size=(32, 32)) * rng.lognormal(sigma=2.0, size=(32, 32)) * scale).astype(np.float32)
+        t, w = warp_totals(vals)
+        assert np.array_equal(t.view(np.uint32), w.view(np.uint32))
+        want = vals.astype(np.float64).sum(axis=0)
+        np.testing.assert_allclose(t, want, rtol=1e-5, atol=1e-6 * float(np.abs(vals).sum(axis=0).max()))
+
+
+@needs_kernel
+def test_the_step_kernels_transposed_sums_give_the_butterflies_gradients():
+    """The step kernel as the GPU runs it (its shuffles; the simulator's here), its weight gradients summed
+    32 at a time transposed and a butterfly each: the same gradients to the bit, and autograd's."""
+    rng = np.random.default_rng(8)
+    width = 16
+    model = random_model(width, 8)
+    x = rng.normal(size=(1, width)).astype(np.float32)
+    eps = rng.normal(size=(1, 2)).astype(np.float32)
+    got = row_grads(x, eps, flat_params(model), sums="transposed", shuffles=True)
+    assert np.array_equal(got, row_grads(x, eps, flat_params(model), sums="butterfly", shuffles=True))
+    want = reference(model, x, eps)
+    np.testing.assert_allclose(got[0, :-1], want[0, :-1], rtol=2e-4, atol=2e-5 * np.abs(want[0, :-1]).max())
+
+
+def test_sums_that_are_neither_are_refused(monkeypatch):
+    from beatflow.train_kernel import step_sums
+
+    monkeypatch.setenv("BEATFLOW_STEP_SUMS", "pairwise")
+    with pytest.raises(ValueError, match="'transposed' or 'butterfly', got 'pairwise'"):
+        step_sums()
+    assert step_sums("butterfly") == "butterfly"
 
 
 def test_kernel_training_is_refused_where_it_cannot_run():
@@ -193,14 +233,16 @@ def test_an_epoch_graph_trains_as_a_graph_per_step(monkeypatch):
 
 @needs_gpu
 def test_flow_shapes_on_the_gpu():
-    """The flow's rows (256 samples), a full batch of 1024 and a partial one, on the device."""
+    """The flow's rows (256 samples), a full batch of 1024 and a partial one, on the device; the
+    transposed sums give the butterflies' gradients bit for bit."""
 
     rng = np.random.default_rng(7)
     model = random_model(256, 7)
     for rows in (1024, 77):
         x = (rng.normal(size=(rows, 256)) * 0.2).astype(np.float32)
         eps = rng.normal(size=(rows, 2)).astype(np.float32)
-        got = row_grads(x, eps, flat_params(model))
+        got = row_grads(x, eps, flat_params(model), sums="transposed")
+        assert np.array_equal(got, row_grads(x, eps, flat_params(model), sums="butterfly"))
         want = reference(model, x[:16], eps[:16])
         scale = np.abs(want[:, :-1]).max(axis=1, keepdims=True)
         np.testing.assert_allclose(got[:16, :-1], want[:, :-1], rtol=1e-3, atol=1e-4 * float(scale.max()))

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One GPU call (planned for session 33, branch kernel-transposed-sums): the step kernel's weight-gradient sums
+# 32 at a time (a transposed butterfly, warp_sums' tsum) against a butterfly each, on the GPU.
+#   1. "tests": tests/test_train_kernel.py on the GPU (the transposed sums bit for bit the butterflies', the flow's
+#      shapes with both, the rest as before);
+#   2. "kbench": bench/gpu_train_step_kernel.py, VARIANTS "kernel kernel-butterfly", RUNS 3 (the epoch graph's GPU
+#      time and the losses of each: they must agree to the bit).
+#   LIMIT=330 bash bench/gpu_session33.sh      (carry .whl; then, on the warm machine, the pair:
+#   LIMIT=420 STEPS="flow cpuwarm" RUNS=7 CPU_RUNS=4 PYSPY=0 CPU_MIN=100 bash bench/gpu_session29.sh; \
+#   TAG=-after LIMIT=110 STEPS="flow" RUNS=5 PYSPY=0 FLOW_MIN=60 bash bench/gpu_session29.sh)
+DEFAULT_STEPS="tests kbench"
+source "$(dirname "$0")/gpu_common.sh"
+if want tests && [ "$(left)" -gt 120 ]; then
+  echo "== GPU tests: tests/test_train_kernel.py ($(el))"
+  timeout $(( $(left) - 100 )) python3 -m pytest -q -rs --tb=short -p no:cacheprovider -p no:warnings \
+    tests/test_train_kernel.py 2>&1 | tail -12
+fi
+if want kbench && [ "$(left)" -gt 60 ]; then
+  echo "== the epoch graph, transposed sums against a butterfly each ($(el))"
+  VARIANTS="kernel kernel-butterfly" RUNS=3 PROFILE=0 timeout $(( $(left) - 5 )) \
+    python3 bench/gpu_train_step_kernel.py 2>&1 | grep "^| \|^rows\|agree\|DIFFER\|identical"
+fi
+echo "== done ($(el))"
