@@ -116,12 +116,13 @@ def warp_sums(shuffles: bool = False):
 
 
 def step_sums(sums: str | None = None) -> str:
-    """How the step kernel sums a layer's weight gradients over a row: ``"transposed"`` (:func:`warp_sums`'
-    ``tsum``, 32 at a time) or ``"butterfly"`` (a ``wsum`` each); ``sums``, else ``$BEATFLOW_STEP_SUMS``, else
-    transposed. Both give the same bits; the choice is there to time them."""
+    """How the step kernel sums a layer's weight gradients over a row: ``"butterfly"`` (a ``wsum`` each) or
+    ``"transposed"`` (:func:`warp_sums`' ``tsum``, 32 at a time); ``sums``, else ``$BEATFLOW_STEP_SUMS``, else
+    butterfly. Both give the same bits (tested under the simulator's shuffles); the butterflies are the default
+    because they are the sums that have run on a GPU: the transposed ones have not yet (``bench/RESULTS.md``)."""
     import os
 
-    got = sums or os.environ.get("BEATFLOW_STEP_SUMS") or "transposed"
+    got = sums or os.environ.get("BEATFLOW_STEP_SUMS") or "butterfly"
     if got not in ("transposed", "butterfly"):
         raise ValueError(f"the step kernel's sums are 'transposed' or 'butterfly', got {got!r}")
     return got

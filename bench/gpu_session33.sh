@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One GPU call (planned for session 33, branch kernel-transposed-sums): the step kernel's weight-gradient sums
-# 32 at a time (a transposed butterfly, warp_sums' tsum) against a butterfly each, on the GPU.
+# One GPU call: the step kernel's weight-gradient sums 32 at a time (a transposed butterfly, warp_sums' tsum;
+# BEATFLOW_STEP_SUMS=transposed, an option until it has run on a GPU) against a butterfly each (the default).
 #   1. "tests": tests/test_train_kernel.py on the GPU (the transposed sums bit for bit the butterflies', the flow's
 #      shapes with both, the rest as before);
-#   2. "kbench": bench/gpu_train_step_kernel.py, VARIANTS "kernel kernel-butterfly", RUNS 3 (the epoch graph's GPU
+#   2. "kbench": bench/gpu_train_step_kernel.py, VARIANTS "kernel kernel-transposed", RUNS 3 (the epoch graph's GPU
 #      time and the losses of each: they must agree to the bit).
 #   LIMIT=330 bash bench/gpu_session33.sh      (carry .whl; then, on the warm machine, the pair:
 #   LIMIT=420 STEPS="flow cpuwarm" RUNS=7 CPU_RUNS=4 PYSPY=0 CPU_MIN=100 bash bench/gpu_session29.sh; \
@@ -17,7 +17,7 @@ if want tests && [ "$(left)" -gt 120 ]; then
 fi
 if want kbench && [ "$(left)" -gt 60 ]; then
   echo "== the epoch graph, transposed sums against a butterfly each ($(el))"
-  VARIANTS="kernel kernel-butterfly" RUNS=3 PROFILE=0 timeout $(( $(left) - 5 )) \
+  VARIANTS="kernel kernel-transposed" RUNS=3 PROFILE=0 timeout $(( $(left) - 5 )) \
     python3 bench/gpu_train_step_kernel.py 2>&1 | grep "^| \|^rows\|agree\|DIFFER\|identical"
 fi
 echo "== done ($(el))"

@@ -9,8 +9,8 @@ the flow's training task calls it. Variants (``VARIANTS``, default all):
 * ``bf16``: the compiled fusible form cast to bf16, CUDA graphs (the flow's training before session 28);
 * ``kernel``: the step kernel in fp32, CUDA graphs (a whole epoch a graph);
 * ``kernel-eager``: the step kernel launched step by step (no graphs);
-* ``kernel-butterfly`` (not in the default ``VARIANTS``): the epoch graph of the step kernel with its weight-gradient
-  sums a butterfly each (``BEATFLOW_STEP_SUMS``), as before session 32.
+* ``kernel-transposed`` (not in the default ``VARIANTS``): the epoch graph of the step kernel with its weight-gradient
+  sums 32 at a time by a transposed butterfly (``BEATFLOW_STEP_SUMS``; ``kernel``: a butterfly each, the default).
 
 ``IDLE_S``: seconds the GPU idles before each run (as between the flow's stages); the epoch graph's runs
 also print their epochs' GPU time and the host's time to queue them (``TrainResult.epoch_gpu_ms``, ``queue_s``).
@@ -40,8 +40,8 @@ VARIANTS = {"bf16": dict(precision="bf16", compile=True, kernel=False, cudagraph
 # epochs' switch interval as it is (model.QUEUE_SWITCH_INTERVAL) or left at the interpreter's 5 ms
 for _busy, _switch in (("kernel-busy", "default"), ("kernel-busy-5ms", None)):
     VARIANTS[_busy] = dict(VARIANTS["kernel"], busy=True, switch=_switch)
-# the step kernel's weight-gradient sums a butterfly each ("kernel": 32 at a time, transposed; BEATFLOW_STEP_SUMS)
-VARIANTS["kernel-butterfly"] = dict(VARIANTS["kernel"], sums="butterfly")
+# the step kernel's weight-gradient sums 32 at a time, transposed ("kernel": a butterfly each; BEATFLOW_STEP_SUMS)
+VARIANTS["kernel-transposed"] = dict(VARIANTS["kernel"], sums="transposed")
 
 
 class Busy:
@@ -97,7 +97,7 @@ def main() -> int:
     for name in os.environ.get("VARIANTS", "bf16 kernel kernel-eager").split():
         kw = dict(VARIANTS[name])
         busy, switch = kw.pop("busy", False), kw.pop("switch", "default")
-        os.environ["BEATFLOW_STEP_SUMS"] = kw.pop("sums", "transposed")
+        os.environ["BEATFLOW_STEP_SUMS"] = kw.pop("sums", "butterfly")
         M.QUEUE_SWITCH_INTERVAL = default_switch if switch == "default" else switch
         for run in range(1, int(os.environ.get("RUNS", "3")) + 1):
             marks = []
@@ -132,10 +132,10 @@ def main() -> int:
         same = all(r["train_loss"] == runs[0]["train_loss"] for r in runs)
         print(f"{name}: the runs' losses {'agree' if same else 'DIFFER'}")
     firsts = {r["variant"]: r for r in out["runs"] if r["run"] == 1}
-    if "kernel" in firsts and "kernel-butterfly" in firsts:  # (the sums' two ways: the same bits, so the same losses)
-        a, b = firsts["kernel"], firsts["kernel-butterfly"]
+    if "kernel" in firsts and "kernel-transposed" in firsts:  # (the sums' two ways: the same bits, the same losses)
+        a, b = firsts["kernel"], firsts["kernel-transposed"]
         same = a["train_loss"] == b["train_loss"] and a["test_loss"] == b["test_loss"]
-        print(f"kernel (transposed sums) and kernel-butterfly: losses {'identical' if same else 'DIFFER'}")
+        print(f"kernel (butterfly sums) and kernel-transposed: losses {'identical' if same else 'DIFFER'}")
     n = int(os.environ.get("PROFILE", "20"))
     if n:
         profile_kernel_step(M, data, n)
