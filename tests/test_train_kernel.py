@@ -130,6 +130,10 @@ def test_sums_that_are_neither_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="'transposed' or 'butterfly', got 'pairwise'"):
         step_sums()
     assert step_sums("butterfly") == "butterfly"
+    monkeypatch.setenv("BEATFLOW_STEP_SUMS", "transposed")
+    assert step_sums() == "transposed"
+    monkeypatch.delenv("BEATFLOW_STEP_SUMS")
+    assert step_sums() == "butterfly"  # (the default: the sums that have run on a GPU)
 
 
 def test_kernel_training_is_refused_where_it_cannot_run():
