@@ -205,6 +205,11 @@ class ReportData:
 
 
 _DPI = 100
+#: Matplotlib settings the figures are drawn with (:func:`_with_rc`): glyphs drawn as their outlines,
+#: not fitted to the pixel grid first. FreeType's hinting of each glyph was a fifth of the top anomalies'
+#: figure (52 texts) and a tenth of the stream's; at 100 dpi the text looks the same to the eye
+#: (``bench/RESULTS.md``, session 33).
+_RC = {"text.hinting": "no_hinting"}
 _LABEL_NAMES = {0: "normal", 1: "PVC", 2: "artifact"}
 _LABEL_COLOURS = {0: "#9e9e9e", 1: "#e6550d", 2: "#6a51a3"}
 _ENVELOPE = "#1f5fa6"
@@ -944,14 +949,30 @@ def _top_table(d: ReportData, limit: int = 50) -> str:
     )
 
 
+def _with_rc(draw):
+    """``draw`` under the figures' Matplotlib settings (:data:`_RC`; the process's own are left as they were)."""
+    import functools  # noqa: PLC0415
+
+    @functools.wraps(draw)
+    def drawn(*args, **kwargs):
+        import matplotlib  # noqa: PLC0415
+
+        with matplotlib.rc_context(_RC):
+            return draw(*args, **kwargs)
+
+    return drawn
+
+
 #: the report's figures: name -> function of the (parts of the) ReportData it reads
-FIGURES = {"stream": _fig_stream, "lengths": _fig_lengths, "aligned": _fig_aligned, "training": _fig_training,
-           "scores": _fig_scores, "latent": _fig_latent, "latent_truth": _fig_latent_truth, "top": _fig_top}
+FIGURES = {name: _with_rc(draw) for name, draw in (
+    ("stream", _fig_stream), ("lengths", _fig_lengths), ("aligned", _fig_aligned), ("training", _fig_training),
+    ("scores", _fig_scores), ("latent", _fig_latent), ("latent_truth", _fig_latent_truth), ("top", _fig_top))}
 #: which figures need only what is known once the model is trained (the flow renders them while the
 #: engine is built and the beats are scored)
 EARLY_FIGURES = ("lengths", "aligned", "training")
 
 
+@_with_rc
 def warm_up() -> None:
     """Start of a figure-drawing process (``beatflow.figure_pool.FigurePool``): Matplotlib (Agg) imported
     and its fonts loaded, so that the first figure it draws pays none of that."""

@@ -308,6 +308,27 @@ def test_latent_figures_by_score_and_by_label():
     assert FIGURES["latent_truth"](d) is None
 
 
+def test_figures_are_drawn_under_their_settings_and_leave_the_processs_alone():
+    """Each figure is drawn with the report's Matplotlib settings (unhinted glyphs: the same picture but for
+    the text's pixels), and the process's own settings are as they were after it, also when it fails."""
+    import matplotlib
+
+    from beatflow.report import _RC, FIGURES, _fig_scores
+
+    d = _fake_data(m=3000)
+    assert _RC["text.hinting"] != matplotlib.rcParams["text.hinting"]  # (else this test shows nothing)
+    before = dict(matplotlib.rcParams)
+    got = FIGURES["scores"](d)
+    assert dict(matplotlib.rcParams) == before
+    assert got != _fig_scores(d)  # (drawn with the process's hinting)
+    with matplotlib.rc_context(_RC):
+        assert _fig_scores(d) == got
+    d.score_all = "not scores"
+    with pytest.raises(ValueError):
+        FIGURES["scores"](d)
+    assert dict(matplotlib.rcParams) == before
+
+
 def test_write_report_fast_realistic(tmp_path):
     d = _fake_data(m=20_000, ncols=4000)
     t0 = time.perf_counter()
