@@ -530,6 +530,36 @@ def test_png_is_the_figure_savefig_draws_without_its_alpha():
     np.testing.assert_array_equal(np.asarray(mine), ref[..., :3])
 
 
+@pytest.mark.parametrize("h,w,seed", [(1, 1, 0), (2, 3, 1), (37, 53, 2), (300, 17, 3)])
+def test_png_bytes_decode_to_the_images_rgb(h, w, seed):
+    """``_png_bytes`` of random RGBA pixels (every byte value, so the "Up" filter's differences wrap) decodes,
+    by Pillow, to their RGB at their size."""
+    import io
+
+    from PIL import Image
+
+    from beatflow.report import _png_bytes
+
+    import struct
+    import zlib
+
+    rgba = np.random.default_rng(seed).integers(0, 256, size=(h, w, 4), dtype=np.uint8)
+    png = _png_bytes(rgba)
+    at, kinds = 8, []
+    while at < len(png):  # every chunk's length and CRC
+        (n,) = struct.unpack(">I", png[at:at + 4])
+        kind, data = png[at + 4:at + 8], png[at + 8:at + 8 + n]
+        (crc,) = struct.unpack(">I", png[at + 8 + n:at + 12 + n])
+        assert zlib.crc32(kind + data) == crc
+        kinds.append(kind)
+        at += 12 + n
+    assert kinds == [b"IHDR", b"IDAT", b"IEND"] and at == len(png)
+    img = Image.open(io.BytesIO(png))
+    img.load()
+    assert img.mode == "RGB" and img.size == (w, h)
+    np.testing.assert_array_equal(np.asarray(img), rgba[..., :3])
+
+
 def _tick_figure(xlim, ylim, right=False, log=False):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
