@@ -17,6 +17,7 @@ This module deliberately imports neither prefect nor dask.
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import math
 import os
@@ -616,15 +617,55 @@ def _latent_frame(d: ReportData):
     return SimpleNamespace(x=x, y=y, sc=sc, labels=labels, lims=lims, vrange=(vmin, vmax))
 
 
-def _latent_image(fig, ax, f, value, width_share: float = 1.0, **kw):
-    """``value`` of the points aggregated per pixel of ``ax`` (:func:`_pixel_max`) and shown there;
-    ``width_share``: the part of the axes' width the image gets (a colorbar takes the rest)."""
-    bbox = ax.get_position()  # the axes' size in pixels, from the fixed layout
-    shape = (max(8, int(bbox.height * fig.get_figheight() * _DPI)),
-             max(8, int(bbox.width * fig.get_figwidth() * _DPI * width_share)))
-    img = _pixel_max(f.x, f.y, value, f.lims[0], f.lims[1], shape)
-    return ax.imshow(img, extent=(*f.lims[0], *f.lims[1]), origin="lower", aspect="auto", interpolation="nearest",
-                     **kw)
+def _latent_image(ax, f, value, cmap, vmin: float, vmax: float):
+    """``value`` of the points aggregated onto the pixels of ``ax`` (:func:`_pixel_max`) and put on the
+    canvas as they are; returns their colour scale (a ``ScalarMappable``, for a colorbar).
+
+    The aggregation is made when the figure is drawn (:func:`_pixel_image`), at the axes' final place and
+    limits (a colorbar added later narrows them), one aggregated value a pixel: no resampling of an image
+    made beforehand at an estimated size, which (``imshow``) cost 20 ms a figure (2 cores)."""
+    from matplotlib.cm import ScalarMappable  # noqa: PLC0415
+    from matplotlib.colors import Normalize  # noqa: PLC0415
+
+    scale = ScalarMappable(Normalize(vmin, vmax), cmap)
+    ax.add_artist(_pixel_image()(ax, f.x, f.y, value, scale))
+    return scale
+
+
+@functools.lru_cache(maxsize=None)
+def _pixel_image():
+    """The Matplotlib artist class of :func:`_latent_image` (made on first use: this module imports no
+    Matplotlib until a figure is drawn)."""
+    from matplotlib.artist import Artist  # noqa: PLC0415
+
+    class PixelMax(Artist):
+        """Points' values aggregated per pixel of their axes (the largest, :func:`_pixel_max`) when drawn,
+        coloured by ``scale`` (NaN, where no point falls: its colormap's "bad" colour, transparent), and
+        given to the renderer as an RGBA image at the axes' pixels."""
+
+        zorder = 0  # (an image's: below the lines, markers and texts)
+
+        def __init__(self, ax, x, y, value, scale):
+            super().__init__()
+            self._ax, self._x, self._y, self._value, self._scale = ax, x, y, value, scale
+
+        def draw(self, renderer):
+            if not self.get_visible():
+                return
+            box = self._ax.bbox  # (display coordinates: pixels from the canvas's bottom left)
+            x0, y0 = int(round(box.x0)), int(round(box.y0))
+            cols, rows = int(round(box.x1)) - x0, int(round(box.y1)) - y0
+            if cols > 0 and rows > 0:
+                img = _pixel_max(self._x, self._y, self._value, self._ax.get_xlim(), self._ax.get_ylim(),
+                                 (rows, cols))
+                rgba = self._scale.to_rgba(img, bytes=True)
+                gc = renderer.new_gc()
+                gc.set_clip_rectangle(box)
+                renderer.draw_image(gc, x0, y0, rgba)  # (its first row at the bottom, as NonUniformImage's)
+                gc.restore()
+            self.stale = False
+
+    return PixelMax
 
 
 def _latent_axes_done(ax, f, title: str) -> None:
@@ -646,7 +687,7 @@ def _fig_latent(d: ReportData) -> str:
     if f is None:
         _no_data(ax)
         return _png(fig)
-    sca = _latent_image(fig, ax, f, f.sc, 0.87, cmap="viridis", vmin=f.vrange[0], vmax=f.vrange[1])
+    sca = _latent_image(ax, f, f.sc, "viridis", *f.vrange)
     flagged = f.sc >= float(d.threshold)
     if flagged.any():
         ax.scatter(
@@ -679,7 +720,7 @@ def _fig_latent_truth(d: ReportData) -> str | None:
     for k, u in enumerate(uniq):
         rank[labels == u] = k
     colours = [_LABEL_COLOURS.get(u, "#17becf") for u in uniq]
-    _latent_image(fig, ax, f, rank, cmap=ListedColormap(colours), vmin=-0.5, vmax=len(uniq) - 0.5)
+    _latent_image(ax, f, rank, ListedColormap(colours), -0.5, len(uniq) - 0.5)
     for u, colour in zip(uniq, colours):
         ax.scatter([], [], s=16, lw=0, color=colour, label=f"{_LABEL_NAMES.get(u, str(u))} ({int((labels == u).sum()):,})")
     ax.legend(fontsize=8, frameon=True, framealpha=0.8, loc="upper right")
@@ -965,8 +1006,6 @@ def _top_table(d: ReportData, limit: int = 50) -> str:
 
 def _with_rc(draw):
     """``draw`` under the figures' Matplotlib settings (:data:`_RC`; the process's own are left as they were)."""
-    import functools  # noqa: PLC0415
-
     @functools.wraps(draw)
     def drawn(*args, **kwargs):
         import matplotlib  # noqa: PLC0415

@@ -422,6 +422,40 @@ def test_pixel_max_matches_a_naive_loop_over_points():
     assert np.isnan(got).any() and np.isfinite(got).any()
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_latent_image_puts_each_pixels_maximum_on_that_pixel(seed):
+    """The latent figures' image (``_latent_image``): at drawing, the points aggregated onto the axes'
+    own pixels (``_pixel_max``, at the axes' final limits) and coloured by the scale it returns, each value
+    on its pixel of the canvas (not flipped, not shifted), the axes' face where no point falls."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from types import SimpleNamespace
+
+    from beatflow.report import _latent_image, _new_fig, _pixel_max
+
+    rng = np.random.default_rng(seed)
+    fig = _new_fig(4.0, 3.0, margins=(1.0, 1.0, 0.6, 0.6))  # (the axes: pixels 100-300 by 60-240)
+    ax = fig.add_subplot()
+    ax.set_axis_off()
+    n = 400
+    f = SimpleNamespace(x=rng.uniform(-1.0, 3.0, n) ** 2, y=rng.normal(size=n) * 2.0)
+    value = rng.uniform(0.0, 10.0, n)
+    scale = _latent_image(ax, f, value, "viridis", 2.0, 8.0)
+    ax.set_xlim(0.0, 5.0)  # (set after: the image follows the final limits)
+    ax.set_ylim(-3.0, 4.0)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    px = np.asarray(canvas.buffer_rgba())[::-1]  # (row 0 at the bottom)
+    want = _pixel_max(f.x, f.y, value, (0.0, 5.0), (-3.0, 4.0), (180, 200))
+    got = px[60:240, 100:300]
+    have = np.isfinite(want)
+    assert 50 < have.sum() < have.size // 2
+    np.testing.assert_array_equal(got[have], scale.to_rgba(want[have], bytes=True))
+    assert (got[~have] == 255).all()  # (white: the axes' face)
+    assert (px[:60] == 255).all() and (px[240:] == 255).all()  # (nothing outside the axes)
+    assert (px[:, :100] == 255).all() and (px[:, 300:] == 255).all()
+
+
 def test_figure_pool_side_work_stays_light(tmp_path):
     """Jobs the flow submits to its figure processes (the truth matching; a plain file copy) give what
     they give here and does not make the processes import Prefect or PyTorch (on the H200 a job that
