@@ -128,9 +128,9 @@ class FigurePool:
 
 
 #: the most figure jobs of one run that can be drawing at once: the 2 drawn once the model is trained
-#: (aligned beats, training curves) and the 5 once the scores are known (stream, scores, the latent
-#: space's two, top anomalies); the beat lengths' and the truth matching are over by then
-CONCURRENT_FIGURES = 7
+#: (aligned beats, training curves) and the 6 once the scores are known (stream, scores, the latent
+#: space's two, the top anomalies' two halves); the beat lengths' and the truth matching are over by then
+CONCURRENT_FIGURES = 8
 
 
 def figure_processes(cores: int) -> int:

@@ -728,23 +728,43 @@ def _fig_latent_truth(d: ReportData) -> str | None:
     return _png(fig)
 
 
-def _fig_top(d: ReportData, limit: int = 12) -> str | None:
+def _fig_top(d: ReportData, limit: int = 12, part: str | None = None) -> str | None:
     """The signal around each of the ``limit`` highest-scoring beats, a panel each (beat shaded).
 
     The panels share one time axis (seconds from the beat's start) and are drawn in a single
     Matplotlib Axes, each trace scaled into its cell, its amplitude range written in the corner: a
     dozen Axes spent most of a second on their tick objects, and this figure is on the flow's
-    critical path."""
+    critical path.
+
+    ``part`` ``"left"`` or ``"right"``: the columns of panels left or right of the middle (a figure each,
+    drawn at once in two processes and shown side by side: :func:`_top_pictures`), each the same pixels as
+    that side of the whole figure, split in the gap between two columns; ``"right"`` is None where there is
+    one column. With its four dozen texts, the whole figure was the longest of the report's to draw (Matplotlib
+    3.11 lays out and renders each glyph of a text on its own)."""
     from matplotlib.collections import LineCollection, PolyCollection  # noqa: PLC0415
     from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
 
+    if part not in (None, "left", "right"):
+        raise ValueError(f"the top anomalies' figure's part is 'left' or 'right', got {part!r}")
     top = list(d.top or [])[:limit]
     if not top:
         return None
     ncol = 4 if len(top) > 4 else len(top)
     nrow = math.ceil(len(top) / ncol)
     height = 2.05 * nrow + 0.35
-    fig = _new_fig(13.0, height, margins=(0.12, 0.12, 0.05, 0.5))
+    gx, gy, title_h = 0.07, 0.42, 0.16  # gaps between cells and the title band, in cell units
+    xlim = (-0.005, ncol * (1 + gx) - gx + 0.005)
+    width, side = 13.0, 0.12  # (inches: the whole figure's width and its margins left and right)
+    columns, shift, k = range(ncol), 0.0, math.ceil(ncol / 2)  # (k: the left part's columns)
+    if part == "right" and k == ncol:  # (one column: all of it is the left part)
+        return None
+    if part is not None and k < ncol:
+        unit = (width - 2 * side) / (xlim[1] - xlim[0])  # (inches a cell unit)
+        split = round((side + (k * (1 + gx) - gx / 2 - xlim[0]) * unit) * _DPI) / _DPI  # (in the gap; whole pixels)
+        columns, shift, width = ((range(k), 0.0, split) if part == "left"
+                                 else (range(k, ncol), split, width - split))
+    # (a part's axes are the whole figure's, shifted left by where the part starts: the same pixels)
+    fig = _new_fig(width, height, margins=(side - shift, shift + width - (13.0 - side), 0.05, 0.5))
     ax = fig.add_subplot()
     ax.set_axis_off()
     fs = float(d.fs) if d.fs else 1.0
@@ -759,10 +779,11 @@ def _fig_top(d: ReportData, limit: int = 12) -> str | None:
     t0, t1 = (min(p[0] for p in spans), max(p[1] for p in spans)) if spans else (0.0, 1.0)
     t1 = t1 if t1 > t0 else t0 + 1.0
     ticks = [v for v in MaxNLocator(nbins=6).tick_values(t0, t1) if t0 <= v <= t1]
-    gx, gy, title_h = 0.07, 0.42, 0.16  # gaps between cells and the title band, in cell units
     frames, traces, shaded, grid = [], [], [], []
     for i, (a, t, ctx, start) in enumerate(panels):
         row, col = divmod(i, ncol)
+        if col not in columns:
+            continue
         x0, y0 = col * (1 + gx), -row * (1 + gy)
 
         def px(v, x0=x0):
@@ -795,7 +816,7 @@ def _fig_top(d: ReportData, limit: int = 12) -> str | None:
     ax.add_collection(PolyCollection(shaded, facecolors=_FLAG, alpha=0.2, linewidths=0))
     ax.add_collection(PolyCollection(frames, facecolors="none", edgecolors="#888", linewidths=0.6))
     ax.add_collection(LineCollection(traces, colors="#222", linewidths=0.7))
-    ax.set_xlim(-0.005, ncol * (1 + gx) - gx + 0.005)
+    ax.set_xlim(*xlim)
     ax.set_ylim(-(nrow - 1) * (1 + gy) - 0.005, 1 + title_h)
     return _png(fig)
 
@@ -818,6 +839,8 @@ h3{font-size:1em;margin:.2em 0 .4em}
 .row{display:grid;grid-template-columns:1fr 1fr;gap:14px}
 .panel{background:#fff;border-radius:8px;padding:10px 12px;box-shadow:0 1px 2px rgba(0,0,0,.08);overflow-x:auto}
 .panel img{max-width:100%;height:auto;display:block;margin:0 auto}
+.split{display:flex;max-width:1300px;margin:0 auto}
+.split img{min-width:0;margin:0}
 .note{color:#5a6470;font-size:.85em;margin:.3em 0 0}
 table{border-collapse:collapse;font-size:.88em;background:#fff}
 th,td{padding:4px 10px;border-bottom:1px solid #e3e6ea;text-align:right;white-space:nowrap}
@@ -830,6 +853,22 @@ td.l,th.l{text-align:left}
 
 def _img(b64: str, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
+
+
+def _png_width(b64: str) -> int:
+    """The width in pixels of a base64 PNG (its header's)."""
+    return struct.unpack(">I", base64.b64decode(b64[:32])[16:20])[0]
+
+
+def _top_pictures(left: str, right: str | None, alt: str) -> str:
+    """The top anomalies' figure from its two parts (:func:`_fig_top`), side by side at their shares of
+    its width: one picture, at any page width."""
+    if right is None:
+        return _img(left, alt)
+    wl, wr = _png_width(left), _png_width(right)
+    return (f'<div class="split"><img alt="{html.escape(alt)}" style="width:{100 * wl / (wl + wr):.4f}%" '
+            f'src="data:image/png;base64,{left}"><img alt="" style="width:{100 * wr / (wl + wr):.4f}%" '
+            f'src="data:image/png;base64,{right}"></div>')
 
 
 def _card(key: str, value: str, alert: bool = False) -> str:
@@ -1016,10 +1055,12 @@ def _with_rc(draw):
     return drawn
 
 
-#: the report's figures: name -> function of the (parts of the) ReportData it reads
+#: the report's figures: name -> function of the (parts of the) ReportData it reads ("top" and "top_right":
+#: the top anomalies' figure's two parts, drawn at once)
 FIGURES = {name: _with_rc(draw) for name, draw in (
     ("stream", _fig_stream), ("lengths", _fig_lengths), ("aligned", _fig_aligned), ("training", _fig_training),
-    ("scores", _fig_scores), ("latent", _fig_latent), ("latent_truth", _fig_latent_truth), ("top", _fig_top))}
+    ("scores", _fig_scores), ("latent", _fig_latent), ("latent_truth", _fig_latent_truth),
+    ("top", functools.partial(_fig_top, part="left")), ("top_right", functools.partial(_fig_top, part="right")))}
 #: which figures need only what is known once the model is trained (the flow renders them while the
 #: engine is built and the beats are scored)
 EARLY_FIGURES = ("lengths", "aligned", "training")
@@ -1143,7 +1184,8 @@ def render_report_html(data: ReportData, figures: dict | None = None) -> str:
     parts.append('<section id="anomalies"><h2>Top anomalies</h2>')
     top_png = fig("top")
     if top_png is not None:
-        parts.append(f'<div class="panel"><h3>Top {n_top} in context</h3>' + _img(top_png, "top anomalies")
+        parts.append(f'<div class="panel"><h3>Top {n_top} in context</h3>'
+                     + _top_pictures(top_png, fig("top_right"), "top anomalies")
                      + '<p class="note">Shaded: the flagged beat. Titles: rank, time (h:mm:ss), score.</p></div>')
     parts.append('<div class="panel" style="margin-top:14px"><h3>Table</h3>' + _top_table(d) + "</div>")
     parts.append("</section>")

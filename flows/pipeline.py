@@ -299,7 +299,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     log.info("segmentation: %d beats detected, %d kept, removed %.2f percent of the candidates",
              plan.n_detected, plan.n_kept, 100 * pruned)
     # the beat lengths' figure needs nothing more: drawn now, so that its process is free by the time
-    # the figures of the trained model and of the scores come (eight figures, up to seven processes)
+    # the figures of the trained model and of the scores come (nine figures, up to eight processes)
     counts, edges_ = _length_histogram(plan, s)
     early = figures.draw(SimpleNamespace(fs=fs, length_hist_counts=counts, length_hist_edges=edges_,
                                          length_bounds=(s.lower, s.upper)), ("lengths",))
@@ -375,7 +375,7 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     per_kept = _truth_per_kept(matched, len(kb))
     top_rows = top_order(scores, N_TOP)  # (the anomaly table's ranks 1..N_TOP, in order)
     top_list = _top_list(names, fs, plan, top_rows, scores, ctx, kb, per_kept)
-    late = figures.draw(SimpleNamespace(fs=fs, top=top_list), ("top",))
+    late = figures.draw(SimpleNamespace(fs=fs, top=top_list), ("top", "top_right"))  # (its halves, side by side)
     ph.lap("context")
     view = _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged_mask, T.gather(overview_futures),
                         per_kept, kb, rec_offset, names)

@@ -329,6 +329,47 @@ def test_figures_are_drawn_under_their_settings_and_leave_the_processs_alone():
     assert dict(matplotlib.rcParams) == before
 
 
+@pytest.mark.parametrize("n", [12, 7, 3, 2, 1])
+def test_top_figures_parts_are_the_whole_figures_sides(n):
+    """The top anomalies' figure drawn as two parts (two processes): side by side they are the whole figure,
+    pixel for pixel, split in a gap between columns; one column: all of it the left part. The page shows both
+    at their shares of the width."""
+    import io
+
+    from PIL import Image
+
+    import matplotlib
+
+    from beatflow.report import _RC, FIGURES, _fig_top, render_report_html
+
+    def pixels(png):
+        return np.asarray(Image.open(io.BytesIO(base64.b64decode(png))))
+
+    d = _fake_data(m=500)
+    d.top = d.top[:n]
+    assert len(d.top) == n
+    with matplotlib.rc_context(_RC):  # (the whole figure, under the figures' settings)
+        whole = pixels(_fig_top(d))
+    left, right = FIGURES["top"](d), FIGURES["top_right"](d)
+    with pytest.raises(ValueError, match="'left' or 'right', got 'middle'"):
+        _fig_top(d, part="middle")
+    if n == 1:
+        assert right is None
+        np.testing.assert_array_equal(pixels(left), whole)
+        return
+    lp, rp = pixels(left), pixels(right)
+    assert lp.shape[0] == rp.shape[0] == whole.shape[0] and lp.shape[1] + rp.shape[1] == whole.shape[1]
+    assert 0.3 < lp.shape[1] / whole.shape[1] < 0.7
+    np.testing.assert_array_equal(np.concatenate([lp, rp], axis=1), whole)
+    gap = whole[:, lp.shape[1] - 3:lp.shape[1] + 3]  # (the split: a blank column, no panel cut)
+    assert (gap[: whole.shape[0] // 2] == 255).all()
+    doc = render_report_html(d, {"top": left, "top_right": right})
+    share = 100 * lp.shape[1] / whole.shape[1]
+    assert (f'<div class="split"><img alt="top anomalies" style="width:{share:.4f}%" '
+            f'src="data:image/png;base64,{left}">') in doc
+    assert f'style="width:{100 - share:.4f}%" src="data:image/png;base64,{right}"></div>' in doc
+
+
 def test_write_report_fast_realistic(tmp_path):
     d = _fake_data(m=20_000, ncols=4000)
     t0 = time.perf_counter()
@@ -364,9 +405,9 @@ def test_figure_processes_cover_the_figures_drawn_at_once():
 
     from beatflow.report import EARLY_FIGURES, FIGURES
 
-    at_once = [n for n in EARLY_FIGURES if n != "lengths"] + list(LATE_FIGURES) + ["top"]
+    at_once = [n for n in EARLY_FIGURES if n != "lengths"] + list(LATE_FIGURES) + ["top", "top_right"]
     assert set(at_once) <= set(FIGURES) and CONCURRENT_FIGURES == len(at_once)
-    assert [figure_processes(c) for c in (0, 1, 2, 3, 4, 8, 11, 13, 14, 128)] == [1, 1, 2, 3, 4, 4, 4, 4, 7, 7]
+    assert [figure_processes(c) for c in (0, 1, 2, 3, 4, 8, 15, 16, 128)] == [1, 1, 2, 3, 4, 4, 4, 8, 8]
 
 
 def test_figure_pool_draws_in_processes_the_same_pictures():
