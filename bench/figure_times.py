@@ -21,7 +21,7 @@ def main() -> int:
 
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 7
     R.warm_up()
-    d = _fake_data(m=20_000, ncols=1600)
+    d = _fake_data(m=20_000, ncols=4000)  # (the flow's columns: flows.pipeline.N_COLUMNS)
     print("| figure | median ms | min ms |\n|---|---:|---:|")
     for name, draw in R.FIGURES.items():
         took = []

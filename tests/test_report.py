@@ -463,6 +463,37 @@ def test_pixel_max_matches_a_naive_loop_over_points():
     assert np.isnan(got).any() and np.isfinite(got).any()
 
 
+@pytest.mark.parametrize("n,cols,seed", [(4000, 117, 0), (50, 117, 1), (117, 117, 2), (1, 9, 3), (300, 40, 4)])
+def test_envelope_mask_matches_a_naive_loop_over_pixel_columns(n, cols, seed):
+    """The stream figure's envelope on pixels: each pixel column from the least minimum to the largest maximum
+    of the data columns it overlaps (NaN ones left out), at least a row; nothing outside the data's span."""
+    from beatflow.report import _envelope_mask
+
+    rng = np.random.default_rng(seed)
+    rows, xmax = 31, 7.0
+    mn = rng.normal(size=n)
+    mx = mn + rng.exponential(size=n)
+    mx[::7] = mn[::7]  # (flat columns: a row still)
+    mn[rng.random(n) < 0.1] = np.nan
+    xlim, ylim = (-0.4, 7.9), (-2.0, 3.0)
+    got = _envelope_mask(mn, mx, xmax, xlim, ylim, (rows, cols))
+    want = np.zeros((rows, cols), bool)
+    width, dx = (xlim[1] - xlim[0]) / cols, xmax / n
+    for c in range(cols):
+        left, right = xlim[0] + c * width, xlim[0] + (c + 1) * width
+        over = [j for j in range(n) if j * dx < right - 1e-9 * dx and (j + 1) * dx > left + 1e-9 * dx]
+        lo = [mn[j] for j in over if np.isfinite(mn[j])]
+        hi = [mx[j] for j in over if np.isfinite(mx[j])]
+        if not lo or not hi:
+            continue
+        r0 = int(np.floor((min(lo) - ylim[0]) / (ylim[1] - ylim[0]) * rows))
+        r1 = max(int(np.ceil((max(hi) - ylim[0]) / (ylim[1] - ylim[0]) * rows)) - 1, r0)
+        want[max(r0, 0):max(r1 + 1, 0), c] = True
+    np.testing.assert_array_equal(got, want)
+    outside = int((0.0 - xlim[0]) // width)  # (pixel columns wholly left of the data; the last ones: right of it)
+    assert got.any() and not got[:, :outside].any() and not got[:, cols - int((xlim[1] - xmax) // width):].any()
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_latent_image_puts_each_pixels_maximum_on_that_pixel(seed):
     """The latent figures' image (``_latent_image``): at drawing, the points aggregated onto the axes'
