@@ -439,12 +439,12 @@ def _fig_stream(d: ReportData) -> str:
     ncols = mn.size
     if ncols and np.isfinite(mn).any():
         # the envelope onto the axes' pixel columns when drawn (4 000 columns as a polygon: 25 ms to fill)
-        colour = np.array(to_rgba(_ENVELOPE, 0.85)) * 255
-        colour = np.round(colour).astype(np.uint8)
+        colour = np.round(np.array(to_rgba(_ENVELOPE, 0.85)) * 255)
 
         def paint(shape, xlim, ylim):
-            rgba = np.zeros((*shape, 4), np.uint8)
-            rgba[_envelope_mask(mn, mx, dur_h, xlim, ylim, shape)] = colour
+            rgba = np.empty((*shape, 4), np.uint8)
+            rgba[..., :3] = colour[:3]
+            rgba[..., 3] = np.round(colour[3] * np.minimum(_envelope_cover(mn, mx, dur_h, xlim, ylim, shape), 1.0))
             return rgba
 
         ax.add_artist(_raster()(ax, paint, zorder=1))  # (a filled area's zorder: below the grid)
@@ -458,7 +458,7 @@ def _fig_stream(d: ReportData) -> str:
     ax.set_ylabel("amplitude", fontsize=9)
     names = list(getattr(d, "recording_names", None) or [])
     what = "Whole recording" if len(names) < 2 else f"{len(names)} recordings, one after the other"
-    _title(ax, f"{what}, min/max envelope per pixel column (y clipped to 0.2–99.8 percentile)")
+    _title(ax, f"{what}, min/max envelope of {ncols:,} columns (y clipped to 0.2–99.8 percentile)")
     if len(names) > 1:  # where each recording starts, and (while they fit) its name
         starts = np.asarray(getattr(d, "recording_starts_s", None) or [], dtype=np.float64) / 3600.0
         for h in starts[1:]:
@@ -677,31 +677,33 @@ def _raster():
     return Raster
 
 
-def _envelope_mask(mn, mx, xmax: float, xlim, ylim, shape) -> np.ndarray:
-    """The pixels of a (rows, columns) grid over ``xlim`` x ``ylim`` (row 0 at the bottom) that a min/max
-    envelope covers: column ``j`` of ``mn``/``mx`` spans x from ``j`` to ``j + 1`` times ``xmax / n``, and
-    each pixel column spans from the least ``mn`` to the largest ``mx`` of the data columns it overlaps
-    (NaN ones left out; none: empty), at least one row where it has any; bool, (rows, columns)."""
+def _envelope_cover(mn, mx, xmax: float, xlim, ylim, shape) -> np.ndarray:
+    """How much of each pixel of a (rows, columns) grid over ``xlim`` x ``ylim`` (row 0 at the bottom) a
+    min/max envelope covers, from 0 to 1: column ``j`` of ``mn``/``mx`` spans x from ``j`` to ``j + 1`` times
+    ``xmax / n`` and, in each pixel column it overlaps, the rows from its minimum's to its maximum's (at least
+    one), weighted by the share of the pixel column's width it overlaps (NaN columns cover nothing). As a
+    polygon's antialiasing shades it: where data columns are narrower than pixels, a row that only a few of
+    them reach is pale. (rows, columns), float."""
     rows, cols = shape
     mn, mx = np.asarray(mn, np.float64).reshape(-1), np.asarray(mx, np.float64).reshape(-1)
     n = mn.size
     if n == 0 or xmax <= 0:
-        return np.zeros(shape, bool)
+        return np.zeros(shape)
     edges = (xlim[0] + (xlim[1] - xlim[0]) * np.arange(cols + 1) / cols) / (xmax / n)  # (in data columns)
-    first = np.maximum(np.floor(edges[:-1] + 1e-9), 0).astype(np.int64)  # (a column that only touches an
-    last = np.minimum(np.ceil(edges[1:] - 1e-9) - 1, n - 1).astype(np.int64)  # edge, to rounding, is not in)
+    first = np.maximum(np.floor(edges[:-1]), 0).astype(np.int64)
+    last = np.minimum(np.ceil(edges[1:]) - 1, n - 1).astype(np.int64)
     k = max(1, int((last - first).max(initial=0)) + 1)  # (the most data columns a pixel column overlaps)
-    idx = first[:, None] + np.arange(k)
-    ok = idx <= last[:, None]
-    idx = np.minimum(idx, n - 1)
-    lo = np.fmin.reduce(np.where(ok, mn[idx], np.nan), axis=1)
-    hi = np.fmax.reduce(np.where(ok, mx[idx], np.nan), axis=1)
+    j = first[:, None] + np.arange(k)  # (cols, k): the data columns of each pixel column
+    share = (np.minimum(edges[1:, None], j + 1) - np.maximum(edges[:-1, None], j)) / (edges[1:] - edges[:-1])[:, None]
+    jj = np.minimum(j, n - 1)
+    lo, hi = mn[jj], mx[jj]
+    share = np.where((j <= last[:, None]) & (share > 0) & np.isfinite(lo) & np.isfinite(hi), share, 0.0)
     scale = rows / (ylim[1] - ylim[0])
     with np.errstate(invalid="ignore"):
         r0 = np.floor((lo - ylim[0]) * scale)
         r1 = np.maximum(np.ceil((hi - ylim[0]) * scale) - 1, r0)
-        r = np.arange(rows)[:, None]
-        return (r >= r0) & (r <= r1)  # (NaN compares False: no envelope there)
+    r = np.arange(rows)[:, None, None]
+    return (((r >= r0) & (r <= r1)) * share).sum(axis=2)
 
 
 def _latent_axes_done(ax, f, title: str) -> None:
@@ -1188,8 +1190,9 @@ def render_report_html(data: ReportData, figures: dict | None = None) -> str:
 
     parts.append('<section id="stream"><h2>Whole stream</h2><div class="panel">')
     parts.append(_img(fig("stream"), "min/max envelope of the whole recording with flagged beats"))
-    parts.append('<p class="note">Each pixel column shows the minimum and maximum of the samples it covers; '
-                 "red ticks below mark the start of every flagged beat.</p></div>")
+    parts.append('<p class="note">The stream is cut into columns, each drawn from the minimum to the maximum of '
+                 "its samples; where columns are narrower than a pixel, values that few of them reach are pale. "
+                 "Red ticks below mark the start of every flagged beat.</p></div>")
     rt = _recordings_table(d)
     if rt:
         parts.append(f'<div class="panel" style="margin-top:14px"><h3>Recordings</h3>{rt}</div>')

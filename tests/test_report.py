@@ -464,10 +464,12 @@ def test_pixel_max_matches_a_naive_loop_over_points():
 
 
 @pytest.mark.parametrize("n,cols,seed", [(4000, 117, 0), (50, 117, 1), (117, 117, 2), (1, 9, 3), (300, 40, 4)])
-def test_envelope_mask_matches_a_naive_loop_over_pixel_columns(n, cols, seed):
-    """The stream figure's envelope on pixels: each pixel column from the least minimum to the largest maximum
-    of the data columns it overlaps (NaN ones left out), at least a row; nothing outside the data's span."""
-    from beatflow.report import _envelope_mask
+def test_envelope_cover_matches_a_naive_loop_over_pixels_and_columns(n, cols, seed):
+    """The stream figure's envelope on pixels: each data column covers, in each pixel column it overlaps, the
+    rows from its minimum's to its maximum's (at least one), by the share of the pixel column's width it
+    overlaps; NaN columns nothing; nothing outside the data's span; a pixel column wholly inside it and reached
+    by every one of its data columns is covered wholly."""
+    from beatflow.report import _envelope_cover
 
     rng = np.random.default_rng(seed)
     rows, xmax = 31, 7.0
@@ -476,22 +478,25 @@ def test_envelope_mask_matches_a_naive_loop_over_pixel_columns(n, cols, seed):
     mx[::7] = mn[::7]  # (flat columns: a row still)
     mn[rng.random(n) < 0.1] = np.nan
     xlim, ylim = (-0.4, 7.9), (-2.0, 3.0)
-    got = _envelope_mask(mn, mx, xmax, xlim, ylim, (rows, cols))
-    want = np.zeros((rows, cols), bool)
+    got = _envelope_cover(mn, mx, xmax, xlim, ylim, (rows, cols))
+    want = np.zeros((rows, cols))
     width, dx = (xlim[1] - xlim[0]) / cols, xmax / n
     for c in range(cols):
         left, right = xlim[0] + c * width, xlim[0] + (c + 1) * width
-        over = [j for j in range(n) if j * dx < right - 1e-9 * dx and (j + 1) * dx > left + 1e-9 * dx]
-        lo = [mn[j] for j in over if np.isfinite(mn[j])]
-        hi = [mx[j] for j in over if np.isfinite(mx[j])]
-        if not lo or not hi:
-            continue
-        r0 = int(np.floor((min(lo) - ylim[0]) / (ylim[1] - ylim[0]) * rows))
-        r1 = max(int(np.ceil((max(hi) - ylim[0]) / (ylim[1] - ylim[0]) * rows)) - 1, r0)
-        want[max(r0, 0):max(r1 + 1, 0), c] = True
-    np.testing.assert_array_equal(got, want)
+        for j in range(n):
+            share = (min(right, (j + 1) * dx) - max(left, j * dx)) / width
+            if share <= 0 or not (np.isfinite(mn[j]) and np.isfinite(mx[j])):
+                continue
+            r0 = int(np.floor((mn[j] - ylim[0]) / (ylim[1] - ylim[0]) * rows))
+            r1 = max(int(np.ceil((mx[j] - ylim[0]) / (ylim[1] - ylim[0]) * rows)) - 1, r0)
+            want[max(r0, 0):max(r1 + 1, 0), c] += share
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
     outside = int((0.0 - xlim[0]) // width)  # (pixel columns wholly left of the data; the last ones: right of it)
     assert got.any() and not got[:, :outside].any() and not got[:, cols - int((xlim[1] - xmax) // width):].any()
+    assert got.max() <= 1 + 1e-9
+    band = _envelope_cover(np.zeros(n), np.ones(n), xmax, (0.0, xmax), (-1.0, 2.0), (30, cols))  # (all alike)
+    np.testing.assert_allclose(band[10:20], 1.0, rtol=0, atol=1e-9)
+    assert not band[:10].any() and not band[20:].any()
 
 
 @pytest.mark.parametrize("seed", [0, 1])
