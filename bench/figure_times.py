@@ -1,6 +1,7 @@
 """Each report figure drawn several times in one warm process (Matplotlib imported, fonts loaded, as in
 the flow's figure processes), on the test suite's fake report data with 20 000 latent points: a table
-of median and minimum milliseconds per figure.
+of median and minimum milliseconds per figure, and the slowest of those drawn once the scores are known
+(the report of a warm GPU run waits for it).
 
     python bench/figure_times.py [REPEATS]        (default 7)
 """
@@ -23,13 +24,20 @@ def main() -> int:
     R.warm_up()
     d = _fake_data(m=20_000, ncols=4000)  # (the flow's columns: flows.pipeline.N_COLUMNS)
     print("| figure | median ms | min ms |\n|---|---:|---:|")
+    medians = {}
     for name, draw in R.FIGURES.items():
         took = []
         for _ in range(repeats):
             t = time.perf_counter()
             draw(d)
             took.append((time.perf_counter() - t) * 1e3)
-        print(f"| {name} | {statistics.median(took):.1f} | {min(took):.1f} |")
+        medians[name] = statistics.median(took)
+        print(f"| {name} | {medians[name]:.1f} | {min(took):.1f} |")
+    # the figures drawn at once when the scores are known, each in its own process: the report waits for the
+    # slowest (flows.pipeline: LATE_FIGURES and the top anomalies' parts)
+    late = [n for n in medians if n not in R.EARLY_FIGURES]
+    slowest = max(late, key=medians.get)
+    print(f"slowest of the late figures ({', '.join(late)}): {slowest}, {medians[slowest]:.1f} ms")
     return 0
 
 
