@@ -258,8 +258,8 @@ def _build_step_kernel(width: int, sums: str, shuffles: bool = False):
                 j = j0 + lane
                 if j < nj:
                     g[b, (ow + j) if j < n else (ob + j - n)] = tot
-            else:
-                for j in range(j0, nj):
+            else:  # (butterflies: this chunk's sums, once each)
+                for j in range(j0, min(j0 + WARP, nj)):
                     tot = wsum(acc[j])
                     if lane == j % WARP:
                         g[b, (ow + j) if j < n else (ob + j - n)] = tot
