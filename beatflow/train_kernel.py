@@ -246,23 +246,28 @@ def _build_step_kernel(width: int, sums: str, shuffles: bool = False):
                 acc[n + oc] += go
                 for j in range(cin * 3):
                     acc[oc * cin * 3 + j] += go * win[j]
-        # the sums over the row's positions: 32 at a time transposed (lane l writes the l-th), a butterfly
-        # each for a last few (a transposed round costs 31 shuffles whatever its count)
+        # the sums over the row's positions
         nj = n + cout
-        v = cuda.local.array(32, float32)
-        for j0 in range(0, nj, WARP):
-            if TRANSPOSED and nj - j0 > FEW_SUMS:
-                for i in range(WARP):
-                    v[i] = acc[j0 + i] if j0 + i < nj else float32(0.0)
-                tot = tsum(v, lane)
-                j = j0 + lane
-                if j < nj:
-                    g[b, (ow + j) if j < n else (ob + j - n)] = tot
-            else:  # (butterflies: this chunk's sums, once each)
-                for j in range(j0, min(j0 + WARP, nj)):
-                    tot = wsum(acc[j])
-                    if lane == j % WARP:
+        if TRANSPOSED:  # 32 at a time (lane l writes the l-th), a butterfly each for a last few (a transposed
+            v = cuda.local.array(32, float32)  # round costs 31 shuffles whatever its count)
+            for j0 in range(0, nj, WARP):
+                if nj - j0 > FEW_SUMS:
+                    for i in range(WARP):
+                        v[i] = acc[j0 + i] if j0 + i < nj else float32(0.0)
+                    tot = tsum(v, lane)
+                    j = j0 + lane
+                    if j < nj:
                         g[b, (ow + j) if j < n else (ob + j - n)] = tot
+                else:  # (the last chunk only)
+                    for j in range(j0, nj):
+                        tot = wsum(acc[j])
+                        if lane == j % WARP:
+                            g[b, (ow + j) if j < n else (ob + j - n)] = tot
+        else:  # a butterfly each: the loop as it was before the transposed sums (the kernel that ran on GPUs)
+            for j in range(nj):
+                tot = wsum(acc[j])
+                if lane == j % WARP:
+                    g[b, (ow + j) if j < n else (ob + j - n)] = tot
 
     @cuda.jit(device=True)
     def conv_igrad(s, p, lane, gsrc, cout, lout, ow, cin, up, fsrc, alpha, dst):
