@@ -244,33 +244,37 @@ def _fmt_num(v: Any, digits: int = 4) -> str:
     return str(v)
 
 
-def _png(fig) -> str:
-    """``fig`` drawn by Agg and written as an RGB PNG (:func:`_png_bytes`), base64."""
+def _png(fig, up: bool = True) -> str:
+    """``fig`` drawn by Agg and written as an RGB PNG (:func:`_png_bytes`, ``up``), base64."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
 
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
-    return base64.b64encode(_png_bytes(np.asarray(canvas.buffer_rgba()))).decode("ascii")
+    return base64.b64encode(_png_bytes(np.asarray(canvas.buffer_rgba()), up)).decode("ascii")
 
 
 def _png_chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
 
-def _png_bytes(rgba: np.ndarray) -> bytes:
+def _png_bytes(rgba: np.ndarray, up: bool = True) -> bytes:
     """An opaque RGBA image (``(h, w, 4)`` uint8) as an RGB PNG: every row by PNG's "Up" filter (its
-    difference from the row above, in NumPy), zlib at level 1.
+    difference from the row above, in NumPy; ``up``, else unfiltered), zlib at level 1.
 
     The figures are opaque (a white face), so the alpha Matplotlib's ``savefig`` writes carries nothing.
     Pillow (level 1, RGB) chose a filter for each row by trying all five: its encoding took 18, 12 and 10 ms
     (the top anomalies', the latent space's and the stream's figures) where this takes 8, 6 and 4, for
-    files of about the same size (2 cores; ``bench/RESULTS.md``, session 33)."""
+    files of about the same size (2 cores; ``bench/RESULTS.md``, session 33). Lines and fills compress better
+    by "Up"; the latent figures' scattered pixels do not: unfiltered, they are smaller and 3-4 ms faster."""
     h, w = rgba.shape[:2]
     rows = np.empty((h, 1 + 3 * w), np.uint8)
-    rows[:, 0] = 2  # ("Up"; above the first row PNG takes zeros)
-    up = rows[:, 1:].reshape(h, w, 3)
-    up[0] = rgba[0, :, :3]
-    np.subtract(rgba[1:, :, :3], rgba[:-1, :, :3], out=up[1:])  # (uint8: modulo 256, as PNG's filter)
+    rows[:, 0] = 2 if up else 0  # ("Up": above the first row PNG takes zeros)
+    out = rows[:, 1:].reshape(h, w, 3)
+    if up:
+        out[0] = rgba[0, :, :3]
+        np.subtract(rgba[1:, :, :3], rgba[:-1, :, :3], out=out[1:])  # (uint8: modulo 256, as PNG's filter)
+    else:
+        out[:] = rgba[:, :, :3]
     header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)  # 8 bits a sample, RGB, deflate, filtered, not interlaced
     return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header)
             + _png_chunk(b"IDAT", zlib.compress(rows.data, 1)) + _png_chunk(b"IEND", b""))
@@ -737,7 +741,7 @@ def _fig_latent(d: ReportData) -> str:
     cb.set_label("anomaly score", fontsize=9)
     _drawn_ticks(cb.ax, "y", right=True)
     _latent_axes_done(ax, f, f"latent means of {f.sc.size:,} test beats, coloured by score (largest per pixel)")
-    return _png(fig)
+    return _png(fig, up=False)  # (scattered pixels: smaller and faster unfiltered)
 
 
 def _fig_latent_truth(d: ReportData) -> str | None:
@@ -763,7 +767,7 @@ def _fig_latent_truth(d: ReportData) -> str | None:
         ax.scatter([], [], s=16, lw=0, color=colour, label=f"{_LABEL_NAMES.get(u, str(u))} ({int((labels == u).sum()):,})")
     ax.legend(fontsize=8, frameon=True, framealpha=0.8, loc="upper right")
     _latent_axes_done(ax, f, "same points, coloured by ground-truth label (rarest per pixel)")
-    return _png(fig)
+    return _png(fig, up=False)
 
 
 def _fig_top(d: ReportData, limit: int = 12, part: str | None = None) -> str | None:

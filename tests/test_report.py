@@ -641,10 +641,11 @@ def test_png_is_the_figure_savefig_draws_without_its_alpha():
     np.testing.assert_array_equal(np.asarray(mine), ref[..., :3])
 
 
+@pytest.mark.parametrize("up", [True, False])
 @pytest.mark.parametrize("h,w,seed", [(1, 1, 0), (2, 3, 1), (37, 53, 2), (300, 17, 3)])
-def test_png_bytes_decode_to_the_images_rgb(h, w, seed):
-    """``_png_bytes`` of random RGBA pixels (every byte value, so the "Up" filter's differences wrap) decodes,
-    by Pillow, to their RGB at their size."""
+def test_png_bytes_decode_to_the_images_rgb(h, w, seed, up):
+    """``_png_bytes`` of random RGBA pixels (every byte value, so the "Up" filter's differences wrap), by "Up"
+    or unfiltered, decodes, by Pillow, to their RGB at their size."""
     import io
 
     from PIL import Image
@@ -655,7 +656,7 @@ def test_png_bytes_decode_to_the_images_rgb(h, w, seed):
     import zlib
 
     rgba = np.random.default_rng(seed).integers(0, 256, size=(h, w, 4), dtype=np.uint8)
-    png = _png_bytes(rgba)
+    png = _png_bytes(rgba, up)
     at, kinds = 8, []
     while at < len(png):  # every chunk's length and CRC
         (n,) = struct.unpack(">I", png[at:at + 4])
