@@ -796,17 +796,18 @@ def _fig_top(d: ReportData, limit: int = 12, part: str | None = None) -> str | N
     height = 2.05 * nrow + 0.35
     gx, gy, title_h = 0.07, 0.42, 0.16  # gaps between cells and the title band, in cell units
     xlim = (-0.005, ncol * (1 + gx) - gx + 0.005)
-    width, side = 13.0, 0.12  # (inches: the whole figure's width and its margins left and right)
+    whole, side = 13.0, 0.12  # (inches: the whole figure's width and its margins left and right)
+    width = whole
     columns, shift, k = range(ncol), 0.0, math.ceil(ncol / 2)  # (k: the left part's columns)
     if part == "right" and k == ncol:  # (one column: all of it is the left part)
         return None
     if part is not None and k < ncol:
-        unit = (width - 2 * side) / (xlim[1] - xlim[0])  # (inches a cell unit)
+        unit = (whole - 2 * side) / (xlim[1] - xlim[0])  # (inches a cell unit)
         split = round((side + (k * (1 + gx) - gx / 2 - xlim[0]) * unit) * _DPI) / _DPI  # (in the gap; whole pixels)
         columns, shift, width = ((range(k), 0.0, split) if part == "left"
-                                 else (range(k, ncol), split, width - split))
+                                 else (range(k, ncol), split, whole - split))
     # (a part's axes are the whole figure's, shifted left by where the part starts: the same pixels)
-    fig = _new_fig(width, height, margins=(side - shift, shift + width - (13.0 - side), 0.05, 0.5))
+    fig = _new_fig(width, height, margins=(side - shift, shift + width - (whole - side), 0.05, 0.5))
     ax = fig.add_subplot()
     ax.set_axis_off()
     fs = float(d.fs) if d.fs else 1.0

@@ -489,7 +489,6 @@ def _build_step_kernel(width: int, sums: str, shuffles: bool = False):
 
     step_kernel.params = NP
     step_kernel.warps_per_block = WPB
-    step_kernel.sums = sums
     return step_kernel
 
 
