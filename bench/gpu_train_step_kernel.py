@@ -131,11 +131,15 @@ def main() -> int:
         runs = [r for r in out["runs"] if r["variant"] == name]
         same = all(r["train_loss"] == runs[0]["train_loss"] for r in runs)
         print(f"{name}: the runs' losses {'agree' if same else 'DIFFER'}")
-    firsts = {r["variant"]: r for r in out["runs"] if r["run"] == 1}
-    if "kernel" in firsts and "kernel-transposed" in firsts:  # (the sums' two ways: the same bits, the same losses)
-        a, b = firsts["kernel"], firsts["kernel-transposed"]
-        same = a["train_loss"] == b["train_loss"] and a["test_loss"] == b["test_loss"]
-        print(f"kernel (butterfly sums) and kernel-transposed: losses {'identical' if same else 'DIFFER'}")
+    by = {(r["variant"], r["run"]): r for r in out["runs"]}
+    for run in sorted({r["run"] for r in out["runs"]}):  # (the sums' two ways: the same bits, the same losses)
+        a, b = by.get(("kernel", run)), by.get(("kernel-transposed", run))
+        if a and b:
+            same = a["train_loss"] == b["train_loss"] and a["test_loss"] == b["test_loss"]
+            first = next(e for e, (x, y) in enumerate(zip(a["train_loss"], b["train_loss"]), 1) if x != y) if not same \
+                else 0
+            print(f"run {run}: kernel (butterfly sums) and kernel-transposed: losses "
+                  f"{'identical' if same else f'DIFFER from epoch {first}'}")
     n = int(os.environ.get("PROFILE", "20"))
     if n:
         profile_kernel_step(M, data, n)
