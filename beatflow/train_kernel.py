@@ -116,13 +116,15 @@ def warp_sums(shuffles: bool = False):
 
 
 def step_sums(sums: str | None = None) -> str:
-    """How the step kernel sums a layer's weight gradients over a row: ``"butterfly"`` (a ``wsum`` each) or
-    ``"transposed"`` (:func:`warp_sums`' ``tsum``, 32 at a time); ``sums``, else ``$BEATFLOW_STEP_SUMS``, else
-    butterfly. Both give the same bits (tested under the simulator's shuffles); the butterflies are the default
-    because they are the sums that have run on a GPU: the transposed ones have not yet (``bench/RESULTS.md``)."""
+    """How the step kernel sums a layer's weight gradients over a row: ``"transposed"`` (:func:`warp_sums`'
+    ``tsum``, 32 at a time; the default) or ``"butterfly"`` (a ``wsum`` each); ``sums``, else
+    ``$BEATFLOW_STEP_SUMS``, else transposed. Both give the same bits (tested under the simulator's shuffles and
+    on the GPU); the transposed sums took 10 epochs of the flow's rows in 83.5 ms of GPU time against the
+    butterflies' 113.4 ms (H200; 83.4 against 115.5 ms, H100), and trained the flow to the same losses to the
+    bit (``bench/RESULTS.md``, session 34)."""
     import os
 
-    got = sums or os.environ.get("BEATFLOW_STEP_SUMS") or "butterfly"
+    got = sums or os.environ.get("BEATFLOW_STEP_SUMS") or "transposed"
     if got not in ("transposed", "butterfly"):
         raise ValueError(f"the step kernel's sums are 'transposed' or 'butterfly', got {got!r}")
     return got
@@ -263,7 +265,7 @@ def _build_step_kernel(width: int, sums: str, shuffles: bool = False):
                         tot = wsum(acc[j])
                         if lane == j % WARP:
                             g[b, (ow + j) if j < n else (ob + j - n)] = tot
-        else:  # a butterfly each: the loop as it was before the transposed sums (the kernel that ran on GPUs)
+        else:  # a butterfly each: the loop as it was before the transposed sums (the default until session 34)
             for j in range(nj):
                 tot = wsum(acc[j])
                 if lane == j % WARP:

@@ -10,7 +10,8 @@ the flow's training task calls it. Variants (``VARIANTS``, default all):
 * ``kernel``: the step kernel in fp32, CUDA graphs (a whole epoch a graph);
 * ``kernel-eager``: the step kernel launched step by step (no graphs);
 * ``kernel-transposed`` (not in the default ``VARIANTS``): the epoch graph of the step kernel with its weight-gradient
-  sums 32 at a time by a transposed butterfly (``BEATFLOW_STEP_SUMS``; ``kernel``: a butterfly each, the default).
+  sums 32 at a time by a transposed butterfly (``BEATFLOW_STEP_SUMS``), the flow's default since session 34; here
+  ``kernel`` keeps a butterfly each (the default before), so that the two compare as in sessions 33-34.
 
 ``IDLE_S``: seconds the GPU idles before each run (as between the flow's stages); the epoch graph's runs
 also print their epochs' GPU time and the host's time to queue them (``TrainResult.epoch_gpu_ms``, ``queue_s``).
@@ -40,7 +41,7 @@ VARIANTS = {"bf16": dict(precision="bf16", compile=True, kernel=False, cudagraph
 # epochs' switch interval as it is (model.QUEUE_SWITCH_INTERVAL) or left at the interpreter's 5 ms
 for _busy, _switch in (("kernel-busy", "default"), ("kernel-busy-5ms", None)):
     VARIANTS[_busy] = dict(VARIANTS["kernel"], busy=True, switch=_switch)
-# the step kernel's weight-gradient sums 32 at a time, transposed ("kernel": a butterfly each; BEATFLOW_STEP_SUMS)
+# the step kernel's weight-gradient sums 32 at a time, transposed (the flow's default; "kernel": a butterfly each)
 VARIANTS["kernel-transposed"] = dict(VARIANTS["kernel"], sums="transposed")
 
 

@@ -172,7 +172,7 @@ def test_sums_that_are_neither_are_refused(monkeypatch):
     monkeypatch.setenv("BEATFLOW_STEP_SUMS", "transposed")
     assert step_sums() == "transposed"
     monkeypatch.delenv("BEATFLOW_STEP_SUMS")
-    assert step_sums() == "butterfly"  # (the default: the sums that have run on a GPU)
+    assert step_sums() == "transposed"  # (the default: the faster, the same bits on the GPU)
 
 
 def test_kernel_training_is_refused_where_it_cannot_run():
