@@ -12,6 +12,8 @@ import os
 import sys
 from contextlib import contextmanager
 
+from .errors import InputError
+
 
 @contextmanager
 def _long_lived_imports():
@@ -79,6 +81,13 @@ def _run_parser(sub) -> None:
                         "where a compiled epoch is ~2x faster once compiled: the 20 h default run)")
     p.add_argument("--cache", default=os.environ.get("BEATFLOW_CACHE"),
                    help="reuse segmentation/training results from this cache folder (default $BEATFLOW_CACHE)")
+    _verbose_flag(p)
+
+
+def _verbose_flag(p) -> None:
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show Prefect's and Dask's logs on the terminal (by default they go to the run's log "
+                        "file, in $BEATFLOW_LOG_DIR or ~/.local/state/beatflow/logs)")
 
 
 def _score_parser(sub) -> None:
@@ -92,40 +101,113 @@ def _score_parser(sub) -> None:
     p.add_argument("--confirm-lead", type=int, metavar="N",
                    help="a second WFDB channel that checks the beats (as beatflow run --confirm-lead)")
     p.add_argument("--confirm-column", metavar="NAME", help="the same for CSV/Parquet files: a second column")
+    _verbose_flag(p)
 
 
 def cmd_score(args) -> int:
-    with _long_lived_imports():
-        from flows.score_new import score_new_recordings
-        from tasks.cluster import prefect_api
+    from .params import check_fs
+    from .store import Store, list_inbox, release_claims
+    from .terminal import RunLog, done_interrupt, on_interrupt, say
 
-    with prefect_api():
-        res = score_new_recordings(inbox=args.inbox, store=args.store, fs=args.fs, lead=args.lead, column=args.column,
-                                   confirm_lead=args.confirm_lead, confirm_column=args.confirm_column)
+    if args.fs is not None and check_fs(args.fs):
+        raise InputError(f"--fs {args.fs:g}: {check_fs(args.fs)}")
+    list_inbox(args.inbox)  # the inbox and the store are checked before anything starts
+    Store(args.store).latest_model()
+    with RunLog("score", verbose=args.verbose) as log:
+        on_interrupt("claims", release_claims, at_once=True)  # an item being scored goes back to the inbox
+        with _long_lived_imports():
+            from flows.score_new import score_new_recordings
+            from tasks.cluster import prefect_api
+
+        log.show_progress()
+        with prefect_api():
+            res = score_new_recordings(inbox=args.inbox, store=args.store, fs=args.fs, lead=args.lead,
+                                       column=args.column, confirm_lead=args.confirm_lead,
+                                       confirm_column=args.confirm_column)
+        log.stop_status()
+        done_interrupt("claims")
     for r in res["processed"]:
-        print(f"{r['status']:6s} {r['item']}: {r['beats']} beats, {r['flagged']} flagged {r['reason']}".rstrip())
+        print(f"{r['status']:9s} {r['item']}: {r['beats']} beats, {r['flagged']} flagged {r['reason']}".rstrip())
+    failed = sum(r["status"] == "failed" for r in res["processed"])
+    if failed:
+        say(f"beatflow: {failed} of {len(res['processed'])} recording(s) failed (reasons in "
+            f"{os.path.join(args.inbox, 'failed')}){log.where()}")
+        return 1
     return 0
 
 
 def _positive(name: str, v, allow_none=True) -> None:
-    from .errors import InputError
-
     if v is None and allow_none:
         return
     if v is None or not v > 0:
         raise InputError(f"--{name} must be positive, got {v}")
 
 
-def cmd_run(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
+#: the synthetic ECG's length bounds (hours): two minutes give the training its 64 beats
+SYNTH_HOURS = (2 / 60, 10000.0)
 
+
+def _check_run_args(args) -> None:
+    """What ``beatflow run``'s options can be checked for before anything starts (one line each)."""
+    import math
+
+    from .params import check_fs
+
+    for name in ("workers", "partitions", "epochs", "batch_size"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    if args.fs is not None and check_fs(args.fs):
+        raise InputError(f"--fs {args.fs:g}: {check_fs(args.fs)}")
+    if not args.input:
+        lo, hi = SYNTH_HOURS
+        if not (math.isfinite(args.hours) and lo <= args.hours <= hi):
+            raise InputError(f"--hours {args.hours:g}: the synthetic ECG's length must be between {lo:.3g} h "
+                             f"(two minutes) and {hi:g} h")
+    if args.seed < 0:
+        raise InputError(f"--seed {args.seed}: the seed must be a non-negative integer")
+
+
+def _check_out(out) -> None:
+    """The output folder can be made here: it is no file, not under one, empty if it exists, and its
+    nearest existing folder takes a new folder (tried: a permission check says yes to root in /proc)."""
+    import tempfile
+    from pathlib import Path
+
+    final = Path(out)
+    if final.exists() and not final.is_dir():
+        raise InputError(f"--out {final}: exists and is not a folder")
+    if final.is_dir():
+        if any(final.iterdir()):
+            raise InputError(f"{final}: output folder exists and is not empty")
+        return
+    parent = final.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"--out {final}: {parent} is a file, not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".beatflow-probe-", dir=parent))
+    except OSError as e:
+        raise InputError(f"--out {final}: cannot create a folder in {parent} ({e.strerror})") from None
+
+
+def _undo_out(final, existed: bool) -> None:
+    """Remove what an interrupted run left at ``--out`` (an empty folder stays if the user made it)."""
+    import shutil
+
+    if final.is_dir():
+        if existed:
+            for child in final.iterdir():
+                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+
+
+def cmd_run(args) -> int:
     from .backend import resolve_device
     from .errors import DeviceError
     from .reading import open_source
 
-    for name in ("hours", "workers", "partitions", "epochs", "batch_size", "fs"):
-        _positive(name.replace("_", "-"), getattr(args, name), allow_none=name != "hours")
+    _check_run_args(args)
     # with --scheduler the GPUs are the workers' (checked there: tasks.cluster.GPUMemorySetup), not this machine's
     if args.scheduler and args.device != "cpu":
         from tasks.cluster import cluster_device
@@ -139,7 +221,6 @@ def cmd_run(args) -> int:
         import_in_background("cupy")
     if device == "cpu":  # what the CPU cannot run is an input error now, not after training
         from .engine_options import resolve_backend  # (not beatflow.engines: no PyTorch in this process)
-        from .errors import InputError
 
         if args.train_precision in ("bf16", "fp16"):
             raise InputError(f"--train-precision {args.train_precision} is for GPUs; the CPU trains in fp32")
@@ -154,11 +235,34 @@ def cmd_run(args) -> int:
         open_second_lead(source, args.input, args.fs, lead=args.lead, column=args.column,
                          confirm_lead=args.confirm_lead, confirm_column=args.confirm_column)
     elif args.confirm_lead is not None or args.confirm_column:
-        from .errors import InputError
-
         raise InputError("--confirm-lead/--confirm-column need --input (the synthetic ECG has one lead)")
-    from .figure_pool import figure_pool
+    from pathlib import Path
 
+    from .terminal import RunLog
+
+    final = Path(args.out) if args.out else _default_out()
+    _check_out(final)
+    with RunLog("run", verbose=args.verbose) as log:
+        return _run_logged(args, device, final, log)
+
+
+def _default_out():
+    from datetime import datetime
+    from pathlib import Path
+
+    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def _run_logged(args, device: str, final, log) -> int:
+    """``beatflow run`` once its options and input are checked, with the run's log (:class:`RunLog`)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .figure_pool import figure_pool
+    from .terminal import done_interrupt, on_interrupt
+
+    existed = final.is_dir()
+    on_interrupt("out", lambda: _undo_out(final, existed))
     figure_pool()  # the report's figure processes start now, while Prefect, Dask and the flow are imported and set up
     with _long_lived_imports():
         import prefect_dask  # noqa: F401  (the task runner's, imported here with the rest)
@@ -172,7 +276,6 @@ def cmd_run(args) -> int:
         workers = args.workers  # None: as many as the cluster has
     elif device == "gpu":
         from .backend import gpu_count
-        from .errors import InputError
 
         n_gpus = gpu_count(args.gpus)
         if args.workers and n_gpus and args.workers != n_gpus:
@@ -181,17 +284,20 @@ def cmd_run(args) -> int:
     else:
         workers = args.workers or max(2, os.cpu_count() or 2)
 
+    log.show_progress()
     with prefect_api():
         runner = make_task_runner(device, workers, scheduler=args.scheduler, rmm_pool_size=args.rmm_pool_size,
                                   gpus=args.gpus, rmm_allocator=args.rmm_allocator)
         summary = ecg_anomaly_flow.with_options(task_runner=runner)(
             input=args.input, column=args.column, fs=args.fs, lead=args.lead, confirm_lead=args.confirm_lead,
             confirm_column=args.confirm_column, hours=args.hours, seed=args.seed,
-            out=args.out, device=device, workers=workers, partitions=args.partitions, epochs=args.epochs,
+            out=str(final), device=device, workers=workers, partitions=args.partitions, epochs=args.epochs,
             batch_size=args.batch_size, store=args.store, cache=args.cache, engine_backend=args.engine,
             precision=args.precision, train_precision=args.train_precision,
             train_compile=None if args.train_compile == "auto" else args.train_compile == "on",
             rmm_pool_size=args.rmm_pool_size, rmm_allocator=args.rmm_allocator)
+    done_interrupt("out")
+    log.stop_status()
     con = Console()
     t = Table(title="beatflow run", show_header=False)
     for k in ("samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss", "anomalies_flagged",
@@ -210,6 +316,8 @@ def cmd_run(args) -> int:
     t.add_row("outputs", summary["out"])
     con.print(t)
     con.print(f"open {os.path.join(summary['out'], 'report.html')}")
+    if log.path:
+        con.print(f"log  {log.path}", soft_wrap=True)
     return 0
 
 
@@ -226,6 +334,7 @@ _EXIT_FREEZE = False
 def main(argv=None) -> int:
     """Entry point of the ``beatflow`` command."""
     from .errors import BeatflowError
+    from .terminal import Interrupts, say
 
     global _EXIT_FREEZE
     if not _EXIT_FREEZE:  # at the process's exit, after the handlers registered later (they run first),
@@ -248,14 +357,30 @@ def main(argv=None) -> int:
             if hasattr(mod, "register"):
                 commands.update(mod.register(sub))
     args = parser.parse_args(argv)
-    try:
-        return commands[args.command](args)
-    except BeatflowError as e:
-        print(f"beatflow: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("beatflow: interrupted", file=sys.stderr)
-        return 130
+    with Interrupts() as interrupts:
+        try:
+            return commands[args.command](args)
+        except BeatflowError as e:
+            say(f"beatflow: error: {e}{_details()}")
+            return 2
+        except KeyboardInterrupt:
+            interrupts.finish()  # (exits: 130, or 143 for SIGTERM)
+        except Exception as e:  # a fault of beatflow's own: its traceback to the run's log, one line here
+            import traceback
+
+            if _details() == "":
+                traceback.print_exc()
+            say(f"beatflow: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                f"{_details() or ' (traceback above)'}")
+            return 1
+    return 1
+
+
+def _details() -> str:
+    from .terminal import current_log
+
+    log = current_log()
+    return log.where() if log is not None else ""
 
 
 if __name__ == "__main__":

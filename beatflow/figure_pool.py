@@ -30,12 +30,10 @@ class FigurePool:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        from beatflow.report import warm_up  # (what the processes import first)
-
         n = processes or figure_processes(os.cpu_count() or 1)
         try:
             self.pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=warm_up)
+                                            initializer=_start_process)
             for _ in range(n):  # every process starts now (one per job while none is idle)
                 self.pool.submit(int)
             if (os.cpu_count() or 1) < 2 * n:  # (a small machine: see _lower_priority)
@@ -139,6 +137,16 @@ def figure_processes(cores: int) -> int:
     left the latent space's figure queued behind the early ones), else 4, never more than its cores."""
     cores = max(1, int(cores))
     return CONCURRENT_FIGURES if cores >= 2 * CONCURRENT_FIGURES else min(4, cores)
+
+
+def _start_process() -> None:
+    """A figure process's start: Ctrl-C is the command's to handle (:mod:`beatflow.terminal`), then
+    Matplotlib warmed up (:func:`beatflow.report.warm_up`)."""
+    from beatflow.report import warm_up
+    from beatflow.terminal import ignore_interrupts_in_child
+
+    ignore_interrupts_in_child()
+    warm_up()
 
 
 _POOL: FigurePool | None = None

@@ -11,6 +11,19 @@ import math
 from dataclasses import asdict, dataclass
 
 DEFAULT_FS = 250.0
+# the sampling rates beatflow accepts (Hz): below 50 Hz a QRS (80-120 ms) spans too few samples to be
+# found; above 20 kHz the windows of one second no longer fit a partition's working set
+FS_RANGE = (50.0, 20000.0)
+
+
+def check_fs(fs: float) -> str | None:
+    """Why ``fs`` is no usable sampling rate, or None where it is one (finite, inside :data:`FS_RANGE`)."""
+    lo, hi = FS_RANGE
+    try:
+        ok = math.isfinite(fs) and lo <= fs <= hi
+    except TypeError:
+        ok = False
+    return None if ok else f"sampling rate must be between {lo:g} and {hi:g} Hz, got {fs}"
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from prefect import flow, get_run_logger
 from beatflow.backend import import_in_background, transfer_stats
 from beatflow.beats import MODEL_INPUT
 from beatflow.errors import InputError
+from beatflow.terminal import done_interrupt, front_sigterm, on_interrupt
 from beatflow.figure_pool import FigurePool, figure_pool
 from beatflow.metrics import match_truth, truth_check
 from beatflow.params import DEFAULT_FS, TRAIN_FRACTION, SegmentParams, compile_pays
@@ -148,6 +149,7 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
         kind (``async`` or ``pool``): every GPU worker, on the flow's own cluster or on one given by
         ``--scheduler``, is set up by :class:`tasks.cluster.GPUMemorySetup`.
     """
+    front_sigterm()  # (a command's SIGTERM before Prefect's handler: beatflow.terminal)
     log = get_run_logger()
     sw = _Stopwatch()
     final = Path(out) if out else default_out_dir()
@@ -158,6 +160,7 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
         log.info("removed %s, left by a run that was killed", stale)
     work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
     (work / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    on_interrupt(work, lambda: shutil.rmtree(work, ignore_errors=True))  # (a command stopped by force)
     try:
         summary = _run(log, sw, work, input, column, fs, lead, hours, seed, device, workers, partitions,
                        epochs, batch_size, cache, engine_backend, precision, train_precision, train_compile,
@@ -173,10 +176,13 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
         (work / _OWNER).unlink(missing_ok=True)
         _join_writes(work)
         os.replace(work, final)
-    except BaseException:
+    except BaseException as e:
         _join_writes(work)  # (a write still going would leave a file in the folder removed here)
         shutil.rmtree(work, ignore_errors=True)
+        if isinstance(e, Exception):  # an interrupt keeps the undo: a worker may still write here
+            done_interrupt(work)  # until the command has stopped it (beatflow.terminal.Interrupts)
         raise
+    done_interrupt(work)
     log.info("outputs in %s", final)
     summary["out"] = str(final)
     return summary

@@ -28,10 +28,8 @@ def prefect_api():
     if url:
         yield url
         return
-    from prefect.server.api.server import SubprocessASGIServer
-
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    server = SubprocessASGIServer()
+    server = _server_class()()
     server.start(timeout=120)
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
@@ -41,6 +39,35 @@ def prefect_api():
                 _flush_logs()
     finally:
         server.stop()
+
+
+def _server_class():
+    """Prefect's temporary API server, started in a session of its own.
+
+    In the command's process group, a Ctrl-C at the terminal reached the server first: it died, and
+    the interrupted flow then retried the dead API for about 150 s before it could report anything.
+    In its own session only the command stops it (:meth:`stop`, or
+    :func:`beatflow.terminal.kill_descendants`). Its output goes to standard error: the run's log.
+    """
+    import subprocess
+    import sys
+
+    import prefect
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import get_current_settings
+
+    class OwnSessionServer(SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            # the command SubprocessASGIServer runs (uvicorn on Prefect's app factory, no UI)
+            args = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent),
+                    "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+                    "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
+            env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+                   "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
+            return subprocess.Popen(args, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                                    stdout=sys.stderr.fileno())
+
+    return OwnSessionServer
 
 
 def _flush_logs() -> None:
@@ -92,6 +119,8 @@ def worker_env() -> dict[str, str]:
     from prefect.settings import get_current_settings
 
     env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1"}
+    if os.environ.get("BEATFLOW_RUN_LOG"):  # (beatflow.terminal.RunLog: the workers' output goes there)
+        env["BEATFLOW_RUN_LOG"] = os.environ["BEATFLOW_RUN_LOG"]
     url = get_current_settings().api.url
     if url:
         env["PREFECT_API_URL"] = url

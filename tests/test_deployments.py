@@ -34,6 +34,9 @@ def test_deploy_worker_and_scheduled_scoring(prefect_server, trained_store, tmp_
     with get_client(sync_client=True) as client:
         dep = client.read_deployment_by_name("score-new-recordings/score-new-recordings")
         assert dep.schedules and dep.schedules[0].schedule.cron == "0 2 * * *"
+        # one run at a time; a run started during another one waits for it (not cancelled)
+        assert dep.global_concurrency_limit is not None and dep.global_concurrency_limit.limit == 1
+        assert dep.concurrency_options is not None and dep.concurrency_options.collision_strategy == "ENQUEUE"
         for name in ("score-new-recordings/score-new-recordings", "train-and-score/train-and-score"):
             props = client.read_deployment_by_name(name).parameter_openapi_schema["properties"]
             assert {"lead", "column", "confirm_lead", "confirm_column"} <= set(props)  # (settable in the UI)
@@ -57,6 +60,6 @@ def test_deploy_worker_and_scheduled_scoring(prefect_server, trained_store, tmp_
             out, _ = worker.communicate(timeout=20)
         except subprocess.TimeoutExpired:
             worker.kill()
-    assert (inbox / "done" / "night.csv").exists()
+    assert (inbox / "done" / "night.csv").exists() and not any((inbox / "processing").iterdir())
     df = Store(trained_store).read_results()
     assert "night" in set(df["recording"].astype(str))

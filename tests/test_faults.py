@@ -90,7 +90,7 @@ def test_run_killed_during_training_resumes_after_the_last_finished_task(prefect
     p.write_text("ecg\n" + "\n".join(f"{v:.5f}" for v in x) + "\n")
     cache = tmp_path / "cache"
     args = ["run", "--input", p, "--epochs", "300", "--device", "cpu", "--workers", "2", "--cache", cache,
-            "--out", tmp_path / "out"]
+            "--out", tmp_path / "out", "--verbose"]  # (the flow's log on the terminal, read below)
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "beatflow.cli", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True)

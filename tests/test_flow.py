@@ -1,5 +1,6 @@
 """The flow end to end on small data: a Dask LocalCluster of 2 workers, a real Prefect server."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -198,18 +199,28 @@ def test_cli_second_lead_on_mitbih_207(prefect_server, mitdb, tmp_path):
 
 @pytest.mark.parametrize("content,message", [
     ("heartbeats\n" + "0.1\n" * 300 + "zz\n" + "0.2\n" * 300, "line 302: cannot parse 'zz' as a number"),
+    ("heartbeats\n" + "0.1\n" * 3000 + "inf\n" + "0.2\n" * 300, "line 3002: non-finite or missing value 'inf'"),
+    ("heartbeats\n" + "0.1\n" * 3000 + "nan\n" + "0.2\n" * 300, "line 3002: non-finite or missing value 'nan'"),
+    ("heartbeats\n" + "0.1\n" * 3000 + "1e300\n" + "0.2\n" * 300, "line 3002: "),
+    ("heartbeats\n" + "0.1\n" * 3000 + "1,5\n" + "0.2\n" * 300, "line 3002: "),
     ("heartbeats\n" + "0.5\n" * 20000, "no heartbeats found"),
     ("heartbeats\n" + "0.5\n" * 100, "100 samples is too short for a beat"),
+    ("heartbeats\n0.1\n0.2\n0.3\n", "3 samples is too short for a beat"),
 ])
 def test_cli_bad_input_inside_the_flow(prefect_server, tmp_path, content, message):
+    """Errors found by the workers reach the terminal as one line (the file, the line, the value, the
+    problem, and where the run's log is); Dask's and Prefect's tracebacks are in that log."""
     p = tmp_path / "in.csv"
     p.write_text(content)
     out = tmp_path / "out"
-    r = run_cli(["run", "--input", p, "--device", "cpu", "--workers", "2", "--out", out], prefect_server)
-    assert r.returncode == 2
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"beatflow: error: {p}") and message in last, r.stderr[-2000:]
-    assert not out.exists() and not [q for q in tmp_path.iterdir() if q.name.endswith(".partial")]
+    r = run_cli(["run", "--input", p, "--device", "cpu", "--workers", "2", "--partitions", "3", "--out", out],
+                prefect_server)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"beatflow: error: {p}"), r.stderr[-3000:]
+    assert message in r.stderr, r.stderr
+    log = Path(r.stderr.rsplit("(details: ", 1)[1].rstrip(")\n"))
+    assert log.exists() and "Traceback" in log.read_text()
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["in.csv"]  # no --out, no .partial folder
 
 
 @pytest.mark.parametrize("setup,args,message", [
@@ -218,7 +229,19 @@ def test_cli_bad_input_inside_the_flow(prefect_server, tmp_path, content, messag
     ("heartbeats\n", ["--input", "{d}/in.csv"], "in.csv: header only, no samples"),
     ("a,b\n1,2\n", ["--input", "{d}/in.csv", "--column", "c"], "unknown column 'c' (columns: a, b)"),
     ("mkdir", ["--input", "{d}/empty"], "no WFDB records (.hea files) in this folder"),
-    (None, ["--hours", "-1"], "--hours must be positive"),
+    (None, ["--hours", "-1"], "--hours -1: the synthetic ECG's length must be between"),
+    (None, ["--hours", "inf"], "--hours inf: the synthetic ECG's length must be between"),
+    (None, ["--hours", "nan"], "--hours nan: the synthetic ECG's length must be between"),
+    (None, ["--hours", "0.0001"], "--hours 0.0001: the synthetic ECG's length must be between 0.0333 h"),
+    (None, ["--seed", "-1"], "--seed -1: the seed must be a non-negative integer"),
+    (None, ["--fs", "inf"], "--fs inf: sampling rate must be between 50 and 20000 Hz"),
+    (None, ["--fs", "1e9"], "--fs 1e+09: sampling rate must be between 50 and 20000 Hz"),
+    (None, ["--fs", "0"], "--fs 0: sampling rate must be between"),
+    (None, ["--workers", "0"], "--workers must be positive"),
+    ("file", ["--out", "{d}/in.csv"], "in.csv: exists and is not a folder"),
+    ("file", ["--out", "{d}/in.csv/sub/out"], "in.csv is a file, not a folder"),
+    (None, ["--out", "/proc/beatflow-x/out"], "cannot create a folder in /proc"),
+    ("full", ["--out", "{d}/full"], "full: output folder exists and is not empty"),
     (None, ["--device", "cpu", "--train-precision", "bf16"], "--train-precision bf16 is for GPUs"),
     (None, ["--device", "cpu", "--engine", "compiled"], "backend compiled does not do fp32 on the CPU"),
     (None, ["--device", "cpu", "--precision", "fp16"], "precision fp16 is for GPUs"),
@@ -230,13 +253,22 @@ def test_cli_bad_input_inside_the_flow(prefect_server, tmp_path, content, messag
 def test_cli_bad_input_before_the_flow(tmp_path, setup, args, message):
     if setup == "mkdir":
         (tmp_path / "empty").mkdir()
+    elif setup == "file":
+        (tmp_path / "in.csv").write_text("heartbeats\n0.1\n")
+    elif setup == "full":
+        (tmp_path / "full").mkdir()
+        (tmp_path / "full" / "mine.txt").write_text("keep me")
     elif setup is not None:
         (tmp_path / "in.csv").write_text(setup)
-    out = tmp_path / "out"
-    r = run_cli(["run", *[a.format(d=tmp_path) for a in args], "--out", out], "http://127.0.0.1:9/api", timeout=120)
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [f"beatflow: error: {r.stderr.split('error: ', 1)[1].strip()}"]
-    assert message in r.stderr and not out.exists()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    args = [a.format(d=tmp_path) for a in args]
+    out = [] if "--out" in args else ["--out", tmp_path / "out"]
+    r = run_cli(["run", *args, *out], "http://127.0.0.1:9/api", timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("beatflow: error: "), r.stderr  # the whole output
+    assert message in r.stderr, r.stderr
+    assert "details:" not in r.stderr  # (nothing started: no run log to point at)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing left behind
 
 
 def test_cli_gpu_without_cuda_is_one_line(tmp_path):
@@ -252,7 +284,8 @@ def test_cache_reuses_segmentation_and_training(prefect_server, tmp_path):
     p = tmp_path / "in.csv"
     p.write_text("heartbeats\n" + "\n".join(f"{v:.5f}" for v in x) + "\n")
     cache = tmp_path / "cache"
-    args = ["run", "--input", p, "--epochs", "2", "--device", "cpu", "--workers", "2", "--cache", cache]
+    args = ["run", "--input", p, "--epochs", "2", "--device", "cpu", "--workers", "2", "--cache", cache,
+            "--verbose"]  # (the flow's log on the terminal, read below)
     first = run_cli([*args, "--out", tmp_path / "a"], prefect_server)
     assert first.returncode == 0, first.stderr[-2000:]
     second = run_cli([*args, "--out", tmp_path / "b"], prefect_server)

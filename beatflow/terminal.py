@@ -1,0 +1,335 @@
+"""What a ``beatflow`` command shows on the terminal, and how it stops when interrupted.
+
+Prefect, Dask and the processes they start (the temporary API server, the workers, the figure
+processes) all write their logs and tracebacks to the process's standard error. A user wants one
+line: what went wrong, where. :class:`RunLog` points file descriptor 2 of the command, and so of every
+process it starts afterwards, at a log file of the run, and keeps the terminal for the command's
+own lines (:func:`say`) and, on a terminal, a transient status line of the flow's progress.
+
+:class:`Interrupts` turns Ctrl-C (SIGINT) and SIGTERM into a stop within a few seconds: the flow is
+interrupted, what the run registered with :func:`on_interrupt` is undone (its partial output folder,
+the inbox items it had claimed), every process the command started is killed, ``beatflow:
+interrupted`` is printed and the command exits 130 (SIGINT) or 143 (SIGTERM).
+
+Standard library only (no Prefect, no Dask): the command installs both before it imports them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+#: how long an interrupted command may spend on a graceful stop before it is ended by force
+GRACE_S = 3.0
+#: the run logs kept in the log folder (older ones are removed when a command starts)
+KEEP_LOGS = 50
+
+_TERMINAL = None  # the terminal's stream while a RunLog holds file descriptor 2
+_CURRENT = None  # that RunLog
+_FAILED = None  # the last RunLog left by an exception
+
+
+def log_dir() -> Path:
+    """Where the run logs go: ``$BEATFLOW_LOG_DIR``, else ``$XDG_STATE_HOME/beatflow/logs``
+    (``~/.local/state/beatflow/logs``)."""
+    if os.environ.get("BEATFLOW_LOG_DIR"):
+        return Path(os.environ["BEATFLOW_LOG_DIR"])
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "beatflow" / "logs"
+
+
+def terminal():
+    """The stream of the user's terminal (standard error as the command found it)."""
+    return _TERMINAL if _TERMINAL is not None else sys.stderr
+
+
+def current_log():
+    """The :class:`RunLog` that holds standard error now, else the last one an error left (or None)."""
+    return _CURRENT if _CURRENT is not None else _FAILED
+
+
+def say(line: str) -> None:
+    """Write one line of the command's own to the terminal."""
+    stream = terminal()
+    stream.write(line.rstrip("\n") + "\n")
+    stream.flush()
+
+
+class RunLog:
+    """Send everything written to standard error, by this process and by the processes it starts
+    from now on, to a log file of the run; the terminal keeps the command's own lines.
+
+    A file descriptor, not logging handlers: Prefect's and Dask's console handlers hold
+    ``sys.stderr``, worker and server processes inherit descriptor 2, and a traceback printed by
+    any of them ends up in the log instead of between the user and the answer.
+
+    Parameters
+    ----------
+    command : str
+        Names the log file (``<time>-<pid>-<command>.log``).
+    verbose : bool
+        Keep everything on the terminal as it is (no log file).
+    """
+
+    def __init__(self, command: str, verbose: bool = False):
+        self.command, self.verbose = command, verbose
+        self.path: Path | None = None
+        self._saved = None
+        self._status = None
+
+    def __enter__(self) -> RunLog:
+        global _TERMINAL, _CURRENT
+        if self.verbose:
+            return self
+        folder = log_dir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            _prune(folder)
+            self.path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self.command}.log"
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:  # no writable log folder: the terminal gets everything, as without a log
+            self.path = None
+            return self
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        os.dup2(fd, 2)
+        os.close(fd)
+        _TERMINAL = os.fdopen(os.dup(self._saved), "w", buffering=1, encoding="utf-8", errors="replace")
+        _CURRENT = self
+        os.environ["BEATFLOW_RUN_LOG"] = str(self.path)
+        logging.captureWarnings(True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        global _FAILED
+        if exc_type is not None and self.path is not None and not issubclass(exc_type, KeyboardInterrupt):
+            import traceback
+
+            traceback.print_exception(exc_type, exc, tb)  # (into the log: the terminal gets one line)
+        self.close()
+        if exc_type is not None and self.path is not None:
+            _FAILED = self  # (the command's error line, printed after this, says where the log is)
+
+    def close(self) -> None:
+        global _TERMINAL, _CURRENT
+        self.stop_status()
+        if self._saved is None:
+            return
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._saved = None
+        if _TERMINAL is not None:
+            _TERMINAL.flush()
+            _TERMINAL.close()
+            _TERMINAL = None
+        _CURRENT = None
+        os.environ.pop("BEATFLOW_RUN_LOG", None)
+
+    def where(self) -> str:
+        """`` (details: <log>)`` for an error line, or nothing without a log."""
+        return f" (details: {self.path})" if self.path else ""
+
+    def show_progress(self, loggers=("prefect.flow_runs", "beatflow")) -> None:
+        """On a terminal, a transient status line with the latest message of the flow's log."""
+        stream = terminal()
+        if self.verbose or not getattr(stream, "isatty", lambda: False)():
+            return
+        from rich.console import Console
+
+        status = Console(file=stream, stderr=True).status("beatflow: starting", spinner="dots")
+        status.start()
+        handler = _StatusHandler(status)
+        for name in loggers:
+            logging.getLogger(name).addHandler(handler)
+        self._status = (status, handler, loggers)
+
+    def stop_status(self) -> None:
+        if self._status is None:
+            return
+        status, handler, loggers = self._status
+        self._status = None
+        for name in loggers:
+            logging.getLogger(name).removeHandler(handler)
+        status.stop()
+
+
+class _StatusHandler(logging.Handler):
+    def __init__(self, status):
+        super().__init__(logging.INFO)
+        self.status = status
+
+    def emit(self, record) -> None:
+        try:
+            text = record.getMessage().splitlines()[0]
+        except Exception:
+            return
+        self.status.update(f"beatflow: {text[:110]}")
+
+
+def _prune(folder: Path) -> None:
+    logs = sorted(folder.glob("*.log"), key=lambda p: p.stat().st_mtime)
+    for old in logs[:-KEEP_LOGS] if len(logs) > KEEP_LOGS else []:
+        old.unlink(missing_ok=True)
+
+
+# -- interrupts ------------------------------------------------------------------------------------
+_CLEANUPS: dict[object, object] = {}
+_CLEANUPS_LOCK = threading.Lock()
+
+
+_AT_ONCE: dict[object, object] = {}
+
+
+def on_interrupt(key, fn, at_once: bool = False) -> None:
+    """Run ``fn()`` if the command is interrupted (until :func:`done_interrupt` with the same key).
+
+    ``at_once``: in the signal handler itself, before the flow unwinds: for what the flow's threads
+    would otherwise go on with meanwhile (an inbox item being scored goes back to the inbox now, not
+    after its scoring has finished). ``fn`` must then take no locks.
+    """
+    with _CLEANUPS_LOCK:
+        (_AT_ONCE if at_once else _CLEANUPS)[key] = fn
+
+
+def done_interrupt(key) -> None:
+    with _CLEANUPS_LOCK:
+        _CLEANUPS.pop(key, None)
+        _AT_ONCE.pop(key, None)
+
+
+def _run_at_once() -> None:
+    for fn in list(_AT_ONCE.values()):  # (no lock: a signal handler may interrupt a holder of it)
+        try:
+            fn()
+        except Exception:
+            pass
+
+
+def run_cleanups() -> None:
+    """Undo what the interrupted run registered, most recent first; each at most once."""
+    with _CLEANUPS_LOCK:
+        fns = list(_CLEANUPS.values())[::-1]
+        _CLEANUPS.clear()
+    for fn in fns:
+        try:
+            fn()
+        except Exception:  # an undo that fails must not keep the others from running
+            pass
+
+
+def kill_descendants() -> None:
+    """Kill every process this one started, and theirs (workers, the API server, figure processes)."""
+    try:
+        import psutil
+    except ImportError:  # (psutil comes with distributed)
+        return
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for p in children:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(children, timeout=2)
+
+
+class Interrupts:
+    """SIGINT and SIGTERM as a quick, clean stop of the command (see the module's text).
+
+    The first signal raises :class:`KeyboardInterrupt` in the main thread, so the flow and the
+    context managers around it unwind as usual (Prefect marks the run crashed, the partial output
+    is removed); a watchdog ends the command by force if that takes longer than :data:`GRACE_S`, and a
+    second signal does so at once.
+    """
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    def __enter__(self) -> Interrupts:
+        global _ACTIVE
+        _ACTIVE = self
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _ACTIVE
+        _ACTIVE = None
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous = {}
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGINT)
+
+    def _first(self, signum) -> None:
+        """The first signal, whichever handler took it: undo what cannot wait, arm the watchdog."""
+        self.signum = signum
+        _run_at_once()
+        timer = threading.Timer(GRACE_S, self.finish)
+        timer.daemon = True
+        timer.start()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # a second signal: no more waiting
+            self.finish()
+        self._first(signum)
+        raise KeyboardInterrupt
+
+    def front(self) -> None:
+        """Take SIGTERM first while a flow runs: Prefect's engine installs a handler of its own for the
+        flow run (it raises its ``TerminationSignal`` and, once it has marked the run crashed, sends the
+        signal again to the handler it replaced: ours). Ours now runs before Prefect's as well, so the
+        undo that cannot wait and the watchdog start with the signal, not after Prefect's report."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        prefects = signal.getsignal(signal.SIGTERM)
+        if prefects == self._handle or not callable(prefects):
+            return
+
+        def first_then_prefects(signum, frame):
+            if self.signum is None:
+                self._first(signum)
+            prefects(signum, frame)
+
+        signal.signal(signal.SIGTERM, first_then_prefects)
+
+    def finish(self) -> None:
+        """Undo, kill, say so and exit (from the main thread after the unwinding, or the watchdog)."""
+        kill_descendants()  # first: a worker must not write into what the undo removes
+        run_cleanups()
+        try:
+            say("beatflow: interrupted")
+            sys.stdout.flush()
+        finally:
+            os._exit(self.exit_code)
+
+
+_ACTIVE: Interrupts | None = None
+
+
+def front_sigterm() -> None:
+    """Called by a flow as it starts: where a command's :class:`Interrupts` is active, SIGTERM reaches
+    it before Prefect's own handler (:meth:`Interrupts.front`); elsewhere nothing."""
+    if _ACTIVE is not None:
+        _ACTIVE.front()
+
+
+def ignore_interrupts_in_child() -> None:
+    """For processes the command starts (workers, figure processes): a Ctrl-C at the terminal reaches
+    the whole process group, and the command stops them itself; left to the signal they would die
+    printing tracebacks of their own."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        pass
