@@ -12,7 +12,7 @@ import os
 import sys
 from contextlib import contextmanager
 
-from .errors import InputError
+from beatflow.errors import InputError
 
 
 @contextmanager
@@ -42,7 +42,7 @@ def _run_parser(sub) -> None:
     p.add_argument("--fs", type=float, help="sampling rate in Hz of CSV/Parquet/npy input (default 250)")
     p.add_argument("--lead", type=int, default=0, help="WFDB channel (default 0)")
     p.add_argument("--confirm-lead", type=int, metavar="N",
-                   help="a second WFDB channel that checks the first one's beats (beatflow.leads: flutter on "
+                   help="a second WFDB channel that checks the first one's beats (beatflow.detect.leads: flutter on "
                         "either lead, weak peaks with no QRS on the second lead are dropped, a noise peak "
                         "beside a QRS of the second lead is moved to it)")
     p.add_argument("--confirm-column", metavar="NAME",
@@ -105,9 +105,9 @@ def _score_parser(sub) -> None:
 
 
 def cmd_score(args) -> int:
-    from .params import check_fs
-    from .store import Store, list_inbox, release_claims
-    from .terminal import RunLog, done_interrupt, on_interrupt, say
+    from beatflow.params import check_fs
+    from beatflow.io.store import Store, list_inbox, release_claims
+    from beatflow.terminal import RunLog, done_interrupt, on_interrupt, say
 
     if args.fs is not None and check_fs(args.fs):
         raise InputError(f"--fs {args.fs:g}: {check_fs(args.fs)}")
@@ -116,8 +116,8 @@ def cmd_score(args) -> int:
     with RunLog("score", verbose=args.verbose) as log:
         on_interrupt("claims", release_claims, at_once=True)  # an item being scored goes back to the inbox
         with _long_lived_imports():
-            from flows.score_new import score_new_recordings
-            from tasks.cluster import prefect_api
+            from beatflow.pipeline.inbox_flow import score_new_recordings
+            from beatflow.pipeline.cluster import prefect_api
 
         log.show_progress()
         with prefect_api():
@@ -151,7 +151,7 @@ def _check_run_args(args) -> None:
     """What ``beatflow run``'s options can be checked for before anything starts (one line each)."""
     import math
 
-    from .params import check_fs
+    from beatflow.params import check_fs
 
     for name in ("workers", "partitions", "epochs", "batch_size"):
         _positive(name.replace("_", "-"), getattr(args, name))
@@ -203,24 +203,24 @@ def _undo_out(final, existed: bool) -> None:
 
 
 def cmd_run(args) -> int:
-    from .backend import resolve_device
-    from .errors import DeviceError
-    from .reading import open_source
+    from beatflow.device import resolve_device
+    from beatflow.errors import DeviceError
+    from beatflow.io.sources import open_source
 
     _check_run_args(args)
-    # with --scheduler the GPUs are the workers' (checked there: tasks.cluster.GPUMemorySetup), not this machine's
+    # with --scheduler the GPUs are the workers' (checked there: beatflow.pipeline.cluster.GPUMemorySetup), not this machine's
     if args.scheduler and args.device != "cpu":
-        from tasks.cluster import cluster_device
+        from beatflow.pipeline.cluster import cluster_device
 
         device = "gpu" if args.device == "gpu" else cluster_device(args.scheduler)
     else:
         device = resolve_device(args.device)
     if device == "gpu":  # the flow's Dask client meets CuPy arrays' types (a no-op where CuPy was imported)
-        from .backend import import_in_background
+        from beatflow.device import import_in_background
 
         import_in_background("cupy")
     if device == "cpu":  # what the CPU cannot run is an input error now, not after training
-        from .engine_options import resolve_backend  # (not beatflow.engines: no PyTorch in this process)
+        from beatflow.engine.options import resolve_backend  # (not beatflow.engine.cache: no PyTorch in this process)
 
         if args.train_precision in ("bf16", "fp16"):
             raise InputError(f"--train-precision {args.train_precision} is for GPUs; the CPU trains in fp32")
@@ -229,7 +229,7 @@ def cmd_run(args) -> int:
         except (ValueError, DeviceError) as e:
             raise InputError(f"--engine {args.engine} --precision {args.precision}: {e}") from None
     if args.input:  # check the input before starting anything
-        from .reading import open_second_lead
+        from beatflow.io.sources import open_second_lead
 
         source = open_source(args.input, column=args.column, fs=args.fs, lead=args.lead)
         open_second_lead(source, args.input, args.fs, lead=args.lead, column=args.column,
@@ -238,7 +238,7 @@ def cmd_run(args) -> int:
         raise InputError("--confirm-lead/--confirm-column need --input (the synthetic ECG has one lead)")
     from pathlib import Path
 
-    from .terminal import RunLog
+    from beatflow.terminal import RunLog
 
     final = Path(args.out) if args.out else _default_out()
     _check_out(final)
@@ -258,8 +258,8 @@ def _run_logged(args, device: str, final, log) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .figure_pool import figure_pool
-    from .terminal import done_interrupt, on_interrupt
+    from beatflow.report.pool import figure_pool
+    from beatflow.terminal import done_interrupt, on_interrupt
 
     existed = final.is_dir()
     on_interrupt("out", lambda: _undo_out(final, existed))
@@ -267,15 +267,15 @@ def _run_logged(args, device: str, final, log) -> int:
     with _long_lived_imports():
         import prefect_dask  # noqa: F401  (the task runner's, imported here with the rest)
 
-        from flows.pipeline import ecg_anomaly_flow
-        from tasks.cluster import make_task_runner, parse_pool_size, prefect_api
+        from beatflow.pipeline.flow import ecg_anomaly_flow
+        from beatflow.pipeline.cluster import make_task_runner, parse_pool_size, prefect_api
 
     if device == "gpu" and args.rmm_pool_size is not None:
         parse_pool_size(args.rmm_pool_size)  # a bad size is an input error, before anything starts
     if args.scheduler:
         workers = args.workers  # None: as many as the cluster has
     elif device == "gpu":
-        from .backend import gpu_count
+        from beatflow.device import gpu_count
 
         n_gpus = gpu_count(args.gpus)
         if args.workers and n_gpus and args.workers != n_gpus:
@@ -333,8 +333,8 @@ _EXIT_FREEZE = False
 
 def main(argv=None) -> int:
     """Entry point of the ``beatflow`` command."""
-    from .errors import BeatflowError
-    from .terminal import Interrupts, say
+    from beatflow.errors import BeatflowError
+    from beatflow.terminal import Interrupts, say
 
     global _EXIT_FREEZE
     if not _EXIT_FREEZE:  # at the process's exit, after the handlers registered later (they run first),
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
     _score_parser(sub)
     commands = {"run": cmd_run, "score": cmd_score}
     with _long_lived_imports():
-        for module in ("evaluate", "engine_options"):  # subcommands that live beside the code they drive
+        for module in ("score.evaluate", "engine.options"):  # subcommands that live beside the code they drive
             try:
                 mod = __import__(f"beatflow.{module}", fromlist=["register"])
             except ImportError:
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
 
 
 def _details() -> str:
-    from .terminal import current_log
+    from beatflow.terminal import current_log
 
     log = current_log()
     return log.where() if log is not None else ""

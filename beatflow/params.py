@@ -28,7 +28,7 @@ def check_fs(fs: float) -> str | None:
 
 @dataclass(frozen=True)
 class SegmentParams:
-    """Beat segmentation and pruning parameters (seconds unless noted); see :mod:`beatflow.segment`.
+    """Beat segmentation and pruning parameters (seconds unless noted); see :mod:`beatflow.detect.peaks`.
 
     Attributes
     ----------
@@ -50,7 +50,7 @@ class SegmentParams:
         A candidate is dropped as a peak of a noise burst when the envelope stays above
         ``noise_valley_ratio`` × its height within ``±nms_half_window_s`` on both sides, its steepest
         slope exceeds ``noise_slope_ratio`` × its envelope height, and its height is below
-        ``noise_level_ratio`` × the local amplitude (:func:`beatflow.segment.noise_mask`;
+        ``noise_level_ratio`` × the local amplitude (:func:`beatflow.detect.peaks.noise_mask`;
         ``noise_slope_ratio=inf`` switches the test off).
     weak_ratio : float
         Candidates between this fraction and ``threshold_ratio`` are only taken by search-back.
@@ -79,7 +79,7 @@ class SegmentParams:
         pruned as in the seed (``False``). A premature beat is followed by a long compensatory
         pause, so pruning long beats drops ~40 % of the ventricular ectopic beats of MIT-BIH.
     vf_window_s, vf_context, vf_min_windows : float, int, int
-        Ventricular flutter/fibrillation episodes (:mod:`beatflow.rhythm`): windows of this length,
+        Ventricular flutter/fibrillation episodes (:mod:`beatflow.detect.rhythm`): windows of this length,
         aligned to the stream; each is judged on itself and ``±vf_context`` neighbours, and an
         episode is at least ``vf_min_windows`` consecutive such windows. Peaks inside an episode are
         dropped (flutter waves are no beats).
@@ -154,7 +154,7 @@ class SegmentParams:
         accepted = strong + twave + refractory  # T-wave test, then refractory between neighbours
         searched = accepted + max(rr_window, max_gap) + twave  # search-back, then its refractory
         halo = max(accepted, searched) + edge + upper + pre  # + the beats a partition embeds
-        # the VF episode rule (beatflow.rhythm): a peak's window, its episode's run of windows on
+        # the VF episode rule (beatflow.detect.rhythm): a peak's window, its episode's run of windows on
         # either side, their ±context windows, and the filters' radius around those samples
         vf_window = r(self.vf_window_s)
         vf_highpass = 2 * (r(self.vf_highpass_s) // 2) + 1
@@ -211,7 +211,7 @@ class SegmentSamples:
     noise_valley: float = 0.25
     noise_slope: float = 3.5
     noise_level: float = 0.8
-    vf_window: int = 250  # beatflow.rhythm: window length, context and minimum episode (windows)
+    vf_window: int = 250  # beatflow.detect.rhythm: window length, context and minimum episode (windows)
     vf_context: int = 2
     vf_runs: int = 5
     vf_baseline: float = 0.0  # below this fraction of near-median samples (0: the rule is off)
@@ -220,9 +220,9 @@ class SegmentSamples:
     vf_highpass: int = 151  # moving-mean length of the high-pass (odd)
 
 
-# ---- training (beatflow.model) ---------------------------------------------------------------
+# ---- training (beatflow.model.vae) ---------------------------------------------------------------
 
-#: fraction of the beat matrix :func:`beatflow.model.train_vae` trains on (after a seeded shuffle); the rest
+#: fraction of the beat matrix :func:`beatflow.model.vae.train_vae` trains on (after a seeded shuffle); the rest
 #: is held out
 TRAIN_FRACTION = 0.75
 

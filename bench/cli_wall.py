@@ -69,7 +69,7 @@ def main() -> int:
     from distributed import LocalCluster
     from prefect.server.api.server import SubprocessASGIServer
 
-    from tasks.cluster import _configure_worker_spawn
+    from beatflow.pipeline.cluster import _configure_worker_spawn
 
     trees = (os.environ.get("TREES") or ROOT).split()
     runs, hours = int(os.environ.get("RUNS", "4")), os.environ.get("HOURS", "2")

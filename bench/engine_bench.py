@@ -1,6 +1,6 @@
 """Inference engine benchmark: every available backend x precision on this machine.
 
-For each engine built by :func:`beatflow.engines.build_or_load_engine`:
+For each engine built by :func:`beatflow.engine.cache.build_or_load_engine`:
 
 * accuracy against the fp32 PyTorch scorer on labelled synthetic beats (``synthesize_ecg`` + the
   pipeline's segmentation, beats matched to the truth within 150 ms): max abs / relative score
@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from beatflow import engines  # noqa: E402
-from beatflow.engine import PRECISIONS, OnnxRuntimeEngine, export_onnx, torch_threads  # noqa: E402
-from beatflow.metrics import roc_auc  # noqa: E402
+from beatflow.engine import cache as engines
+from beatflow.engine.base import PRECISIONS, OnnxRuntimeEngine, export_onnx, torch_threads  # noqa: E402
+from beatflow.score.metrics import roc_auc  # noqa: E402
 
 BATCHES = [1 << k for k in range(14)]  # 1 .. 8192
 
@@ -55,11 +55,11 @@ BATCHES = [1 << k for k in range(14)]  # 1 .. 8192
 def labelled_beats(hours: float, seed: int):
     """Scaled beat rows of a synthetic ECG (pipeline segmentation) and their truth labels
     (0 normal, 1 PVC, 2 artifact, -1 no true beat within 150 ms)."""
-    from beatflow.beats import beats_from_peaks, embed, prune_mask
-    from beatflow.metrics import match_beats
+    from beatflow.embed.beats import beats_from_peaks, embed, prune_mask
+    from beatflow.score.metrics import match_beats
     from beatflow.params import SegmentParams
-    from beatflow.segment import detect_peaks
-    from beatflow.synth import synthesize_ecg
+    from beatflow.detect.peaks import detect_peaks
+    from beatflow.io.synth import synthesize_ecg
 
     ecg = synthesize_ecg(hours=hours, fs=250.0, seed=seed)
     s = SegmentParams().samples(ecg.fs)
@@ -75,7 +75,7 @@ def labelled_beats(hours: float, seed: int):
 
 
 def train(rows: np.ndarray, epochs: int, out: Path, seed: int):
-    from beatflow.model import save_model, train_vae
+    from beatflow.model.vae import save_model, train_vae
 
     with torch_threads(1):
         res = train_vae(rows, epochs=epochs, batch_size=1024, seed=seed)
@@ -91,8 +91,8 @@ def train(rows: np.ndarray, epochs: int, out: Path, seed: int):
 # ----------------------------------------------------------------------------------------------
 
 def Timer(gpu: bool):
-    """Seconds of ``fn()``: CUDA events on a GPU, the monotonic clock on the CPU (``beatflow.engine.timer``)."""
-    from beatflow.engine import timer
+    """Seconds of ``fn()``: CUDA events on a GPU, the monotonic clock on the CPU (``beatflow.engine.base.timer``)."""
+    from beatflow.engine.base import timer
 
     return timer(gpu)
 
@@ -104,8 +104,8 @@ def to_engine_input(engine, x: np.ndarray):
 
 
 def latency(engine, x: np.ndarray, timer, calls: int) -> dict:
-    """Batch-1 latency p50/p99 as every engine step measures it (:func:`beatflow.engine.profile_engine`)."""
-    from beatflow.engine import profile_engine
+    """Batch-1 latency p50/p99 as every engine step measures it (:func:`beatflow.engine.base.profile_engine`)."""
+    from beatflow.engine.base import profile_engine
 
     lat = profile_engine(engine, x[:64], (), latency_calls=calls, min_rows=1)["latency_batch1_us"]
     return {"p50_us": lat["p50"], "p99_us": lat["p99"], "calls": lat["calls"]}
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows, labels = labelled_beats(args.hours, args.seed)
     model_path, res, val = train(rows, args.epochs, out, args.seed)
-    from beatflow.model import Scorer, load_model, score_beats
+    from beatflow.model.vae import Scorer, load_model, score_beats
 
     scorer = Scorer(load_model(model_path)).eval()
     with torch_threads(1):

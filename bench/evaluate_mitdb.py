@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from beatflow.evaluate import PACED_RECORDS, evaluate, list_records, load_record  # noqa: E402
-from beatflow.metrics import Detection  # noqa: E402
+from beatflow.score.evaluate import PACED_RECORDS, evaluate, list_records, load_record  # noqa: E402
+from beatflow.score.metrics import Detection  # noqa: E402
 
 DETECTORS = ("beatflow", "neurokit2", "neurokit2_raw", "xqrs")
 SCORERS = ("beatflow", "isolation_forest", "ecod")
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "mitdb"))
     ap.add_argument("--lead", type=int, default=0)
     ap.add_argument("--confirm-lead", type=int, default=None,
-                    help="a second channel that checks the beats (beatflow.leads, as beatflow evaluate --confirm-lead)")
+                    help="a second channel that checks the beats (beatflow.detect.leads, as beatflow evaluate --confirm-lead)")
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=1024)

@@ -17,12 +17,12 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
 def main() -> int:
-    import beatflow.report as R
+    import beatflow.report.figures as R
     from test_report import _fake_data
 
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 7
     R.warm_up()
-    d = _fake_data(m=20_000, ncols=4000)  # (the flow's columns: flows.pipeline.N_COLUMNS)
+    d = _fake_data(m=20_000, ncols=4000)  # (the flow's columns: beatflow.pipeline.flow.N_COLUMNS)
     print("| figure | median ms | min ms |\n|---|---:|---:|")
     medians = {}
     for name, draw in R.FIGURES.items():
@@ -34,7 +34,7 @@ def main() -> int:
         medians[name] = statistics.median(took)
         print(f"| {name} | {medians[name]:.1f} | {min(took):.1f} |")
     # the figures drawn at once when the scores are known, each in its own process: the report waits for the
-    # slowest (flows.pipeline: LATE_FIGURES and the top anomalies' parts)
+    # slowest (beatflow.pipeline.flow: LATE_FIGURES and the top anomalies' parts)
     late = [n for n in medians if n not in R.EARLY_FIGURES]
     slowest = max(late, key=medians.get)
     print(f"slowest of the late figures ({', '.join(late)}): {slowest}, {medians[slowest]:.1f} ms")

@@ -8,7 +8,7 @@ Variants, each in a fresh process (allocator and compile caches are per process)
 - ``async``: the compiled step captured, allocations inside the capture from the async pool (the
   traceback shows where it fails; the step then falls back to the fusible form uncompiled, as in the
   flow's workers until session 8);
-- ``arena``: the compiled step captured with :mod:`beatflow.capture_arena` in front of the pool;
+- ``arena``: the compiled step captured with :mod:`beatflow.gpu.arena` in front of the pool;
 - ``nostatic``: as ``async`` with Triton's own launcher instead of Inductor's static one;
 - ``eager``: the eager model (``compile=False``: cuDNN convolutions) captured with the arena (without
   it, session 9 saw an illegal memory access at the first replay).
@@ -40,9 +40,8 @@ def one():
     variant = os.environ.get("VARIANT", "async")
     import torch._inductor.config as ic
 
-    from beatflow import capture_arena
-    from beatflow import model as M
-
+    from beatflow.gpu import arena as capture_arena
+    from beatflow.model import vae as M
     if variant == "nostatic":
         ic.use_static_cuda_launcher = False
     if variant in ("arena", "eager"):

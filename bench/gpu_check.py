@@ -4,7 +4,7 @@ Run on the GPU machine from the repository root (``PYTHONPATH=$PWD``)::
 
     python bench/gpu_check.py            # writes gpu_check.json / gpu_check.md under $OUT (or bench/out)
 
-(a) checks ``beatflow.kernels`` (NMS, warp-per-beat embedding) and the whole CuPy segmentation
+(a) checks ``beatflow.gpu.kernels`` (NMS, warp-per-beat embedding) and the whole CuPy segmentation
     against the NumPy implementations on a 20 h synthetic ECG (250 Hz, 18 M samples);
 (b) follows one partition's device array CuPy -> Numba (``cuda.as_cuda_array``) -> PyTorch
     (``torch.from_dlpack``) and asserts one device pointer throughout;
@@ -132,11 +132,11 @@ def main() -> int:
 
     import cupy
 
-    from beatflow import beats as B
-    from beatflow import kernels as K
-    from beatflow import segment as S
+    from beatflow.embed import beats as B
+    from beatflow.gpu import kernels as K
+    from beatflow.detect import peaks as S
     from beatflow.params import SegmentParams
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     s = SegmentParams().samples(FS)
     base = max(1, s.pre // 2)  # as partitions.embed_partition
@@ -274,7 +274,7 @@ def main() -> int:
     with rep.section("vae"):
         import torch
 
-        from beatflow.model import LightVAE, train_vae, vae_loss
+        from beatflow.model.vae import LightVAE, train_vae, vae_loss
 
         v = d["vae"] = {}
         beats_t = torch.from_dlpack(rows_g)

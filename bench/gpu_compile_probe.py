@@ -9,8 +9,8 @@ Random LightVAE weights (seed 0); figures in bench/RESULTS.md.
 import os, sys, time
 sys.path.insert(0, os.getcwd())
 import torch
-from beatflow.model import LightVAE, Scorer
-from beatflow.fused import FusedScorer
+from beatflow.model.vae import LightVAE, Scorer
+from beatflow.model.fused import FusedScorer
 mode = sys.argv[1]
 torch.manual_seed(0)
 vae = LightVAE(256).eval()

@@ -20,9 +20,8 @@ def main():
 
     from gpu_seg_embed import setup
 
-    from beatflow import beats as B
-    from beatflow import kernels as K
-
+    from beatflow.embed import beats as B
+    from beatflow.gpu import kernels as K
     s, _, xg, _ = setup()
     peaks = K.detect_peaks_gpu(xg, s)
     _, start, length = B.beats_from_peaks(peaks, s, xg.shape[0])

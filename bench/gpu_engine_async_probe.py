@@ -19,8 +19,8 @@ def main():
     rmm.mr.set_current_device_resource(rmm.mr.StatisticsResourceAdaptor(
         rmm.mr.CudaAsyncMemoryResource(initial_pool_size=4 << 30)))
     torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
-    from beatflow import model as M
-    from beatflow.engine_compiled import CompiledEngine
+    from beatflow.model import vae as M
+    from beatflow.engine.compiled import CompiledEngine
 
     mr = rmm.mr.get_current_device_resource()
     out = {"backend": torch.cuda.memory.get_allocator_backend(), "graph_allocator": M.graph_allocator(),

@@ -12,11 +12,11 @@ Run on the GPU machine from the repository root (``PYTHONPATH=/tmp/site:$PWD``):
 
 ``PYSPY=path/to/py-spy`` samples each run's flow process into ``$PYSPY_DIR`` (default ``$OUT``), and
 ``bench/stack_summary.py`` adds where the flow's thread spent its time to the log. ``SWITCH=none`` (or
-seconds) sets the workers' ``beatflow.model.QUEUE_SWITCH_INTERVAL`` for the runs (``none``: the
+seconds) sets the workers' ``beatflow.model.vae.QUEUE_SWITCH_INTERVAL`` for the runs (``none``: the
 interpreter's own); ``DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False`` in the environment turns the
 workers' Dask profiler off (which one is on is printed): what held a worker's interpreter. ``TAG``: a suffix for
 the log's and the summaries' file names. ``DEVICE=cpu WORKERS=16`` does the same for the CPU path: a standing ``LocalCluster`` of 16
-single-threaded workers set up as the flow's own (``tasks.cluster``), and ``beatflow run --device
+single-threaded workers set up as the flow's own (``beatflow.pipeline.cluster``), and ``beatflow run --device
 cpu`` against it, so that warm runs of both paths can be compared.
 """
 from __future__ import annotations
@@ -34,9 +34,8 @@ OUT = os.environ.get("OUT", os.path.join(ROOT, "bench", "out"))
 
 
 def _set_queue_switch(value):
-    """On a worker: ``beatflow.model.QUEUE_SWITCH_INTERVAL`` set to ``value``; returns it."""
-    from beatflow import model
-
+    """On a worker: ``beatflow.model.vae.QUEUE_SWITCH_INTERVAL`` set to ``value``; returns it."""
+    from beatflow.model import vae as model
     model.QUEUE_SWITCH_INTERVAL = value
     return value
 
@@ -62,7 +61,7 @@ def main() -> int:
     if device == "cpu":
         from distributed import LocalCluster
 
-        from tasks.cluster import _configure_worker_spawn
+        from beatflow.pipeline.cluster import _configure_worker_spawn
 
         _configure_worker_spawn()  # as the flow's own CPU cluster
         n = int(os.environ.get("WORKERS", "16"))
@@ -75,7 +74,7 @@ def main() -> int:
         from dask_cuda import LocalCUDACluster
 
         rmm_async = os.environ.get("RMM_ALLOCATOR", "async") == "async"  # as `beatflow run --rmm-allocator`
-        from tasks.cluster import GPU_WORKER_THREADS, gpu_worker_env
+        from beatflow.pipeline.cluster import GPU_WORKER_THREADS, gpu_worker_env
 
         gpu_worker_env(env, 0.8)  # what the flow's own cluster gives its workers (dask-cuda drops `env`)
         threads = int(os.environ.get("THREADS", GPU_WORKER_THREADS))  # as the flow's own cluster

@@ -49,10 +49,10 @@ def section(name, fn):
 
 
 def beats_matrix():
-    from beatflow.beats import beats_from_peaks, dominant_beat, embed, prune_mask, residual_rows
+    from beatflow.embed.beats import beats_from_peaks, dominant_beat, embed, prune_mask, residual_rows
     from beatflow.params import SegmentParams
-    from beatflow.segment import detect_peaks
-    from beatflow.synth import synthesize_ecg
+    from beatflow.detect.peaks import detect_peaks
+    from beatflow.io.synth import synthesize_ecg
 
     ecg = synthesize_ecg(hours=20, fs=250.0, seed=0)
     s = SegmentParams().samples(250.0)
@@ -64,7 +64,7 @@ def beats_matrix():
 
 
 def training(x):
-    from beatflow.model import train_vae
+    from beatflow.model.vae import train_vae
 
     data = torch.from_numpy(x).cuda()
     out = {}
@@ -87,8 +87,8 @@ def training(x):
 
 
 def engines(x, vae):
-    from beatflow.engine_aoti import AotInductorEngine
-    from beatflow.model import Scorer
+    from beatflow.engine.aoti import AotInductorEngine
+    from beatflow.model.vae import Scorer
 
     scorer = Scorer(vae).eval()
     xd = torch.from_numpy(x).cuda()
@@ -97,7 +97,7 @@ def engines(x, vae):
     scorer = scorer.cpu()
     out = {}
     tmp = tempfile.mkdtemp()
-    from beatflow.engine_compiled import CompiledEngine
+    from beatflow.engine.compiled import CompiledEngine
 
     variants = [("compiled fp32", "fp32", False), ("compiled fp16", "fp16", False),
                 ("compiled fp32 + CUDA graphs", "fp32", True)]
@@ -199,7 +199,7 @@ def main():
     else:
         section("training", tr)
     if "vae" not in holder:
-        from beatflow.model import train_vae
+        from beatflow.model.vae import train_vae
 
         holder["vae"] = train_vae(x, epochs=1, batch_size=1024, seed=0).model
     section("engines", lambda: engines(x, holder["vae"]))

@@ -5,8 +5,8 @@ keeps its own allocator and graphs are on by default)::
 
     python bench/gpu_graphs.py        # gpu_graphs.json under $OUT (or bench/out), a table on stdout
 
-(a) the ``compiled`` engine (:class:`beatflow.engine_compiled.CompiledEngine`) in fp32 and fp16,
-    with CUDA graphs (the default here) and without: :func:`beatflow.engine.profile_engine`
+(a) the ``compiled`` engine (:class:`beatflow.engine.compiled.CompiledEngine`) in fp32 and fp16,
+    with CUDA graphs (the default here) and without: :func:`beatflow.engine.base.profile_engine`
     (batch-1 latency p50/p99 with CUDA events, throughput by batch), and the largest score
     difference between the two;
 (b) ``train_vae`` on the pipeline's ~97 k residual rows (10 epochs, batch 1024): launched steps
@@ -55,9 +55,9 @@ def rows():
 def engines(x):
     import torch
 
-    from beatflow.engine import profile_engine
-    from beatflow.engine_compiled import CompiledEngine
-    from beatflow.model import Scorer, train_vae
+    from beatflow.engine.base import profile_engine
+    from beatflow.engine.compiled import CompiledEngine
+    from beatflow.model.vae import Scorer, train_vae
 
     vae = train_vae(x[:20000], epochs=2, device="cuda").model
     out = {}
@@ -84,7 +84,7 @@ def engines(x):
 def training(x):
     import torch
 
-    from beatflow.model import train_vae
+    from beatflow.model.vae import train_vae
 
     data = torch.from_numpy(x).cuda()
     out = {}

@@ -116,9 +116,9 @@ def engine_graph(pool, precision="fp32"):
     """Batch-1 latency: compiled fused scorer without and with a manually captured CUDA graph."""
     import torch
 
-    from beatflow.engine import _TORCH_DTYPES
-    from beatflow.fused import FusedScorer
-    from beatflow.model import LightVAE
+    from beatflow.engine.base import _TORCH_DTYPES
+    from beatflow.model.fused import FusedScorer
+    from beatflow.model.vae import LightVAE
 
     torch.manual_seed(0)
     vae = LightVAE(256).cuda().eval()
@@ -189,8 +189,8 @@ def engine_infer(precision="fp32"):
 
     import torch
 
-    from beatflow.engine_compiled import CompiledEngine
-    from beatflow.model import LightVAE, Scorer
+    from beatflow.engine.compiled import CompiledEngine
+    from beatflow.model.vae import LightVAE, Scorer
 
     torch.manual_seed(0)
     scorer = Scorer(LightVAE(256)).eval()
@@ -223,8 +223,8 @@ def train_graph(pool, precision="fp32", epochs=10, batch=1024):
     Adam) captured in one CUDA graph; loss trajectories compared."""
     import torch
 
-    from beatflow.fused import fused_forward
-    from beatflow.model import LATENT_DIM, LightVAE, vae_loss
+    from beatflow.model.fused import fused_forward
+    from beatflow.model.vae import LATENT_DIM, LightVAE, vae_loss
 
     x = data()
     n = x.shape[0]
@@ -338,8 +338,8 @@ def profile_step(pool):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from beatflow.fused import fused_forward
-    from beatflow.model import LATENT_DIM, LightVAE, vae_loss
+    from beatflow.model.fused import fused_forward
+    from beatflow.model.vae import LATENT_DIM, LightVAE, vae_loss
 
     x = data(20_000)
     torch.manual_seed(0)

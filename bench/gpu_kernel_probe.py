@@ -26,10 +26,10 @@ def main():
     import cupy
     from numba import cuda
 
-    from beatflow import kernels as K
-    from beatflow import segment as S
+    from beatflow.gpu import kernels as K
+    from beatflow.detect import peaks as S
     from beatflow.params import SegmentParams
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     ncu = "--ncu" in sys.argv
     os.makedirs(OUT, exist_ok=True)

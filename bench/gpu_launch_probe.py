@@ -20,8 +20,7 @@ def main():
 
     from gpu_seg_embed import setup
 
-    from beatflow import kernels as K
-
+    from beatflow.gpu import kernels as K
     _, _, _, seg_embed = setup()
 
     for _ in range(3):

@@ -3,8 +3,8 @@
 On the GPU hosts ``timings_detail_s.load.partitions`` (dispatch of the reads until every partition is
 on its worker) took 0.21-0.35 s for the 20 h stream while, measured on the worker, the reads took
 10-12 ms and the copies to the GPU 6.5-8 ms (session 25, H100): most of it was not the work. This
-probe runs the load's own calls (``tasks.stages.load_stashed`` then ``partition_edges``, through
-``tasks.stages.map_partitions`` and ``wait_partitions``, as the ``load`` task does) ``RUNS`` times
+probe runs the load's own calls (``beatflow.pipeline.stages.load_stashed`` then ``partition_edges``, through
+``beatflow.pipeline.stages.map_partitions`` and ``wait_partitions``, as the ``load`` task does) ``RUNS`` times
 against a standing cluster set up as the flow's own, with Dask's task stream on, and splits each
 load into:
 
@@ -42,7 +42,7 @@ def _noop(x):
 
 def _zeros(i, device):
     """A 4 MB array on the partition's device (what an empty read would hand back)."""
-    from beatflow.backend import namespace
+    from beatflow.device import namespace
 
     return namespace(device).zeros(1 << 20, dtype="float32")
 
@@ -54,13 +54,13 @@ def _store(dask_worker):
 def main() -> int:
     from distributed import Client, get_task_stream, wait
 
-    from beatflow.reading import NpySource, Recording
-    from beatflow.synth import synthesize_cached
-    import tasks.stages as S
+    from beatflow.io.sources import NpySource, Recording
+    from beatflow.io.synth import synthesize_cached
+    import beatflow.pipeline.stages as S
 
     device = os.environ.get("DEVICE", "gpu")
-    if os.environ.get("PRELOAD") == "1":  # as `beatflow run --device gpu` does (beatflow.backend)
-        from beatflow.backend import import_in_background
+    if os.environ.get("PRELOAD") == "1":  # as `beatflow run --device gpu` does (beatflow.device)
+        from beatflow.device import import_in_background
 
         import_in_background("cupy")
     hours = float(os.environ.get("HOURS", "20"))
@@ -79,7 +79,7 @@ def main() -> int:
     if device == "cpu":
         from distributed import LocalCluster
 
-        from tasks.cluster import _configure_worker_spawn
+        from beatflow.pipeline.cluster import _configure_worker_spawn
 
         _configure_worker_spawn()
         workers = int(os.environ.get("WORKERS", "2"))
@@ -88,7 +88,7 @@ def main() -> int:
     else:
         from dask_cuda import LocalCUDACluster
 
-        from tasks.cluster import GPU_WORKER_THREADS, gpu_worker_env
+        from beatflow.pipeline.cluster import GPU_WORKER_THREADS, gpu_worker_env
 
         env = gpu_worker_env({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", ROOT)}, 0.8)
         cluster = LocalCUDACluster(rmm_pool_size=0.8, rmm_maximum_pool_size=0.8, rmm_async=True,

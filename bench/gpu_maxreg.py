@@ -33,7 +33,7 @@ def child(spec: str):
     import numpy as np
     from cupyx.profiler import benchmark
 
-    from beatflow import kernels as K
+    from beatflow.gpu import kernels as K
     from gpu_seg_embed import kept_bounds, setup
 
     for item in spec.split(","):  # "tpb=128" / "tile=2048": the detection's launch shape; "ch=11/11/11/9":

@@ -24,7 +24,7 @@ FILE = os.path.join(ROOT, ".devdata", "mitdb_ch0.npz")
 
 
 def prepare(names):
-    from beatflow.evaluate import load_record
+    from beatflow.score.evaluate import load_record
 
     data = {}
     for name in names:
@@ -47,9 +47,9 @@ def check(numpy_only: bool = False):
     else:
         import cupy
 
-    from beatflow import leads as LD
-    from beatflow import segment as S
-    from beatflow.evaluate import Record, detection_of
+    from beatflow.detect import leads as LD
+    from beatflow.detect import peaks as S
+    from beatflow.score.evaluate import Record, detection_of
     from beatflow.params import SegmentParams
 
     d = np.load(FILE)

@@ -67,7 +67,7 @@ def _write_record(args) -> None:
     import numpy as np
     import wfdb
 
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     folder, hours, seed = args
     rng = np.random.default_rng(seed)  # recordings differ in their PVC rate and noise, as patients do
@@ -94,7 +94,7 @@ def cpu_cluster(n: int, env: dict):
     """A ``LocalCluster`` of ``n`` single-threaded workers, set up as the flow's own CPU cluster."""
     from distributed import LocalCluster
 
-    from tasks.cluster import _configure_worker_spawn
+    from beatflow.pipeline.cluster import _configure_worker_spawn
 
     _configure_worker_spawn()
     return LocalCluster(n_workers=n, threads_per_worker=1, processes=True, host="127.0.0.1",
@@ -137,7 +137,7 @@ def main() -> int:
                 if device == "gpu":
                     from dask_cuda import LocalCUDACluster
 
-                    from tasks.cluster import GPU_WORKER_THREADS, gpu_worker_env
+                    from beatflow.pipeline.cluster import GPU_WORKER_THREADS, gpu_worker_env
 
                     gpu_worker_env(worker_env, 0.8)
                     kw = {"protocol": protocol} if protocol != "tcp" else {"host": "127.0.0.1"}

@@ -28,7 +28,7 @@ t0 = time.perf_counter(); import torch; t1 = time.perf_counter()
 import torch._inductor; t2 = time.perf_counter()
 torch.zeros(1, device="cuda"); torch.cuda.synchronize(); t3 = time.perf_counter()
 import numpy as np
-from beatflow.engines import build_or_load_engine
+from beatflow.engine.cache import build_or_load_engine
 val = np.load({val_path!r})
 t4 = time.perf_counter()
 eng, info = build_or_load_engine({model_path!r}, val, backend="aoti", device="cuda", cache_dir={cache!r})
@@ -49,7 +49,7 @@ def rmm_peak_on_worker() -> dict:
     from dask_cuda import LocalCUDACluster
     from distributed import Client
 
-    from beatflow.backend import track_rmm_statistics, transfer_stats
+    from beatflow.device import track_rmm_statistics, transfer_stats
 
     def allocate():
         import cupy
@@ -71,8 +71,8 @@ def rmm_peak_on_worker() -> dict:
 def main() -> int:
     import numpy as np
 
-    from beatflow.engines import build_or_load_engine
-    from beatflow.model import LightVAE, save_model
+    from beatflow.engine.cache import build_or_load_engine
+    from beatflow.model.vae import LightVAE, save_model
 
     res = {}
     work = tempfile.mkdtemp()

@@ -30,8 +30,7 @@ def main():
     rmm.mr.set_current_device_resource(rmm.mr.StatisticsResourceAdaptor(mr))
     cupy.cuda.set_allocator(rmm_cupy_allocator)
     torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
-    from beatflow import model as M
-
+    from beatflow.model import vae as M
     out0 = {"graph_allocator": M.graph_allocator()}
     M.graph_allocator = lambda: True  # let train_vae try capture under either resource
     rows = cupy.random.standard_normal((97_000, 256), dtype=cupy.float32) * 0.05

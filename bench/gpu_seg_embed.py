@@ -17,8 +17,7 @@ def kept_bounds(peaks, s, n: int):
     ``beats.kept_mask`` in one compaction (one synchronisation)."""
     import cupy
 
-    from beatflow import beats as B
-
+    from beatflow.embed import beats as B
     start, length = peaks[:-1] - s.pre, cupy.diff(peaks)
     kept = cupy.flatnonzero((start >= 0) & (start + length <= n) & B.kept_mask(length, s))
     return start[kept], B.row_lengths(length[kept], s)
@@ -32,9 +31,9 @@ def setup(hours: float = 20.0, cache: str | None = None):
     processes."""
     import cupy
 
-    from beatflow import kernels as K
+    from beatflow.gpu import kernels as K
     from beatflow.params import SegmentParams
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     s = SegmentParams().samples(250.0)
     if cache and os.path.exists(cache):

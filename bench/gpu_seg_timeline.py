@@ -41,8 +41,7 @@ PROFILE = int(os.environ.get("PROFILE", "200"))
 
 
 def apply(variant: str):
-    from beatflow import kernels as K
-
+    from beatflow.gpu import kernels as K
     items = variant.split(",")
     K._FAST_LAUNCH = "slow-launch" not in items
     K._STREAMS = "one" not in items
@@ -57,8 +56,7 @@ def timeline(fn):
     launch's start, at its end, GPU µs at the kernel's end), all from the call's start."""
     import cupy
 
-    from beatflow import kernels as K
-
+    from beatflow.gpu import kernels as K
     rows, orig = [], K._Ctx.launch
 
     def launch(self, kernel, blocks, threads, shared, *args, **kw):
@@ -91,8 +89,7 @@ def main():
 
     from gpu_seg_embed import setup
 
-    from beatflow import kernels as K
-
+    from beatflow.gpu import kernels as K
     s, x, xg, _ = setup(cache="/tmp/beatflow_timeline_x.npy")
     base = max(1, s.pre // 2)
 

@@ -30,10 +30,9 @@ def main():
     import cupy
     from cupyx.profiler import benchmark
 
-    from beatflow import beats as B
-    from beatflow import kernels as K
-    from beatflow import segment as S
-
+    from beatflow.embed import beats as B
+    from beatflow.gpu import kernels as K
+    from beatflow.detect import peaks as S
     os.makedirs(OUT, exist_ok=True)
     res = {"checks": {}, "ms": {}, "errors": {}}
 
@@ -107,7 +106,7 @@ def main():
     time_it("dense kernel, envelope written (qrs_envelope_gpu)", lambda: K.qrs_envelope_gpu(xg, s))
     time_it("NMS kernel alone + flatnonzero (local_maxima_gpu)", lambda: K.local_maxima_gpu(env, s.nms))
     time_it("detect_peaks_gpu (whole detection)", lambda: K.detect_peaks_gpu(xg, s))
-    from beatflow.rhythm import flutter_keep_mask
+    from beatflow.detect.rhythm import flutter_keep_mask
 
     time_it("detect_beats_gpu (whole detection + flutter rule kernels)", lambda: K.detect_beats_gpu(xg, s))
     time_it("flutter rule as CuPy array code (rhythm.flutter_keep_mask, before)",

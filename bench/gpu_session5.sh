@@ -22,9 +22,9 @@ echo "== Nsight Compute ($left s left)"
 if [ "$left" -gt 60 ]; then
   cat > /tmp/one.py <<'PY'
 import cupy
-from beatflow import kernels as K
+from beatflow.gpu import kernels as K
 from beatflow.params import SegmentParams
-from beatflow.synth import synthesize_ecg
+from beatflow.io.synth import synthesize_ecg
 s = SegmentParams().samples(250.0)
 xg = cupy.asarray(synthesize_ecg(hours=20, fs=250.0, seed=0).signal)
 for _ in range(2): K.detect_peaks_gpu(xg, s)

@@ -17,8 +17,8 @@ import sys; sys.path.insert(0, "bench")
 import numpy as np, cupy
 from cupyx.profiler import benchmark
 from gpu_seg_embed import setup
-from beatflow import kernels as K
-from beatflow.rhythm import flutter_keep_mask
+from beatflow.gpu import kernels as K
+from beatflow.detect.rhythm import flutter_keep_mask
 s, x, xg, seg_embed = setup()
 peaks = K.detect_peaks_gpu(xg, s)
 seg_embed()
@@ -36,7 +36,7 @@ from rmm.allocators.cupy import rmm_cupy_allocator
 rmm.mr.set_current_device_resource(rmm.mr.CudaAsyncMemoryResource(initial_pool_size=4 << 30))
 cupy.cuda.set_allocator(rmm_cupy_allocator)
 torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
-from beatflow import model as M
+from beatflow.model.vae import vae as M
 data = torch.from_dlpack(cupy.random.standard_normal((97102, 256), dtype=cupy.float32) * 0.1)
 warnings.simplefilter("ignore")
 print("| precision | compiled | graphs | run | total s | epochs 2-10 s | test loss |")

@@ -49,10 +49,9 @@ def main():
         setattr(obj, last, v)
     print(f"variant {variant}", flush=True)
 
-    from beatflow import backend
-    from beatflow import beats as B
-    from beatflow import model as M
-
+    from beatflow import device as backend
+    from beatflow.embed import beats as B
+    from beatflow.model import vae as M
     backend.setup_gpu_memory(0.5)
     backend.track_rmm_statistics()
     from gpu_seg_embed import setup

@@ -35,9 +35,8 @@ def main():
         torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
     from gpu_seg_embed import setup
 
-    from beatflow import beats as B
-    from beatflow import model as M
-
+    from beatflow.embed import beats as B
+    from beatflow.model import vae as M
     _, _, _, seg_embed = setup()
     rows, p2p = seg_embed()
     rows /= float(cupy.median(p2p))

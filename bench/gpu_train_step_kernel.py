@@ -1,4 +1,4 @@
-"""GPU: the training step kernel (``beatflow.train_kernel``) against the compiled bf16 steps, as the flow trains.
+"""GPU: the training step kernel (``beatflow.model.step_kernel``) against the compiled bf16 steps, as the flow trains.
 
 In a process set up as a flow GPU worker (RMM async pool for CuPy, Numba and PyTorch, statistics adaptor,
 capture arena: ``backend.setup_gpu_memory`` + ``backend.track_rmm_statistics`` + ``capture_arena.install``),
@@ -73,10 +73,10 @@ def main() -> int:
     import cupy
     import torch
 
-    from beatflow import backend
-    from beatflow import beats as B
-    from beatflow import model as M
-    from beatflow.capture_arena import install
+    from beatflow import device as backend
+    from beatflow.embed import beats as B
+    from beatflow.model import vae as M
+    from beatflow.gpu.arena import install
     from gpu_seg_embed import setup
 
     backend.setup_gpu_memory(0.5)
@@ -153,7 +153,7 @@ def profile_kernel_step(M, data, n: int) -> None:
     """The GPU kernels of ``n`` kernel steps (step kernel, the rows' sum, fused Adam), launched one by one."""
     import torch
 
-    from beatflow.train_kernel import KernelStep
+    from beatflow.model.step_kernel import KernelStep
 
     torch.manual_seed(0)
     model = M.LightVAE(data.shape[1]).cuda()

@@ -4,7 +4,7 @@ One Prefect server stays up. Run ``one``: ``beatflow run --device gpu`` on its o
 ``LocalCUDACluster`` (one worker, dask-cuda's RMM set-up). Then a ``dask scheduler`` and ``WORKERS``
 plain ``dask worker`` processes (``CUDA_VISIBLE_DEVICES=0`` each: on a one-GPU machine they share
 it; no RMM and no Numba memory manager in their environment: the flow's GPU memory plugin,
-``tasks.cluster.GPUMemorySetup``, must set them up), and ``RUNS`` runs with ``--scheduler`` on them
+``beatflow.pipeline.cluster.GPUMemorySetup``, must set them up), and ``RUNS`` runs with ``--scheduler`` on them
 (``workers2-1`` first, then warm). Same input and ``--partitions`` everywhere: the beats must be
 identical and the scores equal (up to training's nondeterminism on the GPU), and each worker's
 summary must show CuPy, PyTorch and Numba on RMM. Prints a table; summaries and a JSON under ``$OUT``.

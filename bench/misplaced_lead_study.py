@@ -1,4 +1,4 @@
-"""MIT-BIH (26 records): rule 3 of the second lead (``beatflow.leads.misplaced``), peaks moved to the
+"""MIT-BIH (26 records): rule 3 of the second lead (``beatflow.detect.leads.misplaced``), peaks moved to the
 second lead's QRS, chosen and checked by cross-validation over records (session 19, the accuracy issue).
 
 A "misplaced" detection is a noise peak of lead 0 that won the suppression window 0.15-0.35 s from a
@@ -29,11 +29,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from beatflow import leads as LD  # noqa: E402
-from beatflow.evaluate import PACED_RECORDS, list_records, load_record  # noqa: E402
-from beatflow.metrics import TOLERANCE_S, match_beats  # noqa: E402
+from beatflow.detect import leads as LD
+from beatflow.score.evaluate import PACED_RECORDS, list_records, load_record  # noqa: E402
+from beatflow.score.metrics import TOLERANCE_S, match_beats  # noqa: E402
 from beatflow.params import SegmentParams  # noqa: E402
-from beatflow.segment import detect_peaks  # noqa: E402
+from beatflow.detect.peaks import detect_peaks  # noqa: E402
 
 NON_PACED = "101 106 108 109 112 114 115 116 118 119 122 124 201 203 205 207 208 209 215 220 223 230".split()
 PACED = sorted(PACED_RECORDS)

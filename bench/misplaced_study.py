@@ -19,9 +19,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from beatflow import segment as S  # noqa: E402
-from beatflow.evaluate import list_records, load_record  # noqa: E402
-from beatflow.metrics import TOLERANCE_S, match_beats  # noqa: E402
+from beatflow.detect import peaks as S
+from beatflow.score.evaluate import list_records, load_record  # noqa: E402
+from beatflow.score.metrics import TOLERANCE_S, match_beats  # noqa: E402
 from beatflow.params import SegmentParams  # noqa: E402
 
 NON_PACED = "101 106 108 109 112 114 115 116 118 119 122 124 201 203 205 207 208 209 215 220 223 230".split()

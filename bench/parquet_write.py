@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main() -> int:
     import numpy as np
 
-    from beatflow.scoring import anomaly_table, write_anomaly_table
+    from beatflow.score.rule import anomaly_table, write_anomaly_table
 
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 7
     n = 97_102

@@ -38,11 +38,11 @@ def segment_on_cluster(x, s, workers: int, whole):
     """
     from distributed import Client, LocalCluster
 
-    from beatflow.partitions import assemble_halos, edges, segment_partition
-    from tasks.cluster import _configure_worker_spawn
+    from beatflow.embed.partitions import assemble_halos, edges, segment_partition
+    from beatflow.pipeline.cluster import _configure_worker_spawn
 
     _configure_worker_spawn()  # as the flow does (and keeps this process's environment clean for the run below)
-    from beatflow.reading import PartitionSpec, _split_even
+    from beatflow.io.sources import PartitionSpec, _split_even
 
     spans = _split_even(x.shape[0], workers)
     specs = [PartitionSpec(0, k, a, b) for k, (a, b) in enumerate(spans)]
@@ -70,9 +70,9 @@ def mitdb_rows(folder, skip_neurokit: bool) -> list:
     Detection quality is scored per record (the concatenation joins unrelated patients), against
     all beat annotations, 150 ms tolerance.
     """
-    from beatflow.evaluate import detection_of, list_records, load_record
+    from beatflow.score.evaluate import detection_of, list_records, load_record
     from beatflow.params import SegmentParams
-    from beatflow.segment import detect_peaks
+    from beatflow.detect.peaks import detect_peaks
 
     recs = [load_record(stem) for stem in list_records(folder)]
     x = np.concatenate([r.signal for r in recs]).astype(np.float32)
@@ -111,11 +111,11 @@ def main() -> None:
 
     import torch
 
-    from beatflow.beats import beats_from_peaks, embed, prune_mask
-    from beatflow.metrics import match_beats
+    from beatflow.embed.beats import beats_from_peaks, embed, prune_mask
+    from beatflow.score.metrics import match_beats
     from beatflow.params import SegmentParams
-    from beatflow.segment import detect_peaks
-    from beatflow.synth import synthesize_ecg
+    from beatflow.detect.peaks import detect_peaks
+    from beatflow.io.synth import synthesize_ecg
 
     torch.set_num_threads(os.cpu_count() or 1)
     rows = []

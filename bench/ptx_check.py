@@ -1,4 +1,4 @@
-"""Compile every CUDA kernel of beatflow.kernels for sm_90 (H100/H200) on a machine without a GPU.
+"""Compile every CUDA kernel of beatflow.gpu.kernels for sm_90 (H100/H200) on a machine without a GPU.
 
 The CUDA simulator checks what the kernels compute, not that Numba can compile them for a real
 device, nor what code they become. NVVM runs without a GPU, so this compiles each kernel to PTX
@@ -36,7 +36,7 @@ numba.cuda.get_current_device = lambda: _H200()
 if hasattr(_dispatcher, "get_current_device"):
     _dispatcher.get_current_device = lambda: _H200()
 
-from beatflow import kernels as K  # noqa: E402
+from beatflow.gpu import kernels as K
 from beatflow.params import SegmentParams  # noqa: E402
 
 

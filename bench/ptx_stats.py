@@ -1,5 +1,5 @@
 """The training step kernel's PTX, compiled without a GPU: its size, shuffles and local memory for each way of
-summing (``beatflow.train_kernel.step_sums``), and with ``--dump DIR`` the PTX files (to diff two trees).
+summing (``beatflow.model.step_kernel.step_sums``), and with ``--dump DIR`` the PTX files (to diff two trees).
 
 Needs Numba's CUDA target with NVVM, which the project's own environment lacks on a machine without a GPU:
 a separate venv, e.g. ``python3 -m venv /tmp/ptx && /tmp/ptx/bin/pip install "numba-cuda[cu13]==0.30.4" numpy``,
@@ -35,7 +35,7 @@ def main() -> int:
 
     cuda.is_available = lambda: True  # (compiling only)
     dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
-    import beatflow.train_kernel as TK
+    import beatflow.model.step_kernel as TK
 
     sums_ways = ("butterfly", "transposed") if hasattr(TK, "step_sums") else (None,)
     print(f"| sums | PTX lines | shfl.sync | ld.local | st.local |  (width {args.width}, cc {args.cc}, {args.root})")

@@ -1,5 +1,5 @@
 """What a second lead costs on the CPU: per MIT-BIH record, the first lead's detection
-(``detect_peaks``) beside the second lead's steps (``beatflow.leads``): rule 1 (``flutter_keep``: the
+(``detect_peaks``) beside the second lead's steps (``beatflow.detect.leads``): rule 1 (``flutter_keep``: the
 window energies of both leads and the near-median fractions where the rule reads them), the peaks'
 measures (``peak_measures``), rules 2 and 3 (``doubtful``, ``misplaced``). Best of ``--repeat`` calls
 each (one thread, after a warm-up call that compiles the Numba loops), and the peaks, to check that
@@ -19,10 +19,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from beatflow import leads as LD  # noqa: E402
-from beatflow.evaluate import load_record  # noqa: E402
+from beatflow.detect import leads as LD
+from beatflow.score.evaluate import load_record  # noqa: E402
 from beatflow.params import SegmentParams  # noqa: E402
-from beatflow.segment import detect_peaks  # noqa: E402
+from beatflow.detect.peaks import detect_peaks  # noqa: E402
 
 
 def best(fn, repeat: int):

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main() -> int:
-    from beatflow.scoring import anomaly_table, write_anomaly_table
+    from beatflow.score.rule import anomaly_table, write_anomaly_table
 
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 97_102
     repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 3

@@ -1,7 +1,7 @@
 """Which beats to flag: the score threshold on MIT-BIH (inter-patient folds) and on the synthetic ECG.
 
 The flow ranks beats by the LightVAE's reconstruction error and flags those above
-``beatflow.scoring.robust_threshold`` of the scored stream's scores (median + k robust standard
+``beatflow.score.rule.robust_threshold`` of the scored stream's scores (median + k robust standard
 deviations of the log scores). This study scores the MIT-BIH records as ``bench/evaluate_mitdb.py``
 does (22 non-paced records in 5 folds by record, the VAE trained on the other folds; the 4 paced
 records scored by a VAE trained on the 22), saves every fold's scores, and counts, for threshold
@@ -27,9 +27,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from beatflow.evaluate import PACED_RECORDS, list_records, load_record, record_beats, scaled_rows  # noqa: E402
-from beatflow.model import score_beats, train_vae  # noqa: E402
-from beatflow.scoring import robust_threshold  # noqa: E402
+from beatflow.score.evaluate import PACED_RECORDS, list_records, load_record, record_beats, scaled_rows  # noqa: E402
+from beatflow.model.vae import score_beats, train_vae  # noqa: E402
+from beatflow.score.rule import robust_threshold  # noqa: E402
 
 NON_PACED = "101 106 108 109 112 114 115 116 118 119 122 124 201 203 205 207 208 209 215 220 223 230".split()
 #: the rules compared: name -> per-beat thresholds from the scored set's scores and recordings
@@ -121,7 +121,7 @@ def synthetic_sets(run: Path) -> list[tuple]:
     abnormal beats, 'N' for normal ones, 'None' where a kept beat matches no truth beat)."""
     import pandas as pd
 
-    from beatflow.metrics import TOLERANCE_S, match_beats
+    from beatflow.score.metrics import TOLERANCE_S, match_beats
 
     table_ = pd.read_parquet(run / "anomalies.parquet")
     with np.load(run / "truth.npz") as t:

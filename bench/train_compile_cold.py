@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from beatflow.model import train_vae  # noqa: E402
+from beatflow.model.vae import train_vae  # noqa: E402
 
 
 def main() -> None:

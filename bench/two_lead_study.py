@@ -36,11 +36,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from beatflow.cpu_kernels import flutter_features_cpu  # noqa: E402
-from beatflow.evaluate import BEAT_SYMBOLS, PACED_RECORDS, list_records, load_record  # noqa: E402
-from beatflow.metrics import TOLERANCE_S, match_beats  # noqa: E402
+from beatflow.detect.cpu import flutter_features_cpu  # noqa: E402
+from beatflow.score.evaluate import BEAT_SYMBOLS, PACED_RECORDS, list_records, load_record  # noqa: E402
+from beatflow.score.metrics import TOLERANCE_S, match_beats  # noqa: E402
 from beatflow.params import SegmentParams  # noqa: E402
-from beatflow.segment import detect_peaks, gaussian_derivative, qrs_envelope  # noqa: E402
+from beatflow.detect.peaks import detect_peaks, gaussian_derivative, qrs_envelope  # noqa: E402
 
 CACHE = ROOT / "bench" / "out" / "two_lead_cache"
 NON_PACED = "101 106 108 109 112 114 115 116 118 119 122 124 201 203 205 207 208 209 215 220 223 230".split()
@@ -303,16 +303,16 @@ def main() -> int:
     for n, d in D.items():  # the study's form of the rule is the product's
         assert np.array_equal(flutter_peaks(d, MERGED), d["on"]), n
     print(f"two_lead_flutter_windows(base1=0) gives detect_peaks' peaks on all {len(D)} records ({time.time() - t0:.0f} s)")
-    from beatflow.leads import SecondLeadParams, second_lead_keep
+    from beatflow.detect.leads import SecondLeadParams, second_lead_keep
 
     product = SecondLeadParams()  # the product's defaults are the study's robust setting and peak rule
     assert (product.flutter_max_freq_hz, product.flutter_baseline_ratio, product.flutter_gate_ratio) == \
         (ROBUST["fmax1"], ROBUST["base1"], ROBUST["gate0"])
     assert (product.weak_ratio, product.quiet_ratio, product.quality_ratio) == (PEAK["a"], PEAK["t1"], PEAK["c"])
-    for n, d in D.items():  # and beatflow.leads gives the study's peaks
+    for n, d in D.items():  # and beatflow.detect.leads gives the study's peaks
         keep, _ = second_lead_keep(d["x0"], d["x1"], d["on"], FS, S, product)
         assert np.array_equal(d["on"][keep], final_peaks(n, ROBUST, PEAK)), n
-    print("beatflow.leads.second_lead_keep (defaults) gives the study's 'robust + doubtful peaks' on every record")
+    print("beatflow.detect.leads.second_lead_keep (defaults) gives the study's 'robust + doubtful peaks' on every record")
 
     print("\n## The settings, exact (22 non-paced records; the 4 paced apart)\n")
     print("| variant | Se % | PPV % | TP | FP | FN | FP in VF | FP outside VF | paced Se % | paced PPV % | paced TP "

@@ -1,6 +1,6 @@
 """Beat detection on the local MIT-BIH records with and without the VF/flutter episode rule.
 
-Runs :func:`beatflow.segment.detect_peaks` on channel 0 of every record (no VAE), matches against
+Runs :func:`beatflow.detect.peaks.detect_peaks` on channel 0 of every record (no VAE), matches against
 all beat annotations (150 ms), and prints gross Se/PPV over the 22 non-paced records (all beats and
 VF episodes excluded), the 4 paced records apart, the per-record FP/FN changes against the rule
 switched off (``vf_baseline_ratio=0``), and, with ``--grid``, a small sensitivity grid.
@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-from beatflow.evaluate import PACED_RECORDS, detection_of, list_records, load_record  # noqa: E402
-from beatflow.metrics import Detection  # noqa: E402
+from beatflow.score.evaluate import PACED_RECORDS, detection_of, list_records, load_record  # noqa: E402
+from beatflow.score.metrics import Detection  # noqa: E402
 from beatflow.params import SegmentParams  # noqa: E402
-from beatflow.segment import detect_peaks  # noqa: E402
+from beatflow.detect.peaks import detect_peaks  # noqa: E402
 
 NON_PACED = ("101 106 108 109 112 114 115 116 118 119 122 124 201 203 205 207 208 209 215 220 223 230").split()
 

@@ -35,7 +35,7 @@ def mitdb() -> Path:
 
 @pytest.fixture(scope="session")
 def synthetic_ecg():
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     return synthesize_ecg(hours=0.1, fs=250.0, seed=3)
 
@@ -51,7 +51,7 @@ def prefect_server():
     server.start(timeout=120)
     with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
         yield server.api_url
-        from tasks.cluster import _flush_logs
+        from beatflow.pipeline.cluster import _flush_logs
 
         _flush_logs()
     server.stop()

@@ -203,7 +203,7 @@ def match_count(detected, reference, tol: int) -> int:
 
 
 def flutter_keep_mask(x, peaks, first: int, s) -> np.ndarray:
-    """Ventricular flutter rule (``beatflow.rhythm``) by loops over windows and peaks."""
+    """Ventricular flutter rule (``beatflow.detect.rhythm``) by loops over windows and peaks."""
     peaks = [int(p) for p in peaks]
     n, W, c, L = len(x), s.vf_window, s.vf_context, max(1, s.vf_runs)
     if not peaks or n == 0 or not s.vf_baseline > 0:
@@ -260,7 +260,7 @@ def _lead_windows(x, s):
 
 
 def second_lead_keep(x0, x1, peaks, fs: float, s, p) -> np.ndarray:
-    """``beatflow.leads.second_lead_keep`` by loops: the flutter rule on either lead, then the
+    """``beatflow.detect.leads.second_lead_keep`` by loops: the flutter rule on either lead, then the
     doubtful-peak rule, peak by peak."""
     peaks = [int(q) for q in peaks]
     n, W, c, L = len(x0), s.vf_window, s.vf_context, max(1, s.vf_runs)
@@ -310,7 +310,7 @@ def second_lead_keep(x0, x1, peaks, fs: float, s, p) -> np.ndarray:
 
 
 def second_lead_peaks(x0, x1, peaks, fs: float, s, p) -> np.ndarray:
-    """``beatflow.leads.second_lead_peaks`` by loops: rules 1 and 2 (:func:`second_lead_keep`), then
+    """``beatflow.detect.leads.second_lead_peaks`` by loops: rules 1 and 2 (:func:`second_lead_keep`), then
     rule 3 peak by peak (a peak moves to the second lead's largest envelope maximum 0.15-0.4 s away)."""
     rest = [int(q) for q, ok in zip(peaks, second_lead_keep(x0, x1, peaks, fs, s, p)) if ok]
     if not (p.move_quiet_ratio > 0 and rest):

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 import naive
-from beatflow.beats import RaggedBeats, beats_from_peaks, embed, prune_mask
+from beatflow.embed.beats import RaggedBeats, beats_from_peaks, embed, prune_mask
 from beatflow.params import SegmentParams
 
 S250 = SegmentParams().samples(250.0)
@@ -58,7 +58,7 @@ def test_embed_with_offset_partition():
 
 @pytest.mark.parametrize("n", [1, 7, 300])
 def test_dominant_beat_is_the_columnwise_median(n):
-    from beatflow.beats import dominant_beat, residual_rows
+    from beatflow.embed.beats import dominant_beat, residual_rows
 
     rows = np.random.default_rng(n).normal(size=(n, 16)).astype(np.float32)
     want = np.array([sorted(rows[:, j])[n // 2] if n % 2 else 0.5 * (sorted(rows[:, j])[n // 2 - 1]
@@ -70,7 +70,7 @@ def test_dominant_beat_is_the_columnwise_median(n):
 
 
 def test_dominant_beat_of_a_long_stream_uses_evenly_spaced_rows(monkeypatch):
-    import beatflow.beats as B
+    import beatflow.embed.beats as B
 
     monkeypatch.setattr(B, "DOMINANT_SAMPLE", 10)
     rows = np.arange(25 * 3, dtype=np.float32).reshape(25, 3)  # 25 rows -> every 3rd: rows 0, 3, ..., 24
@@ -81,7 +81,7 @@ def test_dominant_beat_of_a_long_stream_uses_evenly_spaced_rows(monkeypatch):
 def test_residuals_make_one_patients_normal_beats_small_and_others_large():
     """Two 'patients' with different normal shapes: after subtracting each one's dominant beat, the
     normal beats of both are near zero and each one's odd beats stand out."""
-    from beatflow.beats import dominant_beat, residual_rows
+    from beatflow.embed.beats import dominant_beat, residual_rows
 
     rng = np.random.default_rng(0)
     t = np.linspace(0, 1, 64, dtype=np.float32)
@@ -96,7 +96,7 @@ def test_residuals_make_one_patients_normal_beats_small_and_others_large():
 def test_long_beats_are_cut_to_the_row_unless_pruned_as_in_the_seed():
     import dataclasses
 
-    from beatflow.beats import kept_mask, row_lengths
+    from beatflow.embed.beats import kept_mask, row_lengths
 
     length = np.array([99, 100, 256, 257, 600])
     s = dataclasses.replace(S250, lower=100, upper=256)
@@ -110,8 +110,8 @@ def test_long_beats_are_cut_to_the_row_unless_pruned_as_in_the_seed():
 def test_a_premature_beat_before_a_pause_gets_a_row():
     """Peaks of a regular rhythm with one early beat followed by a compensatory pause: the early
     beat's row is cut to the row width instead of being dropped."""
-    from beatflow.partitions import plan_beats
-    from beatflow.reading import PartitionSpec
+    from beatflow.embed.partitions import plan_beats
+    from beatflow.io.sources import PartitionSpec
 
     peaks = np.array([100, 300, 500, 620, 900, 1100, 1300])  # 620: early; 620 -> 900 is 280 > 256
     s = SegmentParams(min_length_s=0.4, max_length_s=1.024).samples(250.0)

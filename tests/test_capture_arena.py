@@ -1,4 +1,4 @@
-"""Tests of beatflow.capture_arena: the arena's bookkeeping with a fake upstream resource (CPU), and
+"""Tests of beatflow.gpu.arena: the arena's bookkeeping with a fake upstream resource (CPU), and
 on a GPU with RMM the compiled training step captured in CUDA graphs through it."""
 import os
 import subprocess
@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from beatflow.capture_arena import CaptureArena
+from beatflow.gpu.arena import CaptureArena
 
 
 class FakeUpstream:
@@ -114,7 +114,8 @@ def test_compiled_step_captured_under_rmm_through_the_arena():
         from rmm.allocators.torch import rmm_torch_allocator
         rmm.mr.set_current_device_resource(rmm.mr.CudaAsyncMemoryResource())
         torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
-        from beatflow import capture_arena, model as M
+        from beatflow.gpu import arena as M
+        from beatflow.model import vae as M
         rows = np.random.default_rng(0).standard_normal((6000, 256)).astype(np.float32) * 0.1
         plain = M.train_vae(rows, epochs=3, batch_size=1024, seed=0, device="cuda", compile=True, cudagraphs=None)
         try:
@@ -150,9 +151,8 @@ def test_capture_graph_takes_an_arena_only_where_one_is_installed(monkeypatch):
 
     import torch
 
-    from beatflow import capture_arena
-    from beatflow import model as M
-
+    from beatflow.gpu import arena as capture_arena
+    from beatflow.model import vae as M
     calls = []
 
     @contextlib.contextmanager

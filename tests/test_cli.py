@@ -61,10 +61,10 @@ def test_long_lived_imports_restore_the_collector_after_a_failed_import(gc_state
 @pytest.mark.parametrize("setup", ["command", "worker"])
 def test_the_heap_is_left_to_the_os_at_exit(setup, tmp_path):
     """The ``beatflow`` command (``main``) and each worker of the flow's own cluster (its preload,
-    ``tasks.worker_preload``) register ``gc.freeze`` to run at exit, after the handlers registered
+    ``beatflow.pipeline.worker_preload``) register ``gc.freeze`` to run at exit, after the handlers registered
     later: what is alive then is not walked by the interpreter's last full collection."""
     start = {"command": f"from beatflow.cli import main\nrc = main(['engine', 'list', '--cache-dir', {str(tmp_path)!r}])\n",
-             "worker": "from tasks.worker_preload import dask_setup\nrc = dask_setup(None) or 0\n"}[setup]
+             "worker": "from beatflow.pipeline.worker_preload import dask_setup\nrc = dask_setup(None) or 0\n"}[setup]
     code = (
         "import atexit, gc, sys\n" + start +
         "keep = [[i] for i in range(1000)]  # made after the last freeze before\n"
@@ -85,8 +85,8 @@ def test_the_command_and_the_flows_process_do_not_import_pytorch():
         "import sys\n"
         "from beatflow.cli import main\n"
         "assert main(['run', '--device', 'cpu', '--precision', 'bf16']) == 2  # refused by the engine check\n"
-        "import prefect_dask, flows.pipeline, flows.score_new, tasks.cluster, tasks.stages\n"
-        "from beatflow.engine_options import resolve_backend\n"
+        "import prefect_dask, beatflow.pipeline.flow, beatflow.pipeline.inbox_flow, beatflow.pipeline.cluster, beatflow.pipeline.stages\n"
+        "from beatflow.engine.options import resolve_backend\n"
         "from beatflow.params import TRAIN_FRACTION, compile_pays\n"
         "assert resolve_backend('auto', 'fp32', 'cpu') == 'onnxruntime'\n"
         "assert resolve_backend('onnxruntime', 'int8', 'cpu') == 'onnxruntime'\n"
@@ -102,13 +102,13 @@ def test_the_command_starts_the_figure_pool_before_it_imports_prefect_and_the_fl
     a warm GPU run's figures find them ready. The pool's module itself is light (no Prefect, no Dask)."""
     code = (
         "import sys\n"
-        "import beatflow.figure_pool as fp\n"
-        "assert not any(m in sys.modules for m in ('prefect', 'distributed', 'flows.pipeline', 'torch'))\n"
+        "import beatflow.report.pool as fp\n"
+        "assert not any(m in sys.modules for m in ('prefect', 'distributed', 'beatflow.pipeline.flow', 'torch'))\n"
         "seen = []\n"
         "class Started(Exception):\n"
         "    pass\n"
         "def pool():\n"
-        "    seen.append(sorted(m for m in ('prefect', 'prefect_dask', 'distributed', 'flows.pipeline')"
+        "    seen.append(sorted(m for m in ('prefect', 'prefect_dask', 'distributed', 'beatflow.pipeline.flow')"
         " if m in sys.modules))\n"
         "    raise Started\n"
         "fp.figure_pool = pool\n"

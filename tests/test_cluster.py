@@ -2,7 +2,7 @@
 import pytest
 
 from beatflow.errors import DeviceError, InputError
-from tasks.cluster import parse_pool_size, wait_for_workers
+from beatflow.pipeline.cluster import parse_pool_size, wait_for_workers
 
 
 @pytest.mark.parametrize("value, want", [("80%", 0.8), (0.8, 0.8), ("0.5", 0.5), ("100%", 1.0), ("40GB", "40GB"),
@@ -35,19 +35,19 @@ def _trim_setting():
 def _preloaded():
     import sys
 
-    return "tasks.worker_preload" in sys.modules
+    return "beatflow.pipeline.worker_preload" in sys.modules
 
 
 def test_workers_start_without_eager_malloc_trimming(monkeypatch):
     """distributed spawns workers with MALLOC_TRIM_THRESHOLD_=65536 (and writes it into the parent's own
     environment); PyTorch training in such a worker ran 3x slower, so the flow's workers must not get it,
-    even when this process inherited it. They preload ``tasks.worker_preload`` (their exit without a
+    even when this process inherited it. They preload ``beatflow.pipeline.worker_preload`` (their exit without a
     last full collection: tests/test_cli.py)."""
     import os
 
     from distributed import Client, LocalCluster
 
-    from tasks.cluster import _configure_worker_spawn, make_task_runner
+    from beatflow.pipeline.cluster import _configure_worker_spawn, make_task_runner
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "65536")  # as left by an earlier cluster in this process
     _configure_worker_spawn()
@@ -61,8 +61,7 @@ def test_workers_start_without_eager_malloc_trimming(monkeypatch):
 
 def test_transfer_counters_are_per_run_on_long_lived_workers():
     """A worker of an existing cluster serves run after run: each run reports its own device-to-host bytes."""
-    from beatflow import backend as bk
-
+    from beatflow import device as bk
     total = bk._D2H_BYTES[0]
     bk.begin_run("run-a")
     bk._D2H_BYTES[0] += 100  # what to_host adds for a 100-byte device array
@@ -77,7 +76,7 @@ def test_transfer_counters_are_per_run_on_long_lived_workers():
 
 
 def test_unknown_rmm_allocator_is_an_input_error():
-    from tasks.cluster import make_task_runner
+    from beatflow.pipeline.cluster import make_task_runner
 
     with pytest.raises(InputError, match="--rmm-allocator: 'arena' is not one of async, pool"):
         make_task_runner("gpu", 1, rmm_allocator="arena")
@@ -85,14 +84,14 @@ def test_unknown_rmm_allocator_is_an_input_error():
 
 @pytest.mark.parametrize("value, want", [("40GB", 40_000_000_000), ("3000000000", 3_000_000_000), ("", None)])
 def test_reported_pool_size(monkeypatch, value, want):
-    from beatflow.backend import _rmm_setup_pool_size
+    from beatflow.device import _rmm_setup_pool_size
 
     monkeypatch.setenv("BEATFLOW_RMM_POOL_SIZE", value)
     assert _rmm_setup_pool_size() == want
 
 
 def test_a_gpu_listed_twice_is_an_input_error():
-    from tasks.cluster import make_task_runner
+    from beatflow.pipeline.cluster import make_task_runner
 
     with pytest.raises(InputError, match="--gpus 0,0: a GPU is listed twice"):
         make_task_runner("gpu", 2, gpus="0,0")
@@ -103,7 +102,7 @@ def test_gpu_workers_get_their_environment_as_pre_spawn_variables():
     # size must reach the worker processes another way
     import dask
 
-    from tasks.cluster import gpu_worker_env
+    from beatflow.pipeline.cluster import gpu_worker_env
 
     with dask.config.set({"distributed.nanny.pre-spawn-environ": {"KEEP": "1"}}):
         got = gpu_worker_env({"OMP_NUM_THREADS": "1"}, 0.8)
@@ -121,7 +120,7 @@ def test_gpu_cluster_settings(monkeypatch):
 
     import dask
 
-    from tasks.cluster import GPU_WORKER_THREADS, make_task_runner
+    from beatflow.pipeline.cluster import GPU_WORKER_THREADS, make_task_runner
 
     fake = types.ModuleType("dask_cuda")
     fake.LocalCUDACluster = type("LocalCUDACluster", (), {})
@@ -134,11 +133,11 @@ def test_gpu_cluster_settings(monkeypatch):
     assert kw["rmm_pool_size"] == 0.5 and kw["rmm_async"] is True and kw["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert kw["rmm_maximum_pool_size"] == 0.5  # the pool is a budget: a partition that does not fit is an error
     assert kw["rmm_allocator_external_lib_list"] == ["cupy", "torch"]
-    assert kw["preload"] == ["tasks.worker_preload"]  # dask-cuda appends its own: the configuration's is not read
+    assert kw["preload"] == ["beatflow.pipeline.worker_preload"]  # dask-cuda appends its own: the configuration's is not read
 
 
 def test_gpu_memory_setup_without_a_gpu_is_a_device_error(monkeypatch):
-    import beatflow.backend as B
+    import beatflow.device as B
 
     monkeypatch.setattr(B, "cupy_available", lambda: False)
     with pytest.raises(DeviceError, match="^no CUDA device, or CuPy is not installed here"):
@@ -150,19 +149,19 @@ def test_gpu_memory_setup_without_a_gpu_is_a_device_error(monkeypatch):
 @pytest.mark.parametrize("value, total, want", [(0.5, 1000 * 256, 500 * 256), ("0.25", 1024, 256), (1000, 0, 768),
                                                 ("1kB", 0, 768), (3e9, 0, 3_000_000_000)])
 def test_pool_bytes_are_aligned_for_rmm(value, total, want):
-    from beatflow.backend import _pool_bytes
+    from beatflow.device import _pool_bytes
 
     assert _pool_bytes(value, total) == want
 
 
-@pytest.mark.skipif(not __import__("beatflow.backend", fromlist=["x"]).cupy_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not __import__("beatflow.device", fromlist=["x"]).cupy_available(), reason="needs a CUDA GPU")
 def test_gpu_memory_setup_points_cupy_numba_and_torch_at_one_rmm_pool():
     """On a GPU (fresh process, as a plain `dask worker` starts): a pool that does not fit is a clear
     error; then the pool is made once, and CuPy, PyTorch and Numba allocations all land in it."""
     code = r'''
 import json
 import rmm
-from beatflow.backend import setup_gpu_memory
+from beatflow.device import setup_gpu_memory
 from beatflow.errors import DeviceError
 try:
     setup_gpu_memory("1000TB")
@@ -207,7 +206,7 @@ print(json.dumps({"too_big": too_big, "first": first, "again": again, "cupy": b1
 
 
 def test_training_goes_to_the_home_worker_even_where_its_data_is_elsewhere(monkeypatch):
-    """What ``tasks.stages._follow`` submits (training, the engine build) runs on the first worker by
+    """What ``beatflow.pipeline.stages._follow`` submits (training, the engine build) runs on the first worker by
     address although its input lives on another (Dask alone would follow the data), and on another
     worker once that one is gone."""
     import uuid
@@ -215,8 +214,8 @@ def test_training_goes_to_the_home_worker_even_where_its_data_is_elsewhere(monke
     import numpy as np
     from distributed import Client, LocalCluster, get_worker
 
-    import tasks.cluster as C
-    import tasks.stages as S
+    import beatflow.pipeline.cluster as C
+    import beatflow.pipeline.stages as S
 
     def where(x):
         return get_worker().address
@@ -248,7 +247,7 @@ def _chatty(n, topic, fail=False):
 
     from distributed import get_worker
 
-    from tasks.stages import _event_sender
+    from beatflow.pipeline.stages import _event_sender
 
     send = _event_sender(topic)
     for k in range(n):
@@ -260,13 +259,13 @@ def _chatty(n, topic, fail=False):
 
 
 def test_training_and_engine_run_on_the_home_worker_and_report_as_they_go(monkeypatch):
-    """``tasks.stages._follow`` (how training and the engine build run): the function runs on the home
+    """``beatflow.pipeline.stages._follow`` (how training and the engine build run): the function runs on the home
     worker, the messages it sends arrive in order while it runs, its result or its own exception comes
     back, and the subscription is gone afterwards."""
     from distributed import Client, LocalCluster
 
-    import tasks.cluster as C
-    import tasks.stages as S
+    import beatflow.pipeline.cluster as C
+    import beatflow.pipeline.stages as S
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
             Client(cluster) as client:
@@ -286,13 +285,13 @@ def test_training_and_engine_run_on_the_home_worker_and_report_as_they_go(monkey
         assert S._event_sender(None)("dropped") is None and S._event_sender("x")("no worker here") is None
 
 
-@pytest.mark.skipif(not __import__("beatflow.backend", fromlist=["x"]).cupy_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not __import__("beatflow.device", fromlist=["x"]).cupy_available(), reason="needs a CUDA GPU")
 def test_a_pool_too_small_is_a_clear_error_from_every_library():
     """On a GPU (fresh process): a worker's pool of 64 MB is a limit; 100 MB from CuPy, PyTorch or
     Numba inside ``device_memory`` is one DeviceError naming the sizes, not a hang or a bare bad_alloc."""
     code = r'''
 import json
-from beatflow.backend import device_memory, pool_limit, setup_gpu_memory
+from beatflow.device import device_memory, pool_limit, setup_gpu_memory
 from beatflow.errors import DeviceError
 setup_gpu_memory("64MB", "async")
 import cupy, torch
@@ -338,8 +337,8 @@ def test_map_partitions_at_places_each_task_with_its_partition(monkeypatch, tmp_
     import numpy as np
     from distributed import Client, LocalCluster, get_worker, wait
 
-    import tasks.cluster as C
-    import tasks.stages as S
+    import beatflow.pipeline.cluster as C
+    import beatflow.pipeline.stages as S
 
     def where(item, *_):
         return item, get_worker().address
@@ -374,7 +373,7 @@ def test_import_in_background_imports_once_in_a_thread_and_swallows_a_failed_imp
     import sys
     import threading
 
-    from beatflow.backend import import_in_background
+    from beatflow.device import import_in_background
 
     _module(tmp_path, "bf_bg_ok", "import threading\nIMPORTED_IN = threading.current_thread().name\n")
     _module(tmp_path, "bf_bg_bad", "raise ImportError('no driver here')\n")

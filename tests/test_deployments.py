@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from beatflow.store import Store
+from beatflow.io.store import Store
 from conftest import ROOT
 from test_score_new import trained_store  # noqa: F401  (fixture)
 
@@ -17,7 +17,7 @@ PREFECT = str(Path(sys.executable).with_name("prefect"))
 
 
 def test_deploy_worker_and_scheduled_scoring(prefect_server, trained_store, tmp_path):  # noqa: F811
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "BEATFLOW_HOME": str(ROOT),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}

@@ -1,4 +1,4 @@
-"""Tests of beatflow.engine: ONNX export, the ONNX Runtime engine and its validation."""
+"""Tests of beatflow.engine.base: ONNX export, the ONNX Runtime engine and its validation."""
 import copy
 import pickle
 
@@ -7,7 +7,7 @@ import onnx
 import pytest
 import torch
 
-from beatflow.engine import (
+from beatflow.engine.base import (
     Engine,
     EngineValidationError,
     OnnxRuntimeEngine,
@@ -16,7 +16,7 @@ from beatflow.engine import (
     throughput,
     validate_engine,
 )
-from beatflow.model import LightVAE, Scorer, score_beats, train_vae
+from beatflow.model.vae import LightVAE, Scorer, score_beats, train_vae
 
 WIDTH = 64
 
@@ -162,10 +162,10 @@ def test_profile_engine_times_latency_and_throughput_by_batch():
         assert 0.2 * b / 1e-3 < rate <= 1.01 * b / 1e-3, (b, rate)
 
 
-# -- backends, precisions, rewrites (beatflow.engine extensions) ---------------------------------
+# -- backends, precisions, rewrites (beatflow.engine.base extensions) ---------------------------------
 
 def test_batch_profile():
-    from beatflow.engine import BatchProfile
+    from beatflow.engine.base import BatchProfile
 
     assert tuple(BatchProfile.coerce((1, 1024, 8192))) == (1, 1024, 8192)
     assert tuple(BatchProfile.coerce(64)) == (1, 64, 64)
@@ -175,7 +175,7 @@ def test_batch_profile():
 
 
 def test_cpu_rewrites_are_exact(scorer, tmp_path):
-    from beatflow.engine import FlatDownsample, UpsampleConv, optimize_for_onnx_cpu
+    from beatflow.engine.base import FlatDownsample, UpsampleConv, optimize_for_onnx_cpu
 
     fast = optimize_for_onnx_cpu(scorer)
     kinds = [type(m) for m in fast.modules()]
@@ -205,7 +205,7 @@ def test_concurrent_feeders_match_one(onnx_path):
 
 
 def test_half_precision_scorer_within_tolerance(scorer, tmp_path):
-    from beatflow.engine import TOLERANCES, PrecisionScorer
+    from beatflow.engine.base import TOLERANCES, PrecisionScorer
 
     x = torch.from_numpy(beats(200, seed=13))
     with torch.no_grad():
@@ -237,8 +237,8 @@ def test_device_input_and_gpu_providers_fail_clearly_on_cpu(engine):
 
 
 def test_gpu_backends_import_without_a_gpu():
-    from beatflow import engine_aoti, engine_trt
-
+    from beatflow.engine import aoti as engine_aoti
+    from beatflow.engine import tensorrt as engine_trt
     assert engine_trt.tensorrt_available() in (True, False)
     assert engine_aoti.aoti_available("cpu") in (True, False)
     if not torch.cuda.is_available():

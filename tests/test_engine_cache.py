@@ -1,4 +1,4 @@
-"""Tests of beatflow.engines: cached, validated engine builds and ``beatflow engine clean``.
+"""Tests of beatflow.engine.cache: cached, validated engine builds and ``beatflow engine clean``.
 
 The exporter is patched to the legacy TorchScript one (~0.3 s instead of ~5-10 s on 2 cores); the
 patched function also counts exports, so "loaded from the cache" means "no export happened".
@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from beatflow import engine as E
-from beatflow import engines
-from beatflow.engine import TOLERANCES, EngineValidationError, OnnxRuntimeEngine
+from beatflow.engine import base as E
+from beatflow.engine import cache as engines
+from beatflow.engine.base import TOLERANCES, EngineValidationError, OnnxRuntimeEngine
 from beatflow.errors import DeviceError
-from beatflow.engines import EngineCacheWarning, build_or_load_engine
-from beatflow.model import load_model, save_model, score_beats, train_vae
+from beatflow.engine.cache import EngineCacheWarning, build_or_load_engine
+from beatflow.model.vae import load_model, save_model, score_beats, train_vae
 
 PROFILE = (1, 256, 2048)
 
@@ -30,7 +30,7 @@ PROFILE = (1, 256, 2048)
 @pytest.fixture(scope="module")
 def labelled_beats(synthetic_ecg):
     """Scaled beat rows of the 0.1 h synthetic ECG cut at its true R peaks, and their labels."""
-    from beatflow.beats import beats_from_peaks, embed, prune_mask
+    from beatflow.embed.beats import beats_from_peaks, embed, prune_mask
     from beatflow.params import SegmentParams
 
     ecg = synthetic_ecg
@@ -251,7 +251,7 @@ def test_entry_failing_validation_on_new_beats_is_rebuilt(trained, cache, export
 
 
 def test_int8_within_tolerance_and_auc(trained, cache, exports, labelled_beats):
-    from beatflow.metrics import roc_auc
+    from beatflow.score.metrics import roc_auc
 
     eng, info = build(trained, cache, precision="int8")
     tol = TOLERANCES["int8"]
@@ -382,8 +382,8 @@ def test_compiled_backend_is_for_gpus_only():
 
 @cuda
 def test_compiled_engine_with_cuda_graphs_needs_the_native_allocator(trained, tmp_path):
-    from beatflow.engine_compiled import CompiledEngine, native_allocator
-    from beatflow.model import Scorer, load_model
+    from beatflow.engine.compiled import CompiledEngine, native_allocator
+    from beatflow.model.vae import Scorer, load_model
 
     model, val = trained
     if not native_allocator():
@@ -420,8 +420,7 @@ def test_aoti_on_cpu(trained, cache):
 
 def test_graphed_buckets_fall_back_to_launching_when_capture_fails(monkeypatch):
     # where an allocator cannot capture after all, the engine launches the compiled kernels instead
-    from beatflow import engine_compiled as EC
-
+    from beatflow.engine import compiled as EC
     calls = []
 
     def scorer(x):

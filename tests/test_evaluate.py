@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from beatflow import evaluate as E
+from beatflow.score import evaluate as E
 from beatflow.cli import main
 from beatflow.errors import InputError
 
@@ -104,7 +104,7 @@ def test_detection_on_a_whole_record(mitdb):
 
 
 def test_confirm_lead_on_a_whole_record(mitdb, tmp_path, capsys):
-    """Record 207 with lead 1 checking lead 0 (beatflow.leads): no reference beat lost, fewer false
+    """Record 207 with lead 1 checking lead 0 (beatflow.detect.leads): no reference beat lost, fewer false
     ones (flutter waves); the CLI reports the lead and the rules' parameters."""
     one = E.load_record(str(mitdb / "207"), 0)
     two = E.load_record(str(mitdb / "207"), 0, second=1)

@@ -52,8 +52,8 @@ def harness():
 
 
 def _run(out, **kw):
-    from flows.pipeline import ecg_anomaly_flow
-    from tasks.cluster import make_task_runner
+    from beatflow.pipeline.flow import ecg_anomaly_flow
+    from beatflow.pipeline.cluster import make_task_runner
 
     runner = make_task_runner("cpu", 2)
     return ecg_anomaly_flow.with_options(task_runner=runner)(out=str(out), device="cpu", workers=2, **kw)
@@ -83,7 +83,7 @@ def test_run_killed_during_training_resumes_after_the_last_finished_task(prefect
     """SIGKILL of the whole run (CLI process and its workers) in the middle of training; the same
     command again reuses the persisted segmentation and trains from the start; no output of the
     killed run is left at the output path."""
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     x = synthesize_ecg(hours=0.1, fs=250.0, seed=9).signal
     p = tmp_path / "in.csv"
@@ -122,7 +122,7 @@ def test_run_killed_during_training_resumes_after_the_last_finished_task(prefect
 def test_only_partials_of_dead_runs_on_this_host_are_removed(tmp_path):
     import socket
 
-    from flows.pipeline import _OWNER, remove_stale_partials
+    from beatflow.pipeline.flow import _OWNER, remove_stale_partials
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -14,8 +14,8 @@ SUMMARY_KEYS = {"samples", "fs", "beats_detected", "beats_kept", "pruned_fractio
 
 
 def run_flow(out, **kw):
-    from flows.pipeline import ecg_anomaly_flow
-    from tasks.cluster import make_task_runner
+    from beatflow.pipeline.flow import ecg_anomaly_flow
+    from beatflow.pipeline.cluster import make_task_runner
 
     runner = make_task_runner("cpu", 2)
     return ecg_anomaly_flow.with_options(task_runner=runner)(out=str(out), device="cpu", workers=2, **kw)
@@ -79,7 +79,7 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
         assert all(v >= 0 for v in detail[stage].values())
         assert sum(detail[stage].values()) <= saved["timings_s"][stage] + 0.01
     # every figure drawn in the flow's figure processes: how long it waited for one, and drew there
-    from beatflow.report import FIGURES
+    from beatflow.report.figures import FIGURES
 
     assert set(detail["figures"]) == set(FIGURES), detail["figures"]
     assert all(t["draw"] > 0 and t["queued"] >= 0 for t in detail["figures"].values())
@@ -159,13 +159,13 @@ def test_cli_on_one_mitbih_record(prefect_server, mitdb, tmp_path):
 
 def test_cli_second_lead_on_mitbih_207(prefect_server, mitdb, tmp_path):
     """``--confirm-lead 1`` on record 207 (flutter, bundle branch blocks), cut into 5 partitions: the
-    flow gives exactly the beats of the whole record's rules (beatflow.leads: dropped and moved)."""
+    flow gives exactly the beats of the whole record's rules (beatflow.detect.leads: dropped and moved)."""
     import shutil
 
-    from beatflow.beats import beats_from_peaks
-    from beatflow.evaluate import load_record
-    from beatflow.leads import second_lead_peaks
-    from beatflow.segment import detect_peaks
+    from beatflow.embed.beats import beats_from_peaks
+    from beatflow.score.evaluate import load_record
+    from beatflow.detect.leads import second_lead_peaks
+    from beatflow.detect.peaks import detect_peaks
 
     rec = tmp_path / "rec"
     rec.mkdir()
@@ -188,7 +188,7 @@ def test_cli_second_lead_on_mitbih_207(prefect_server, mitdb, tmp_path):
     beats = beats_from_peaks(want, seg, r0.signal.shape[0])[0]  # (the last peak makes no beat)
     assert s["beats_detected"] == len(beats) and len(want) < len(peaks) - 20
     assert s["second_lead"]["lead"] == 1 and s["second_lead"]["doubtful_peaks_dropped"] == dropped >= 1
-    assert s["second_lead"]["peaks_moved"] == moved >= 1  # (207's misplaced peaks: beatflow.leads.misplaced)
+    assert s["second_lead"]["peaks_moved"] == moved >= 1  # (207's misplaced peaks: beatflow.detect.leads.misplaced)
     html = (out / "report.html").read_text()
     assert "second_lead" in html and "second lead (lead 1)" in html  # (the settings table, a summary card)
     assert "second lead" in r.stdout  # (the CLI's closing table)
@@ -278,7 +278,7 @@ def test_cli_gpu_without_cuda_is_one_line(tmp_path):
 
 def test_cache_reuses_segmentation_and_training(prefect_server, tmp_path):
     """A second run of an unchanged input with --cache reuses the persisted segment and train results."""
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     x = synthesize_ecg(hours=0.1, fs=250.0, seed=8).signal
     p = tmp_path / "in.csv"
@@ -306,11 +306,11 @@ def test_cache_reuses_segmentation_and_training(prefect_server, tmp_path):
 
 def test_flow_second_lead_from_csv(harness, tmp_path):
     """``confirm_column``: the second lead from another CSV column, 3 partitions: the beats of the
-    whole recording's rules (beatflow.leads); a bad pair of leads is one clear error, no output."""
-    from beatflow.beats import beats_from_peaks
+    whole recording's rules (beatflow.detect.leads); a bad pair of leads is one clear error, no output."""
+    from beatflow.embed.beats import beats_from_peaks
     from beatflow.errors import InputError
-    from beatflow.leads import second_lead_peaks
-    from beatflow.segment import detect_peaks
+    from beatflow.detect.leads import second_lead_peaks
+    from beatflow.detect.peaks import detect_peaks
     from test_leads import _two_leads
 
     x0, x1 = _two_leads(3, 250.0, 240.0)  # (its noise bursts leave doubtful peaks on the first lead)
@@ -334,12 +334,12 @@ def test_flow_second_lead_from_csv(harness, tmp_path):
 
 def test_flow_threshold_spread_within_recordings(harness, tmp_path):
     """A folder of two recordings whose normal beats differ in noise: the flagging threshold takes
-    its spread within recordings (beatflow.scoring.robust_threshold with the beats' recordings), which
+    its spread within recordings (beatflow.score.rule.robust_threshold with the beats' recordings), which
     the difference between the recordings' levels does not widen."""
     import wfdb
 
-    from beatflow.scoring import robust_threshold
-    from beatflow.synth import synthesize_ecg
+    from beatflow.score.rule import robust_threshold
+    from beatflow.io.synth import synthesize_ecg
 
     folder = tmp_path / "records"
     folder.mkdir()
@@ -371,8 +371,8 @@ def test_report_top_rows_are_the_tables_top_ranks(seed):
     ranks 1..N in order, ties included, with the table's start, time, length and score."""
     from types import SimpleNamespace
 
-    from beatflow.scoring import anomaly_table
-    from flows.pipeline import N_TOP, _top_list
+    from beatflow.score.rule import anomaly_table
+    from beatflow.pipeline.flow import N_TOP, _top_list
 
     rng = np.random.default_rng(seed)
     n = 500

@@ -1,10 +1,10 @@
-"""The fusible form of the LightVAE (beatflow.fused) against the nn.Module it restates."""
+"""The fusible form of the LightVAE (beatflow.model.fused) against the nn.Module it restates."""
 import numpy as np
 import pytest
 import torch
 
-from beatflow.fused import FusedScorer, conv3, downsample, fused_forward, upsample2
-from beatflow.model import Downsample, LightVAE, Scorer, train_vae, training_precision
+from beatflow.model.fused import FusedScorer, conv3, downsample, fused_forward, upsample2
+from beatflow.model.vae import Downsample, LightVAE, Scorer, train_vae, training_precision
 
 
 def _random_vae(seed, width=64):
@@ -116,8 +116,7 @@ def test_steps_uncompiled_in_graphs_under_a_pluggable_allocator(monkeypatch):
     gives the compiled step's loss."""
     import torch
 
-    from beatflow import model as M
-
+    from beatflow.model import vae as M
     monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
     assert M.training_compiled(True, graphs=True) and M.training_compiled(True, graphs=False)
     assert not M.training_compiled(False, graphs=True)
@@ -161,8 +160,7 @@ def test_fused_forward_in_half_precision_casts_the_arithmetic_and_keeps_float32_
 def test_bf16_steps_train_to_within_5_percent_of_float32():
     """The training step of the fusible form with bf16 arithmetic (as on a GPU) reaches a loss
     within 5 % of the float32 step's on the same data and seed (the mixed-precision criterion)."""
-    from beatflow import model as M
-
+    from beatflow.model import vae as M
     rng = np.random.default_rng(3)
     t = np.linspace(0, 1, 64, dtype=np.float32)
     x = (np.exp(-((t - 0.3) / 0.03) ** 2)[None, :] * rng.uniform(0.5, 1.5, (512, 1))
@@ -189,7 +187,7 @@ def test_bf16_steps_train_to_within_5_percent_of_float32():
 def test_compile_pays_on_the_gpu_and_for_large_cpu_trainings():
     """``--train-compile auto``: always on a GPU; on the CPU from CPU_COMPILE_MIN_ROW_EPOCHS rows x
     epochs (the 20 h default run: 72 826 training rows x 10 epochs), not for small trainings."""
-    from beatflow.model import CPU_COMPILE_MIN_ROW_EPOCHS, TRAIN_FRACTION, compile_pays
+    from beatflow.model.vae import CPU_COMPILE_MIN_ROW_EPOCHS, TRAIN_FRACTION, compile_pays
 
     assert compile_pays("gpu", 10, 1)
     assert compile_pays("cpu", int(97102 * TRAIN_FRACTION), 10)

@@ -1,4 +1,4 @@
-"""The CUDA kernels (beatflow.kernels) against the loop references of tests/naive.py.
+"""The CUDA kernels (beatflow.gpu.kernels) against the loop references of tests/naive.py.
 
 On a machine with a CUDA GPU and CuPy they run there, on CuPy arrays. Elsewhere they run under
 Numba's CUDA simulator (scripts/test.sh exports NUMBA_ENABLE_CUDASIM=1; this module also turns it
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import naive
-from beatflow import beats as B
-from beatflow import segment as S
-from beatflow.backend import cupy_available
+from beatflow.embed import beats as B
+from beatflow.detect import peaks as S
+from beatflow.device import cupy_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +33,7 @@ def _mode():
         if "numba.core.config" in sys.modules:
             sys.modules["numba.core.config"].reload_config()
     try:
-        from beatflow.kernels import simulator_active
+        from beatflow.gpu.kernels import simulator_active
 
         return "sim" if simulator_active() else None
     except Exception:
@@ -43,8 +43,8 @@ def _mode():
 MODE = _mode()
 pytestmark = pytest.mark.skipif(MODE is None, reason="no CUDA GPU and the Numba CUDA simulator is not active")
 
-from beatflow import kernels as K  # noqa: E402
-from beatflow.kernels import embed_gpu, local_maxima_gpu  # noqa: E402
+from beatflow.gpu import kernels as K
+from beatflow.gpu.kernels import embed_gpu, local_maxima_gpu  # noqa: E402
 
 
 def dev(a):
@@ -182,7 +182,7 @@ def test_embed_empty():
 
 def test_exclusive_scan_kernel_matches_cumsum():
     # one block over pieces of _SCAN_PER counts per thread: empty, partial and several pieces, the total
-    from beatflow.kernels import _Ctx, _build, _exclusive_scan
+    from beatflow.gpu.kernels import _Ctx, _build, _exclusive_scan
 
     _, sim = _build()
     ctx = _Ctx(sim)
@@ -202,7 +202,7 @@ def test_beat_rows_kernels_match_the_array_code():
     # long beats cut or dropped, several chunks of beats per block (grid-stride)
     import dataclasses
 
-    from beatflow.kernels import beat_rows_gpu
+    from beatflow.gpu.kernels import beat_rows_gpu
 
     rng = np.random.default_rng(12)
     base = small_params()
@@ -236,9 +236,9 @@ def test_segment_rows_one_sync_matches_detection_then_beat_rows(monkeypatch):
     # the detection and the rows launched behind it before the one synchronisation: the peaks and
     # episodes of detect_beats, the kept beats and rows of beat_rows (NumPy), also when a tile's
     # candidate slots overflow (the whole launch runs again) and when the kernels cannot take x
-    from beatflow.kernels import segment_rows_gpu
+    from beatflow.gpu.kernels import segment_rows_gpu
     from beatflow.params import SegmentParams
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     s = SegmentParams().samples(250.0)
     x = synthesize_ecg(hours=20 / 3600, fs=250.0, seed=3).signal
@@ -272,9 +272,9 @@ def test_segment_graph_replays_the_launches_over_the_buffers_contents(monkeypatc
     # written into it between calls), from the arrays kept by its first pass (no allocation after
     # it; the results are views of them); a CUDA graph on a GPU, the launches one by one under the
     # simulator; on an overflow of the candidate slots the retry's fresh arrays; bad buffers refused
-    from beatflow.kernels import SegmentGraph, segment_rows_gpu
+    from beatflow.gpu.kernels import SegmentGraph, segment_rows_gpu
     from beatflow.params import SegmentParams
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     s = SegmentParams().samples(250.0)
     xs = [synthesize_ecg(hours=20 / 3600, fs=250.0, seed=k).signal for k in (3, 6)]
@@ -347,9 +347,9 @@ def test_host_input_gets_host_results_after_the_overflow_rerun(monkeypatch):
     # NumPy in, NumPy out, also when a tile's candidate slots overflow and the launch runs again
     # (the rerun sees the samples on the device); the same peaks and rows as without the overflow;
     # both stream layouts of the detection
-    from beatflow.kernels import segment_rows_gpu
+    from beatflow.gpu.kernels import segment_rows_gpu
     from beatflow.params import SegmentParams
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     s = SegmentParams().samples(250.0)
     x = synthesize_ecg(hours=60 / 3600, fs=250.0, seed=4).signal
@@ -377,7 +377,7 @@ def test_clear_error_without_cuda_or_simulator():
     # (on a GPU machine the device is hidden from the child: Numba then finds no CUDA GPU)
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    code = ("from beatflow.errors import DeviceError\nfrom beatflow.kernels import local_maxima_gpu\n"
+    code = ("from beatflow.errors import DeviceError\nfrom beatflow.gpu.kernels import local_maxima_gpu\n"
             "import numpy as np\ntry:\n    local_maxima_gpu(np.ones(3), 1)\nexcept DeviceError as e:\n"
             "    print('DeviceError:', e)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
@@ -405,7 +405,7 @@ def test_cupy_input_dispatches_to_kernels(synthetic_ecg):
 # --- beat detection (segment.detect_peaks on the GPU) -------------------------------------------
 from test_segment import _random_beats, small_params  # noqa: E402
 
-from beatflow.kernels import _detect_plan, detect_peaks_gpu, qrs_envelope_gpu  # noqa: E402
+from beatflow.gpu.kernels import _detect_plan, detect_peaks_gpu, qrs_envelope_gpu  # noqa: E402
 
 
 def test_envelope_kernel_matches_cpu_kernel_and_array_code():
@@ -424,7 +424,7 @@ def test_envelope_kernel_matches_cpu_kernel_and_array_code():
 
 def test_block_median_kernel_is_nanmedian_of_the_window():
     # the median by ranks: ties, NaN blocks (left out), windows cut by the ends, a window of NaN only
-    from beatflow.kernels import _Ctx, _build
+    from beatflow.gpu.kernels import _Ctx, _build
 
     kernels, sim = _build()
     ctx = _Ctx(sim)
@@ -482,7 +482,7 @@ def test_detect_peaks_kernels_match_array_code_and_loops(first, monkeypatch):
 
 def test_detect_peaks_kernels_on_synthetic_ecg_and_edge_cases():
     from beatflow.params import SegmentParams
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     s = SegmentParams().samples(250.0)
     x = synthesize_ecg(hours=20 / 3600, fs=250.0, seed=11).signal  # 20 s, default parameters
@@ -500,7 +500,7 @@ def test_zero_copy_one_partition_cupy_numba_torch(synthetic_ecg):
     import torch
     from numba import cuda
 
-    from beatflow.engine import as_cuda_tensor, from_cuda_tensor
+    from beatflow.engine.base import as_cuda_tensor, from_cuda_tensor
     from beatflow.params import SegmentParams
 
     s = SegmentParams().samples(250.0)
@@ -555,14 +555,14 @@ def test_fast_launch_same_results_as_numba_launch(synthetic_ecg, monkeypatch):
         np.testing.assert_array_equal(g, w)
 
 
-# --- the flutter rule (beatflow.rhythm) as kernels: vf_energy, vf_near, vf_episodes ---------------
+# --- the flutter rule (beatflow.detect.rhythm) as kernels: vf_energy, vf_near, vf_episodes ---------------
 def test_flutter_kernels_match_array_code():
     """The kernels' flutter windows and episodes, and the peaks they let through, equal the array
     code's (rhythm.flutter_windows / flutter_rule, segment._detect_beats_xp) on streams with a
     flutter episode, for even and odd windows, unaligned starts, a core, and runs of one window."""
     from test_rhythm import _flutter, _stream
 
-    from beatflow import rhythm as R
+    from beatflow.detect import rhythm as R
     from beatflow.params import SegmentParams
 
     fs = 100.0
@@ -613,7 +613,7 @@ def test_flutter_energies_match_the_cpu_loops():
     stream shorter than a window, and a high-pass reach beyond the slopes'. (Session 17 summed them
     in the dense kernel instead: the dense kernel took 186 µs longer on the H200, more than
     ``vf_energy`` takes; dropped.)"""
-    from beatflow.cpu_kernels import flutter_features_cpu
+    from beatflow.detect.cpu import flutter_features_cpu
     from beatflow.params import SegmentParams
 
     rng = np.random.default_rng(5)
@@ -636,7 +636,7 @@ def test_flutter_kernels_off_and_on_a_plain_ecg():
     """With the rule off the kernels' beats are the detection's; on an ECG without flutter, the
     rule changes nothing and lists no episode."""
     from beatflow.params import SegmentParams
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     x = synthesize_ecg(hours=12 / 3600, fs=100.0, seed=4).signal
     on = SegmentParams().samples(100.0)

@@ -1,19 +1,19 @@
-"""The second lead's rules (beatflow.leads): array code against the loop reference, switched off,
+"""The second lead's rules (beatflow.detect.leads): array code against the loop reference, switched off,
 bad input, and MIT-BIH 207 (flutter seen on lead 1) with its reference beats."""
 import numpy as np
 import pytest
 
 import naive
-from beatflow import leads as LD
-from beatflow.backend import cupy_available
+from beatflow.detect import leads as LD
+from beatflow.device import cupy_available
 from beatflow.params import SegmentParams
-from beatflow.segment import detect_peaks
+from beatflow.detect.peaks import detect_peaks
 
 
 def _two_leads(seed, fs, seconds):
     """Two leads of one synthetic ECG: the second a scaled, noisier copy; a flutter-like wave on the
     first lead over a stretch, smoother on the second; noise bursts on the first lead only."""
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     rng = np.random.default_rng(seed)
     x0 = synthesize_ecg(hours=seconds / 3600.0, fs=fs, seed=seed).signal.astype(np.float32).copy()
@@ -37,7 +37,7 @@ def _misplaced_leads(seed, fs, seconds, n_spikes=8):
     complexes, win the detection's suppression window (a misplaced peak: one false beat, one missed);
     the second lead (a scaled, noisy copy of the clean first) shows every QRS. Returns the leads and
     the clean first lead's peaks."""
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     rng = np.random.default_rng(seed)
     x0 = synthesize_ecg(hours=seconds / 3600.0, fs=fs, seed=seed).signal.astype(np.float32).copy()
@@ -168,7 +168,7 @@ def test_rules_off_keep_every_peak_and_bad_input():
 def test_mitbih_207_second_lead_finds_more_of_the_flutter(mitdb):
     """Record 207: lead 1 confirms flutter that lead 0's rule misses; fewer false beats inside the
     annotated episodes, no reference beat lost."""
-    from beatflow.evaluate import detection_of, load_record
+    from beatflow.score.evaluate import detection_of, load_record
 
     r0, r1 = load_record(str(mitdb / "207"), lead=0), load_record(str(mitdb / "207"), lead=1)
     s = SegmentParams().samples(r0.fs)
@@ -207,9 +207,9 @@ def test_second_lead_on_cupy_equals_numpy():
 def _partitioned(x0, x1, n_parts, s, q):
     """The flow's steps: each partition (with halos of both leads) segmented with the second lead,
     then rules 2 and 3 over the gathered measures."""
-    from beatflow.partitions import assemble_halos, edges, second_lead_gathered, segment_partition
-    from beatflow.reading import PartitionSpec, _split_even
-    from beatflow.rhythm import merge_spans
+    from beatflow.embed.partitions import assemble_halos, edges, second_lead_gathered, segment_partition
+    from beatflow.io.sources import PartitionSpec, _split_even
+    from beatflow.detect.rhythm import merge_spans
 
     spans = _split_even(len(x0), n_parts)
     specs = [PartitionSpec(0, k, lo, hi) for k, (lo, hi) in enumerate(spans)]
@@ -246,7 +246,7 @@ def test_second_lead_partition_invariance():
 
 
 def test_second_lead_partition_invariance_mitbih_207(mitdb):
-    from beatflow.evaluate import load_record
+    from beatflow.score.evaluate import load_record
 
     rec = load_record(str(mitdb / "207"), 0, max_seconds=900.0, second=1)
     s = SegmentParams().samples(rec.fs)
@@ -262,7 +262,7 @@ def test_second_lead_partition_invariance_mitbih_207(mitdb):
 def test_mitbih_misplaced_peaks_move_onto_reference_beats(mitdb):
     """Records 108 and 203 (noise on lead 0): every peak that rule 3 moves was a false beat beside a
     missed one, and lands on a reference beat (150 ms)."""
-    from beatflow.evaluate import detection_of, load_record
+    from beatflow.score.evaluate import detection_of, load_record
 
     moved_total = 0
     for name in ("108", "203"):

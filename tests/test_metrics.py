@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 import naive
-from beatflow.metrics import match_beats, roc_auc
-from beatflow.scoring import anomaly_table, robust_threshold, write_anomaly_table
+from beatflow.score.metrics import match_beats, roc_auc
+from beatflow.score.rule import anomaly_table, robust_threshold, write_anomaly_table
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -124,7 +124,7 @@ def test_roc_auc_equals_scikit_learn_with_ties(seed):
 def test_truth_check_scores_the_matched_truth_beats():
     """The flow's truth check: ROC-AUC over the truth beats matched to a kept beat (pairs counted by
     hand), PVCs against normal beats alone, the counts, and detection passed through."""
-    from beatflow.metrics import truth_check
+    from beatflow.score.metrics import truth_check
 
     matched = {"matched": np.array([0, -1, 2, 1, 3]), "labels": np.array([0, 1, 1, 2, 0]),
                "se": 0.8, "ppv": 1.0, "f1": 0.889}
@@ -142,7 +142,7 @@ def test_truth_check_scores_the_matched_truth_beats():
 def test_top_order_is_the_ranking_s_first_rows(kind):
     """``top_order(s, n)`` (a partition, then the few rows sorted) equals the whole ranking's first ``n`` rows
     (``rank_order``, the anomaly table's order: highest first, ties in row order, NaN last), n from 0 past the end."""
-    from beatflow.scoring import rank_order, top_order
+    from beatflow.score.rule import rank_order, top_order
 
     rng = np.random.default_rng({"distinct": 1, "ties": 2, "nan": 3}[kind])
     for _ in range(60):

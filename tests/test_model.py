@@ -1,9 +1,9 @@
-"""Tests of beatflow.model: the LightVAE, its loss, training, scoring and persistence."""
+"""Tests of beatflow.model.vae: the LightVAE, its loss, training, scoring and persistence."""
 import numpy as np
 import pytest
 import torch
 
-from beatflow.model import (
+from beatflow.model.vae import (
     Downsample,
     LightVAE,
     Scorer,
@@ -200,7 +200,7 @@ def test_cuda_graph_training_is_refused_where_it_cannot_run():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_graph_training_matches_launched_steps(compile):
-    from beatflow.model import training_graphs
+    from beatflow.model.vae import training_graphs
 
     if not training_graphs(None, "cuda"):
         pytest.skip("PyTorch allocates from another allocator here: no capture")
@@ -217,8 +217,7 @@ def test_cuda_graph_training_matches_launched_steps(compile):
 def test_set_start_restores_weights_and_zeroes_adam_in_place():
     """What the captured and kept training graphs start from: the weights given, Adam's state zero, in
     the same tensors (the graphs hold their addresses)."""
-    from beatflow import model as M
-
+    from beatflow.model import vae as M
     torch.manual_seed(0)
     m = LightVAE(16)
     start = {k: v.clone() for k, v in m.state_dict().items()}
@@ -239,8 +238,7 @@ def test_set_start_restores_weights_and_zeroes_adam_in_place():
 
 def test_keep_graphs_without_graphs_changes_nothing():
     """On the CPU (no CUDA graphs) ``keep_graphs`` keeps nothing, and training is the same."""
-    from beatflow import model as M
-
+    from beatflow.model import vae as M
     beats = synthetic_beats(400, width=64)
     a = train_vae(beats, epochs=2, batch_size=64, seed=3, keep_graphs=True)
     b = train_vae(beats, epochs=2, batch_size=64, seed=3)
@@ -256,8 +254,7 @@ def test_kept_training_graphs_train_to_the_weights_of_a_fresh_capture(compile, k
     """``keep_graphs``: the second call replays the first one's captured steps, reset to its own seed's
     weights and generator offset, and ends where a fresh capture of that seed ends: the same losses and
     weights, for the same seed and for another; other shapes capture anew (and drop the kept set)."""
-    from beatflow import model as M
-
+    from beatflow.model import vae as M
     if not M.training_graphs(None, "cuda"):
         pytest.skip("PyTorch allocates from another allocator here: no capture")
     beats = torch.as_tensor(synthetic_beats(3000, width=64)).cuda()
@@ -273,7 +270,7 @@ def test_kept_training_graphs_train_to_the_weights_of_a_fresh_capture(compile, k
     # or write any (the step kernel's noise and per-row gradient buffers once did, after the call returned)
     import gc
 
-    from beatflow.train_kernel import param_layout
+    from beatflow.model.step_kernel import param_layout
 
     gc.collect()
     n_train = int(len(beats) * M.TRAIN_FRACTION)
@@ -296,8 +293,7 @@ def test_kept_training_graphs_train_to_the_weights_of_a_fresh_capture(compile, k
 def test_graph_allocator_rule(monkeypatch):
     import sys
 
-    from beatflow import model as M
-
+    from beatflow.model import vae as M
     monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
     assert M.graph_allocator()
     monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "pluggable")
@@ -316,8 +312,7 @@ def test_graph_allocator_rule(monkeypatch):
     fake = type(sys)("rmm")
     fake.mr = type(sys)("rmm.mr")
     fake.mr.CudaAsyncMemoryResource = Async
-    from beatflow import capture_arena
-
+    from beatflow.gpu import arena as capture_arena
     class Front:  # the arena's callback resource (no upstream_mr: capture_arena knows what is behind it)
         pass
 
@@ -371,8 +366,7 @@ def test_queued_epochs_host_side_matches_epoch_by_epoch_and_restores_the_process
     import sys
     import time
 
-    from beatflow import model as M
-
+    from beatflow.model import vae as M
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     data = torch.randn(300, 8, dtype=torch.float64)

@@ -8,7 +8,7 @@ import pytest
 
 from beatflow.errors import InputError
 from beatflow.params import check_fs
-from beatflow.reading import CsvSource, open_source
+from beatflow.io.sources import CsvSource, open_source
 
 
 def write(path, text):

@@ -1,4 +1,4 @@
-"""Tests for beatflow.report: per-pixel min/max aggregation and the HTML report."""
+"""Tests for beatflow.report.figures: per-pixel min/max aggregation and the HTML report."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from beatflow.report import ReportData, column_bounds, column_minmax, combine_minmax, write_report
+from beatflow.report.figures import ReportData, column_bounds, column_minmax, combine_minmax, write_report
 
 
 # ---------------------------------------------------------------------------
@@ -296,7 +296,7 @@ def test_write_report_degenerate_inputs(tmp_path):
 
 def test_latent_figures_by_score_and_by_label():
     """The latent space by score always; by truth label only with a label per point."""
-    from beatflow.report import FIGURES
+    from beatflow.report.figures import FIGURES
 
     d = _fake_data(m=3000)
     by_score, by_label = FIGURES["latent"](d), FIGURES["latent_truth"](d)
@@ -313,7 +313,7 @@ def test_figures_are_drawn_under_their_settings_and_leave_the_processs_alone():
     the text's pixels), and the process's own settings are as they were after it, also when it fails."""
     import matplotlib
 
-    from beatflow.report import _RC, FIGURES, _fig_scores
+    from beatflow.report.figures import _RC, FIGURES, _fig_scores
 
     d = _fake_data(m=3000)
     assert _RC["text.hinting"] != matplotlib.rcParams["text.hinting"]  # (else this test shows nothing)
@@ -340,7 +340,7 @@ def test_top_figures_parts_are_the_whole_figures_sides(n):
 
     import matplotlib
 
-    from beatflow.report import _RC, FIGURES, _fig_top, render_report_html
+    from beatflow.report.figures import _RC, FIGURES, _fig_top, render_report_html
 
     def pixels(png):
         return np.asarray(Image.open(io.BytesIO(base64.b64decode(png))))
@@ -382,7 +382,7 @@ def test_write_report_fast_realistic(tmp_path):
 def test_figures_drawn_ahead_are_used_and_match():
     from types import SimpleNamespace
 
-    from beatflow.report import EARLY_FIGURES, render_figures, render_report_html
+    from beatflow.report.figures import EARLY_FIGURES, render_figures, render_report_html
 
     d = _fake_data()
     # the early figures read only what the flow has once the model is trained
@@ -400,10 +400,10 @@ def test_figure_processes_cover_the_figures_drawn_at_once():
     """A host with cores to spare gets one figure process per figure that can be drawing at once (the
     early ones but the beat lengths', the late ones, the top anomalies'); a small one at most 4 and
     never more than its cores."""
-    from beatflow.figure_pool import CONCURRENT_FIGURES, figure_processes
-    from flows.pipeline import LATE_FIGURES
+    from beatflow.report.pool import CONCURRENT_FIGURES, figure_processes
+    from beatflow.pipeline.flow import LATE_FIGURES
 
-    from beatflow.report import EARLY_FIGURES, FIGURES
+    from beatflow.report.figures import EARLY_FIGURES, FIGURES
 
     at_once = [n for n in EARLY_FIGURES if n != "lengths"] + list(LATE_FIGURES) + ["top", "top_right"]
     assert set(at_once) <= set(FIGURES) and CONCURRENT_FIGURES == len(at_once)
@@ -413,9 +413,9 @@ def test_figure_processes_cover_the_figures_drawn_at_once():
 def test_figure_pool_draws_in_processes_the_same_pictures():
     """The flow's FigurePool: each figure drawn in a spawned process equals the one drawn here; a
     figure whose job fails is left out (the report task draws it), and a closed pool draws nothing."""
-    from flows.pipeline import FigurePool
+    from beatflow.pipeline.flow import FigurePool
 
-    from beatflow.report import FIGURES, render_figures
+    from beatflow.report.figures import FIGURES, render_figures
 
     d = _fake_data()
     pool = FigurePool(2)
@@ -438,7 +438,7 @@ def test_figure_pool_draws_in_processes_the_same_pictures():
 def test_pixel_max_matches_a_naive_loop_over_points():
     """The latent figure's aggregation: each pixel the largest value of the points in it, widened by
     one pixel (down/left neighbours' maxima), NaN where empty; points outside the limits dropped."""
-    from beatflow.report import _pixel_max
+    from beatflow.report.figures import _pixel_max
 
     rng = np.random.default_rng(3)
     n, rows, cols = 500, 17, 23
@@ -469,7 +469,7 @@ def test_envelope_cover_matches_a_naive_loop_over_pixels_and_columns(n, cols, se
     rows from its minimum's to its maximum's (at least one), by the share of the pixel column's width it
     overlaps; NaN columns nothing; nothing outside the data's span; a pixel column wholly inside it and reached
     by every one of its data columns is covered wholly."""
-    from beatflow.report import _envelope_cover
+    from beatflow.report.figures import _envelope_cover
 
     rng = np.random.default_rng(seed)
     rows, xmax = 31, 7.0
@@ -508,7 +508,7 @@ def test_latent_image_puts_each_pixels_maximum_on_that_pixel(seed):
 
     from types import SimpleNamespace
 
-    from beatflow.report import _latent_image, _new_fig, _pixel_max
+    from beatflow.report.figures import _latent_image, _new_fig, _pixel_max
 
     rng = np.random.default_rng(seed)
     fig = _new_fig(4.0, 3.0, margins=(1.0, 1.0, 0.6, 0.6))  # (the axes: pixels 100-300 by 60-240)
@@ -539,10 +539,10 @@ def test_figure_pool_side_work_stays_light(tmp_path):
     imported Prefect there cost 2-3 s of the scoring stage); without processes it runs in place."""
     import shutil
 
-    from flows.pipeline import FigurePool
+    from beatflow.pipeline.flow import FigurePool
     from naive import imported
 
-    from beatflow.metrics import match_truth
+    from beatflow.score.metrics import match_truth
 
     rng = np.random.default_rng(0)
     r_peaks = np.sort(rng.choice(100_000, 300, replace=False))
@@ -576,7 +576,7 @@ def test_figure_pool_result_runs_a_job_again_here_when_its_process_died():
     import os
     import signal
 
-    from flows.pipeline import FigurePool
+    from beatflow.pipeline.flow import FigurePool
     from naive import slow_in_child
 
     pool = FigurePool(1)
@@ -599,8 +599,8 @@ def test_figure_pool_is_kept_from_run_to_run_and_replaced_when_broken():
     import signal
     import time
 
-    import flows.pipeline as P
-    from beatflow.report import render_figures
+    import beatflow.pipeline.flow as P
+    from beatflow.report.figures import render_figures
 
     first = P.figure_pool()
     assert P.figure_pool() is first and not first.broken()
@@ -624,7 +624,7 @@ def test_png_is_the_figure_savefig_draws_without_its_alpha():
 
     from PIL import Image
 
-    from beatflow.report import _DPI, _new_fig, _png
+    from beatflow.report.figures import _DPI, _new_fig, _png
 
     fig = _new_fig(4.0, 2.5)
     ax = fig.add_subplot(1, 1, 1)
@@ -650,7 +650,7 @@ def test_png_bytes_decode_to_the_images_rgb(h, w, seed, up):
 
     from PIL import Image
 
-    from beatflow.report import _png_bytes
+    from beatflow.report.figures import _png_bytes
 
     import struct
     import zlib
@@ -675,7 +675,7 @@ def test_png_bytes_decode_to_the_images_rgb(h, w, seed, up):
 def _tick_figure(xlim, ylim, right=False, log=False):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from beatflow.report import _new_fig
+    from beatflow.report.figures import _new_fig
 
     fig = _new_fig(6.0, 3.5, margins=(1.2, 1.2, 0.4, 0.7))
     ax = fig.add_subplot()
@@ -717,7 +717,7 @@ def test_drawn_ticks_are_the_ticks_matplotlib_draws(seed):
     (offsets, tiny or huge ranges and log axes among them): the same ticks, major and minor, their labels'
     texts at the same places, the offset text alike, and the axes' labels where Matplotlib puts them
     (within two pixels)."""
-    from beatflow.report import _drawn_ticks
+    from beatflow.report.figures import _drawn_ticks
 
     xlim, ylim, right, log = _tick_limits(seed)
     ref, rax, rcanvas = _tick_figure(xlim, ylim, right, log)

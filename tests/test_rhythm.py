@@ -1,15 +1,15 @@
-"""The ventricular flutter episode rule (beatflow.rhythm): array code against the loop reference,
+"""The ventricular flutter episode rule (beatflow.detect.rhythm): array code against the loop reference,
 partition invariance, and MIT-BIH 207 (flutter) and VT runs (203, 205, 207)."""
 import numpy as np
 import pytest
 
 import naive
-from beatflow import rhythm as R
-from beatflow import segment as S
-from beatflow.backend import cupy_available
+from beatflow.detect import rhythm as R
+from beatflow.detect import peaks as S
+from beatflow.device import cupy_available
 from beatflow.params import SegmentParams
-from beatflow.partitions import assemble_halos, edges, segment_partition
-from beatflow.reading import PartitionSpec, _split_even
+from beatflow.embed.partitions import assemble_halos, edges, segment_partition
+from beatflow.io.sources import PartitionSpec, _split_even
 
 
 def _flutter(rng, n, fs, amp=1.0):
@@ -21,7 +21,7 @@ def _flutter(rng, n, fs, amp=1.0):
 
 def _stream(seed, fs=250.0, seconds=60.0):
     """Synthetic ECG with one flutter episode of 15–25 s replacing part of it."""
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     rng = np.random.default_rng(seed)
     x = synthesize_ecg(hours=seconds / 3600.0, fs=fs, seed=seed).signal.astype(np.float32).copy()
@@ -54,7 +54,7 @@ def test_cpu_loops_match_array_code():
     """The fused CPU loops (cpu_kernels.flutter_features_cpu) give the array code's window
     quantities: energies to round-off, the same smooth windows and near-median fractions, for even
     and odd windows, unaligned starts and streams shorter than a window."""
-    from beatflow.cpu_kernels import flutter_features_cpu
+    from beatflow.detect.cpu import flutter_features_cpu
 
     fs = 250.0
     for seed, params in ((0, {}), (1, {"vf_window_s": 0.71, "vf_context": 1}), (2, {"vf_highpass_s": 0.02})):
@@ -138,7 +138,7 @@ def test_rhythm_partition_invariance():
 
 def _beats_kept(rec, lo, hi, s):
     """Annotated beats in [lo, hi) and how many of them the detection matches with the rule on/off."""
-    from beatflow.metrics import match_beats
+    from beatflow.score.metrics import match_beats
 
     ref, _ = rec.beats
     ref = ref[(ref >= lo) & (ref < hi)]
@@ -149,7 +149,7 @@ def _beats_kept(rec, lo, hi, s):
 
 
 def test_mitdb_207_flutter_dropped_and_vt_runs_kept(mitdb):
-    from beatflow.evaluate import load_record
+    from beatflow.score.evaluate import load_record
 
     rec = load_record(str(mitdb / "207"), max_seconds=70.0)
     s = SegmentParams().samples(rec.fs)
@@ -167,7 +167,7 @@ def test_mitdb_207_flutter_dropped_and_vt_runs_kept(mitdb):
 @pytest.mark.parametrize("name, seconds, runs", [("203", 120.0, [(16689, 17156), (33033, 33602), (37837, 38291)]),
                                                   ("205", 310.0, [(107561, 108650), (109089, 110272)])])
 def test_mitdb_vt_runs_keep_their_beats(mitdb, name, seconds, runs):
-    from beatflow.evaluate import load_record
+    from beatflow.score.evaluate import load_record
 
     rec = load_record(str(mitdb / name), max_seconds=seconds)
     s = SegmentParams().samples(rec.fs)

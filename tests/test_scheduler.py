@@ -80,7 +80,7 @@ def test_gpu_run_on_workers_without_a_gpu_names_the_worker(prefect_server, exist
 @pytest.mark.skipif(_GPU_HERE, reason="the workers of this cluster would see a GPU")
 def test_auto_device_on_an_existing_cluster_is_decided_by_its_workers(existing_cluster):
     """--device auto with --scheduler asks the workers (here: CPU workers), not this machine."""
-    from tasks.cluster import cluster_device
+    from beatflow.pipeline.cluster import cluster_device
 
     assert cluster_device(existing_cluster) == "cpu"
     with pytest.raises(DeviceError, match=r"^--scheduler tcp://127\.0\.0\.1:1: cannot reach the Dask scheduler"):

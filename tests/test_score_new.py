@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from beatflow.store import Store, StoreError, item_sha256
+from beatflow.io.store import Store, StoreError, item_sha256
 
 from conftest import ROOT
 
 
 def _write_csv(path, seed, hours=0.02):
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     x = synthesize_ecg(hours=hours, fs=250.0, seed=seed).signal
     path.write_text("heartbeats\n" + "\n".join(f"{v:.5f}" for v in x) + "\n")
@@ -24,12 +24,12 @@ def _write_csv(path, seed, hours=0.02):
 @pytest.fixture(scope="module")
 def trained_store(tmp_path_factory):
     """A store whose latest model was trained (briefly) on synthetic beats at 250 Hz."""
-    from beatflow.beats import beats_from_peaks, dominant_beat, embed, prune_mask, residual_rows
-    from beatflow.model import save_model, score_beats, train_vae
+    from beatflow.embed.beats import beats_from_peaks, dominant_beat, embed, prune_mask, residual_rows
+    from beatflow.model.vae import save_model, score_beats, train_vae
     from beatflow.params import SegmentParams
-    from beatflow.scoring import robust_threshold
-    from beatflow.segment import detect_peaks
-    from beatflow.synth import synthesize_ecg
+    from beatflow.score.rule import robust_threshold
+    from beatflow.detect.peaks import detect_peaks
+    from beatflow.io.synth import synthesize_ecg
 
     root = tmp_path_factory.mktemp("store")
     ecg = synthesize_ecg(hours=0.2, fs=250.0, seed=11)
@@ -48,8 +48,8 @@ def trained_store(tmp_path_factory):
 
 
 def test_score_new_recordings(prefect_server, trained_store, tmp_path, mitdb):
-    from beatflow.synth import synthesize_ecg
-    from flows.score_new import score_new_recordings
+    from beatflow.io.synth import synthesize_ecg
+    from beatflow.pipeline.inbox_flow import score_new_recordings
 
     inbox = tmp_path / "inbox"
     inbox.mkdir()
@@ -82,14 +82,14 @@ def test_score_new_recordings(prefect_server, trained_store, tmp_path, mitdb):
 
 def test_score_new_recordings_with_a_second_lead(prefect_server, trained_store, tmp_path):
     """``column`` and ``confirm_column``: a two-column CSV is scored on its first lead with the beats
-    the second lead confirms (beatflow.leads); a file without that column goes to failed/."""
+    the second lead confirms (beatflow.detect.leads); a file without that column goes to failed/."""
     import sys
     from pathlib import Path
 
-    from beatflow.leads import second_lead_peaks
+    from beatflow.detect.leads import second_lead_peaks
     from beatflow.params import SegmentParams
-    from beatflow.segment import detect_peaks
-    from flows.score_new import score_new_recordings
+    from beatflow.detect.peaks import detect_peaks
+    from beatflow.pipeline.inbox_flow import score_new_recordings
 
     sys.path.insert(0, str(Path(__file__).parent))
     from test_leads import _two_leads
@@ -122,7 +122,7 @@ def test_score_new_recordings_with_a_second_lead(prefect_server, trained_store, 
 def test_same_content_is_scored_once(prefect_server, trained_store, tmp_path):
     """Identical content under two names, and under a name scored before: rows once, status duplicate,
     every file kept in done/; new content under a name scored before: its own rows, beside the others."""
-    from flows.score_new import score_new_recordings
+    from beatflow.pipeline.inbox_flow import score_new_recordings
 
     inbox = tmp_path / "inbox"
     inbox.mkdir()
@@ -165,7 +165,7 @@ def test_same_content_is_scored_once(prefect_server, trained_store, tmp_path):
 
 
 def list_inbox_names(inbox):
-    from beatflow.store import list_inbox
+    from beatflow.io.store import list_inbox
 
     return [p.name for p in list_inbox(inbox)]
 
@@ -176,7 +176,7 @@ _SCORE_IN_STEP = """
 import os, sys, time
 from pathlib import Path
 
-import flows.score_new as flow_module
+import beatflow.pipeline.inbox_flow as flow_module
 from beatflow.cli import main
 
 def list_in_step(inbox, _list=flow_module.list_inbox):
@@ -228,7 +228,7 @@ def test_a_model_that_does_not_load_is_a_store_error(trained_store, tmp_path):
     torch.load(weights_only=True): one StoreError naming the file, and the code never runs."""
     import torch
 
-    from flows.score_new import cached_engine
+    from beatflow.pipeline.inbox_flow import cached_engine
 
     marker = tmp_path / "ran"
 
@@ -259,7 +259,7 @@ def test_an_interrupted_task_gives_its_item_back(tmp_path, monkeypatch, error):
     item back to the inbox: nothing stays claimed, nothing goes to done/ or failed/."""
     import logging
 
-    import tasks.scoring as scoring
+    import beatflow.pipeline.inbox as scoring
 
     inbox = tmp_path / "inbox"
     inbox.mkdir()

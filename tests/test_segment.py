@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 
 import naive
-from beatflow import segment as S
+from beatflow.detect import peaks as S
 from beatflow.params import SegmentParams
-from beatflow.partitions import assemble_halos, edges, plan_beats, segment_partition
-from beatflow.reading import PartitionSpec, _split_even
+from beatflow.embed.partitions import assemble_halos, edges, plan_beats, segment_partition
+from beatflow.io.sources import PartitionSpec, _split_even
 
 S250 = SegmentParams().samples(250.0)
 
@@ -72,7 +72,7 @@ def test_envelopes_match_loops(n):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_fused_envelope_matches_array_code_across_chunks(fs, dtype):
     """Long enough for many chunks of the CPU kernel, and the seed's real window sizes."""
-    from beatflow.cpu_kernels import _CHUNK
+    from beatflow.detect.cpu import _CHUNK
 
     s = SegmentParams().samples(fs)
     rng = np.random.default_rng(int(fs))
@@ -222,7 +222,7 @@ def test_noise_burst_peaks_are_no_beats():
     x = x.astype(np.float32)
     on = S.detect_peaks(x, S250)
     off = S.detect_peaks(x, SegmentParams(noise_slope_ratio=float("inf")).samples(fs))
-    from beatflow.metrics import match_beats
+    from beatflow.score.metrics import match_beats
 
     d_on, _ = match_beats(on, beats, int(0.15 * fs))
     d_off, _ = match_beats(off, beats, int(0.15 * fs))
@@ -291,7 +291,7 @@ def test_partition_count_does_not_change_beats(synthetic_ecg):
 
 
 def test_detects_synthetic_beats(synthetic_ecg):
-    from beatflow.metrics import match_beats
+    from beatflow.score.metrics import match_beats
 
     p = S.detect_peaks(synthetic_ecg.signal, S250)
     d, _ = match_beats(p, synthetic_ecg.r_peaks, int(0.15 * 250))

@@ -1,13 +1,11 @@
-"""The stages' partition functions (tasks.stages): what runs on the workers, without a cluster."""
+"""The stages' partition functions (beatflow.pipeline.stages): what runs on the workers, without a cluster."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from beatflow.errors import DeviceError, InputError
-from tasks import stages as T
-
-
+from beatflow.pipeline import stages as T
 class _FlakySource:
     """A source whose first ``failures`` reads raise ``error``."""
 
@@ -74,7 +72,7 @@ def test_load_partition_does_not_retry_bad_input():
 def test_load_partition_without_room_on_the_gpu_names_the_sizes_and_does_not_retry(monkeypatch):
     """A device copy that does not fit the worker's pool is one clear error with the sizes (not a
     retry, not a bare allocator message); on the CPU a MemoryError stays what it is."""
-    import beatflow.backend as B
+    import beatflow.device as B
 
     def no_room(x, xp):
         raise MemoryError("std::bad_alloc: out_of_memory: RMM failure at limiting_resource_adaptor.hpp")
@@ -103,7 +101,7 @@ def test_load_partition_without_room_on_the_gpu_names_the_sizes_and_does_not_ret
     (ValueError("shapes differ"), False),
 ])
 def test_device_memory_converts_only_failed_allocations(monkeypatch, error, converted):
-    import beatflow.backend as B
+    import beatflow.device as B
 
     monkeypatch.setattr(B, "pool_limit", lambda: (2_000_000_000, 1_500_000_000))
 
@@ -125,8 +123,8 @@ def test_each_partitions_own_top_snippets_hold_the_whole_streams_top(seed):
     """The report's context comes from each partition's own top beats, cut while scoring: every beat of
     the stream's top (the anomaly table's ranks, ties included) is among its partition's, with the
     signal around it as the whole stream has it (clipped to what the partition sees)."""
-    from beatflow.partitions import top_windows
-    from beatflow.scoring import anomaly_table
+    from beatflow.embed.partitions import top_windows
+    from beatflow.score.rule import anomaly_table
 
     rng = np.random.default_rng(seed)
     n, halo, top, pad = 20_000, 300, 12, 250

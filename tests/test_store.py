@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from beatflow import store as store_module
-from beatflow.store import (AlreadyScored, Store, StoreError, atomic_write_bytes, claim_item, item_sha256, list_inbox,
+from beatflow.io import store as store_module
+from beatflow.io.store import (AlreadyScored, Store, StoreError, atomic_write_bytes, claim_item, item_sha256, list_inbox,
                             move_item, release_claims, release_dead_claims)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def test_broken_stores_are_one_line_store_errors(tmp_path, breakage, message):
 def test_checking_the_store_imports_no_torch(tmp_path):
     """Store.latest_model is the CLI's cheap check before a flow starts: no PyTorch, no Prefect."""
     st = _registered(tmp_path)
-    code = ("import sys; from beatflow.store import Store; Store(sys.argv[1]).latest_model(); "
+    code = ("import sys; from beatflow.io.store import Store; Store(sys.argv[1]).latest_model(); "
             "print(sorted(m for m in ('torch', 'prefect', 'pyarrow') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code, str(st.root)], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -261,7 +261,7 @@ def test_claims_of_dead_scorers_are_released(tmp_path):
         (inbox / name).write_text(f"x\n{name}\n")
     _record(inbox)
     # a scorer that claimed two items and died (killed: no clean-up)
-    code = ("import os, sys; from beatflow.store import claim_item; "
+    code = ("import os, sys; from beatflow.io.store import claim_item; "
             "[claim_item(p) for p in sys.argv[1:]]; os._exit(0)")
     r = subprocess.run([sys.executable, "-c", code, str(inbox / "dead.csv"), str(inbox / "100.hea")],
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)

@@ -1,10 +1,10 @@
-"""Tests of the synthetic ECG generator (beatflow.synth)."""
+"""Tests of the synthetic ECG generator (beatflow.io.synth)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from beatflow.synth import LABEL_NAMES, SyntheticECG, synthesize_ecg, truth_path
+from beatflow.io.synth import LABEL_NAMES, SyntheticECG, synthesize_ecg, truth_path
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +248,7 @@ def test_bad_arguments_raise(kwargs):
 
 
 def test_cache_of_generated_recordings(tmp_path, monkeypatch):
-    from beatflow import synth
-
+    from beatflow.io import synth
     cache = tmp_path / "cache"
     a = (tmp_path / "a.npy", tmp_path / "a.npz")
     ecg, hit = synth.synthesize_cached(*a, hours=0.01, fs=250.0, seed=4, cache_dir=cache)

@@ -128,7 +128,7 @@ from test_score_new import trained_store  # noqa: E402,F401  (fixture)
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupted_score_puts_its_item_back_in_the_inbox(tmp_path, trained_store, sig, code):  # noqa: F811
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
 
     inbox = tmp_path / "inbox"
     inbox.mkdir()

@@ -1,4 +1,4 @@
-"""The training step kernel (``beatflow.train_kernel``) against PyTorch's autograd of the LightVAE.
+"""The training step kernel (``beatflow.model.step_kernel``) against PyTorch's autograd of the LightVAE.
 
 On CI it runs under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, exported by ``scripts/test.sh``), on
 small rows; on a GPU the same tests run on the device, with more of them on the flow's shapes.
@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from beatflow.model import LightVAE, train_vae, vae_loss
-from beatflow.train_kernel import param_layout, row_grads
+from beatflow.model.vae import LightVAE, train_vae, vae_loss
+from beatflow.model.step_kernel import param_layout, row_grads
 
 
 def _mode():
     """``"gpu"``, ``"sim"`` (Numba's CUDA simulator: ``NUMBA_ENABLE_CUDASIM=1``, as scripts/test.sh sets) or None."""
-    from beatflow.kernels import simulator_active
+    from beatflow.gpu.kernels import simulator_active
 
     if simulator_active():
         return "sim"
@@ -97,7 +97,7 @@ def test_each_rows_gradient_and_loss_match_autograd(width, rows, seed, sums):
 def test_the_transposed_sums_are_the_butterflys_bit_for_bit():
     """``tsum`` (a warp's 32 totals in 31 shuffles, lane l the l-th) gives each total bit for bit as the
     butterfly ``wsum`` does (on a GPU: the same pairs added in the same order), and the sums are the columns'."""
-    from beatflow.train_kernel import warp_totals
+    from beatflow.model.step_kernel import warp_totals
 
     rng = np.random.default_rng(5)
     for scale in (1.0, 1e-4, 3e4):
@@ -130,7 +130,7 @@ def test_each_weight_gradient_sum_is_made_once(monkeypatch, width):
     parameters (each sum gives at least one gradient; a loop that went over the rest of a layer's sums from
     each chunk of 32 made 537 at width 16, against the 309 before the transposed sums); transposed, a sixth
     of them or fewer (32 at a time)."""
-    import beatflow.train_kernel as TK
+    import beatflow.model.step_kernel as TK
 
     made = {"wsum": 0, "tsum": 0}
     wsum, tsum = TK._sim_wsum, TK._sim_tsum
@@ -163,7 +163,7 @@ def test_each_weight_gradient_sum_is_made_once(monkeypatch, width):
 
 
 def test_sums_that_are_neither_are_refused(monkeypatch):
-    from beatflow.train_kernel import step_sums
+    from beatflow.model.step_kernel import step_sums
 
     monkeypatch.setenv("BEATFLOW_STEP_SUMS", "pairwise")
     with pytest.raises(ValueError, match="'transposed' or 'butterfly', got 'pairwise'"):
@@ -186,8 +186,7 @@ def test_kernel_training_is_refused_where_it_cannot_run():
 def test_a_kernel_that_cannot_run_falls_back_to_pytorchs_steps(monkeypatch):
     """Where the step kernel is chosen but cannot be built or launched (here: a CPU tensor), training
     warns once and runs PyTorch's steps: the same result as without the kernel, nothing kept."""
-    from beatflow import model as M
-
+    from beatflow.model import vae as M
     beats = np.random.default_rng(1).normal(size=(200, 16)).astype(np.float32)
     monkeypatch.setattr(M, "training_kernel", lambda kernel, device, amp=None: True)
     with pytest.warns(RuntimeWarning, match="the training step kernel cannot run here"):
@@ -202,7 +201,7 @@ def test_a_kernel_that_cannot_run_falls_back_to_pytorchs_steps(monkeypatch):
 def test_kernel_step_fills_the_models_gradients():
     """``KernelStep``: the batch's gradient in each parameter's ``.grad`` and the batch's loss, against
     autograd with the noise the step drew; the parameters are views of the kernel's flat vector."""
-    from beatflow.train_kernel import KernelStep
+    from beatflow.model.step_kernel import KernelStep
 
     model = random_model(64, 3)
     before = _copy(model)
@@ -230,7 +229,7 @@ def _copy(model: LightVAE) -> LightVAE:
 def test_training_with_the_kernel_reaches_the_models_loss(graphs):
     """Training by the step kernel (launched, or replayed from CUDA graphs) against PyTorch's own steps in
     fp32: the same split and start, other noise; the losses agree within 5 %."""
-    from beatflow.model import training_graphs
+    from beatflow.model.vae import training_graphs
 
     if graphs and not training_graphs(None, "cuda"):
         pytest.skip("PyTorch allocates from another allocator here: no capture")
@@ -250,7 +249,7 @@ def test_training_with_the_kernel_reaches_the_models_loss(graphs):
 def test_an_epoch_graph_trains_as_a_graph_per_step(monkeypatch):
     """With the kernel, an epoch is one CUDA graph; refused, a graph per step: the same training (other
     noise: the warm-ups draw differently), and the epoch graph's kept replays equal its fresh capture."""
-    from beatflow import model as M
+    from beatflow.model import vae as M
     from test_model import synthetic_beats
 
     if not M.training_graphs(None, "cuda"):
@@ -297,7 +296,7 @@ def test_flow_shapes_on_the_gpu():
 def test_queued_epochs_train_as_epoch_by_epoch(monkeypatch):
     """All epochs queued before a loss is read (``_queued_epochs``) train exactly as the epochs run one
     at a time, each order made and each loss read before the next epoch (the naive loop, here)."""
-    from beatflow import model as M
+    from beatflow.model import vae as M
     from test_model import synthetic_beats
 
     if not M.training_graphs(None, "cuda"):
