@@ -1,7 +1,8 @@
 """Command line: ``beatflow run`` (the flow), ``beatflow evaluate`` (MIT-BIH), ``beatflow engine clean``.
 
 The numeric modules of ``beatflow`` know nothing of Prefect or Dask; this entry point imports the
-flow (``flows``) and the Dask plumbing (``tasks``) only when a command needs them.
+flows and the Dask plumbing (:mod:`beatflow.pipeline`) only when a command needs them, and never
+Prefect or Dask themselves.
 """
 from __future__ import annotations
 
@@ -264,9 +265,7 @@ def _run_logged(args, device: str, final, log) -> int:
     existed = final.is_dir()
     on_interrupt("out", lambda: _undo_out(final, existed))
     figure_pool()  # the report's figure processes start now, while Prefect, Dask and the flow are imported and set up
-    with _long_lived_imports():
-        import prefect_dask  # noqa: F401  (the task runner's, imported here with the rest)
-
+    with _long_lived_imports():  # (the task runner's prefect_dask with the rest: beatflow.pipeline.cluster)
         from beatflow.pipeline.flow import ecg_anomaly_flow
         from beatflow.pipeline.cluster import make_task_runner, parse_pool_size, prefect_api
 

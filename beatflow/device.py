@@ -41,7 +41,7 @@ def import_in_background(name: str):
     The flow's process of a GPU run never uses CuPy itself, but its Dask client unpickles the type of
     every result a worker holds, so the first CuPy array (the load's partitions) imported CuPy there:
     in warm flows the load's return took 0.18-0.21 s after the last read's end on the GPU worker,
-    against 1.2 ms in a process that had imported CuPy (H100, session 26, ``bench/RESULTS.md``).
+    against 1.2 ms in a process that had imported CuPy (H100, ``bench/results/flow.md``, CuPy import).
     Started before the flow run is set up, the import overlaps that set-up.
     """
     if name in sys.modules:
@@ -79,12 +79,14 @@ def gpu_count(gpus: str | None = None) -> int:
 
 
 def resolve_device(device: str) -> str:
-    """Turn ``auto|cpu|gpu`` into ``cpu`` or ``gpu``.
+    """Turn ``auto|cpu|gpu`` into ``cpu`` or ``gpu``: the one meaning of ``auto`` in beatflow (a
+    caller that takes ``auto``, for the flow's device or the engines', resolves it here).
 
     Parameters
     ----------
     device : str
-        ``"auto"`` picks the GPU when CuPy and a CUDA device are present, else the CPU.
+        ``"auto"`` picks the GPU when CuPy is importable and sees a CUDA device
+        (:func:`cupy_available`), else the CPU; ``"cpu"`` is always the CPU; ``"gpu"`` the GPU.
 
     Returns
     -------
@@ -217,7 +219,7 @@ def _numba_memory_manager():
     try:
         from numba import cuda
 
-        from beatflow.gpu.kernels import simulator_active
+        from beatflow.gpu.sim import simulator_active
 
         if simulator_active() or not cuda.is_available():
             return None
@@ -244,14 +246,13 @@ def _rmm_setup_pool_size():
 
 
 def _pool_bytes(value, total: int) -> int:
-    """An RMM pool size (a share of the device like ``0.8``, bytes, or a size like ``"40GB"``) in
-    bytes of a device of ``total`` bytes, rounded down to RMM's 256-byte alignment."""
+    """An RMM pool size (a share of the device like ``0.8``, or bytes: sizes with units like ``"40GB"``
+    are turned into bytes by :func:`beatflow.pipeline.cluster.parse_pool_size`) in bytes of a device of
+    ``total`` bytes, rounded down to RMM's 256-byte alignment."""
     try:
         v = float(value)
     except (TypeError, ValueError):
-        from dask.utils import parse_bytes
-
-        v = float(parse_bytes(str(value)))
+        raise DeviceError(f"RMM pool size {value!r}: a share of the GPU (0.8) or bytes") from None
     n = int(v * total) if v <= 1.0 else int(v)
     return n - n % 256
 

@@ -222,7 +222,7 @@ class SegmentSamples:
 
 # ---- training (beatflow.model.vae) ---------------------------------------------------------------
 
-#: fraction of the beat matrix :func:`beatflow.model.vae.train_vae` trains on (after a seeded shuffle); the rest
+#: fraction of the beat matrix :func:`beatflow.model.train.train_vae` trains on (after a seeded shuffle); the rest
 #: is held out
 TRAIN_FRACTION = 0.75
 

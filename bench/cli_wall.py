@@ -15,7 +15,7 @@ keep this tree's). From the process's start and end and its log's timestamps:
 
 Run from the repository root::
 
-    TREES="/tmp/base $PWD" RUNS=5 HOURS=2 python bench/cli_wall.py
+    TREES="/tmp/base $PWD" RUNS=5 HOURS=2 python bench/cli_wall.py      (results: bench/results/cli.md)
 
 ``CLUSTER=own``: each command starts and closes a cluster of its own (``beatflow run`` without
 ``--scheduler``, the README's command; the Prefect server still stands), whose closing falls in
@@ -35,7 +35,9 @@ import time
 from datetime import datetime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+
+from common import print_header, print_table  # noqa: E402
 
 
 def _clock(line: str) -> float | None:
@@ -75,6 +77,7 @@ def main() -> int:
     runs, hours = int(os.environ.get("RUNS", "4")), os.environ.get("HOURS", "2")
     workers = int(os.environ.get("WORKERS", "2"))
     own = os.environ.get("CLUSTER", "standing") == "own"
+    print_header()
     server = SubprocessASGIServer()
     server.start(timeout=120)
     env = {"PREFECT_API_URL": server.api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1",
@@ -109,11 +112,8 @@ def main() -> int:
     keys = ["wall", "start", "flow", "to completed", "exit"]
     print(f"\nmedians of runs 2-{runs} (s), {hours} h synthetic ECG, 1 epoch, "
           f"{'its own' if own else 'a standing'} CPU cluster of {workers} workers")
-    print("| tree | " + " | ".join(keys) + " |")
-    print("|---" * (len(keys) + 1) + "|")
-    for tree in trees:
-        warm = rows[tree][1:] or rows[tree]
-        print(f"| {tree} | " + " | ".join(f"{statistics.median(p[k] for p in warm):.2f}" for k in keys) + " |")
+    print_table(["tree"] + keys, [[tree] + [f"{statistics.median(p[k] for p in (rows[tree][1:] or rows[tree])):.2f}"
+                                          for k in keys] for tree in trees])
     return 0
 
 

@@ -19,7 +19,8 @@ Usage::
     .venv/bin/python bench/engine_bench.py --device cuda --out $OUT            # GPU (all backends)
     .venv/bin/python bench/engine_bench.py --quick                             # smoke run
 
-Writes ``engine_bench.json`` and ``engine_bench.md`` to ``--out``.
+Writes ``engine_bench.json`` and ``engine_bench.md`` to ``--out`` (on a GPU: ``bash bench/gpu.sh engine``;
+results: ``bench/results/engine.md``).
 """
 from __future__ import annotations
 
@@ -37,12 +38,17 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import torch  # noqa: E402
 
-from beatflow.engine import cache as engines
-from beatflow.engine.base import PRECISIONS, OnnxRuntimeEngine, export_onnx, torch_threads  # noqa: E402
+import common  # noqa: E402
+
+from beatflow.engine import cache as engines  # noqa: E402
+from beatflow.engine import options  # noqa: E402
+from beatflow.engine.onnx import OnnxRuntimeEngine, export_onnx  # noqa: E402
+from beatflow.engine.options import PRECISIONS  # noqa: E402
+from beatflow.model.threads import torch_threads  # noqa: E402
 from beatflow.score.metrics import roc_auc  # noqa: E402
 
 BATCHES = [1 << k for k in range(14)]  # 1 .. 8192
@@ -55,10 +61,11 @@ BATCHES = [1 << k for k in range(14)]  # 1 .. 8192
 def labelled_beats(hours: float, seed: int):
     """Scaled beat rows of a synthetic ECG (pipeline segmentation) and their truth labels
     (0 normal, 1 PVC, 2 artifact, -1 no true beat within 150 ms)."""
-    from beatflow.embed.beats import beats_from_peaks, embed, prune_mask
+    from beatflow.embed import embed
+    from beatflow.embed.beats import beats_from_peaks, prune_mask
     from beatflow.score.metrics import match_beats
     from beatflow.params import SegmentParams
-    from beatflow.detect.peaks import detect_peaks
+    from beatflow.detect import detect_peaks
     from beatflow.io.synth import synthesize_ecg
 
     ecg = synthesize_ecg(hours=hours, fs=250.0, seed=seed)
@@ -75,7 +82,8 @@ def labelled_beats(hours: float, seed: int):
 
 
 def train(rows: np.ndarray, epochs: int, out: Path, seed: int):
-    from beatflow.model.vae import save_model, train_vae
+    from beatflow.model.train import train_vae
+    from beatflow.model.vae import save_model
 
     with torch_threads(1):
         res = train_vae(rows, epochs=epochs, batch_size=1024, seed=seed)
@@ -91,8 +99,8 @@ def train(rows: np.ndarray, epochs: int, out: Path, seed: int):
 # ----------------------------------------------------------------------------------------------
 
 def Timer(gpu: bool):
-    """Seconds of ``fn()``: CUDA events on a GPU, the monotonic clock on the CPU (``beatflow.engine.base.timer``)."""
-    from beatflow.engine.base import timer
+    """Seconds of ``fn()``: CUDA events on a GPU, the monotonic clock on the CPU (``beatflow.engine.validate.timer``)."""
+    from beatflow.engine.validate import timer
 
     return timer(gpu)
 
@@ -104,8 +112,8 @@ def to_engine_input(engine, x: np.ndarray):
 
 
 def latency(engine, x: np.ndarray, timer, calls: int) -> dict:
-    """Batch-1 latency p50/p99 as every engine step measures it (:func:`beatflow.engine.base.profile_engine`)."""
-    from beatflow.engine.base import profile_engine
+    """Batch-1 latency p50/p99 as every engine step measures it (:func:`beatflow.engine.validate.profile_engine`)."""
+    from beatflow.engine.validate import profile_engine
 
     lat = profile_engine(engine, x[:64], (), latency_calls=calls, min_rows=1)["latency_batch1_us"]
     return {"p50_us": lat["p50"], "p99_us": lat["p99"], "calls": lat["calls"]}
@@ -212,18 +220,19 @@ def ort_sweep(scorer, pool: np.ndarray, threads: int, tmp: Path, batch: int = 10
 def machine(device: str) -> dict:
     info = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "host": platform.node(),
             "cpu": engines.device_name("cpu"), "cores": engines._usable_cores(), "python": platform.python_version(),
-            "versions": engines.library_versions(device), "loadavg_start": os.getloadavg()}
+            "versions": engines.library_versions(device), "loadavg_start": os.getloadavg(),
+            "header": common.machine()}
     if device != "cpu":
         info["gpu"] = engines.device_name(device)
     return info
 
 
 def combos(device: str, backends, precisions):
-    avail = engines.available_backends(device)
+    avail = options.available_backends(device)
     gpu = device != "cpu"
     for b in backends:
         for p in precisions:
-            if not engines._supports(b, p, gpu):
+            if not options._supports(b, p, gpu):
                 continue
             yield b, p, (b in avail)
 
@@ -252,11 +261,11 @@ def main(argv=None) -> int:
         args.hours, args.epochs, args.latency_calls, args.target_s = 0.25, 2, 200, 0.05
     out = Path(args.out or tempfile.mkdtemp(prefix="engine-bench-"))
     out.mkdir(parents=True, exist_ok=True)
-    device = engines.normalize_device(args.device)
+    device = options.normalize_device(args.device)
     gpu = device != "cpu"
     threads = args.threads or engines._usable_cores()
     cache = Path(args.cache_dir) if args.cache_dir else out / "engine-cache"
-    backends = engines.BACKENDS if args.backends == "all" else tuple(args.backends.split(","))
+    backends = options.BACKENDS if args.backends == "all" else tuple(args.backends.split(","))
     precisions = PRECISIONS if args.precisions == "all" else tuple(args.precisions.split(","))
     batches = [1, 16, 256, 1024, 8192] if args.quick else BATCHES
     report = {"command": " ".join([sys.executable, *sys.argv]), "machine": machine(device), "device": device,
@@ -343,7 +352,7 @@ def main(argv=None) -> int:
 
 def markdown(rep: dict, batches) -> str:
     m = rep["machine"]
-    lines = [f"## Engine benchmark, {m['date']}", "",
+    lines = [f"## Engine benchmark, {m['date']}", "", common.header(info=m["header"]),
              f"- command: `{rep['command']}`",
              f"- machine: {m['cpu']}, {rep['threads']} threads" + (f", GPU {m['gpu']}" if "gpu" in m else ""),
              f"- load average at start/end: {m['loadavg_start'][0]:.1f} / {m['loadavg_end'][0]:.1f}",
@@ -352,20 +361,19 @@ def markdown(rep: dict, batches) -> str:
              f"artifacts, {rep['data']['labelled']} matched to the truth), PyTorch fp32 ROC-AUC "
              f"{rep['data']['auc_pytorch_fp32']:.5f}, scores {rep['data']['score_range'][0]:.3g}.."
              f"{rep['data']['score_range'][1]:.3g}", "",
-             "### Accuracy against PyTorch fp32 (all beats) and latency", "",
-             "| backend | precision | build | max abs err | max rel err | max abs err mu | ROC-AUC | dAUC | p50 batch 1 | p99 batch 1 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "### Accuracy against PyTorch fp32 (all beats) and latency", ""]
+    acc = []
     for r in rep["results"]:
         a, lt = r["accuracy"], r["latency_batch1"]
-        lines.append(f"| {r['backend']} | {r['precision']} | {r['cache']} {r['build_s']:.1f} s | {a['max_abs_err']:.1e} | "
-                     f"{a['max_rel_err']:.1e} | {a['max_abs_err_mu']:.1e} | {a['auc']:.5f} | {a['delta_auc']:+.1e} | "
-                     f"{lt['p50_us']:.0f} us | {lt['p99_us']:.0f} us |")
+        acc.append((r["backend"], r["precision"], f"{r['cache']} {r['build_s']:.1f} s", f"{a['max_abs_err']:.1e}",
+                    f"{a['max_rel_err']:.1e}", f"{a['max_abs_err_mu']:.1e}", f"{a['auc']:.5f}", f"{a['delta_auc']:+.1e}",
+                    f"{lt['p50_us']:.0f} us", f"{lt['p99_us']:.0f} us"))
+    lines.append(common.markdown_table(["backend", "precision", "build", "max abs err", "max rel err", "max abs err mu",
+                                        "ROC-AUC", "dAUC", "p50 batch 1", "p99 batch 1"], acc))
     lines += ["", "### Throughput (beats/s, best of 3; `engine.infer(X, batch_size=b)`)", "",
-              "| batch | " + " | ".join(f"{r['backend']} {r['precision']}" for r in rep["results"]) + " |",
-              "|---|" + "---|" * len(rep["results"])]
-    for b in batches:
-        cells = [f"{r['throughput'][b]['beats_per_s']:,.0f}" if b in r["throughput"] else "-" for r in rep["results"]]
-        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+              common.markdown_table(["batch"] + [f"{r['backend']} {r['precision']}" for r in rep["results"]],
+                                    [[b] + [f"{r['throughput'][b]['beats_per_s']:,.0f}" if b in r["throughput"] else "-"
+                                            for r in rep["results"]] for b in batches])]
     if any("zero_copy" in r for r in rep["results"]):
         lines += ["", "### Device input (zero copy): CUDA memcpy events during one infer of a device tensor", ""]
         for r in rep["results"]:
@@ -374,10 +382,10 @@ def markdown(rep: dict, batches) -> str:
     if rep.get("ort_sweep"):
         lines += ["", f"### ONNX Runtime configurations, batch 1024, {rep['threads']} threads "
                       f"({rep['ort_sweep'][0]['rounds']} interleaved rounds of {rep['ort_sweep'][0]['rows']} beats)", "",
-                  "| configuration | best beats/s | median beats/s | beats per CPU-second (median) |", "|---|---|---|---|"]
-        for c in rep["ort_sweep"]:
-            lines.append(f"| {c['config']} | {c['best_beats_per_s']:,.0f} | {c['median_beats_per_s']:,.0f} | "
-                         f"{c.get('beats_per_cpu_s', float('nan')):,.0f} |")
+                  common.markdown_table(["configuration", "best beats/s", "median beats/s",
+                                         "beats per CPU-second (median)"],
+                                        [(c["config"], f"{c['best_beats_per_s']:,.0f}", f"{c['median_beats_per_s']:,.0f}",
+                                          f"{c.get('beats_per_cpu_s', float('nan')):,.0f}") for c in rep["ort_sweep"]])]
     if rep["skipped"]:
         lines += ["", "### Not measured", ""] + [f"- {s['backend']} {s['precision']}: {s['reason']}" for s in rep["skipped"]]
     return "\n".join(lines) + "\n"

@@ -6,9 +6,11 @@ records are segmented and scored (inter-patient). The 4 paced records (102, 104,
 reported apart: trained on all 22 non-paced records, tested on the paced ones. Detection does not
 depend on the training, so its gross figures over the folds are those of the 22 records.
 
-Prints Markdown tables; ``--json`` writes every fold's full result.
+Prints the machine header and Markdown tables; ``--json`` writes every fold's full result.
 
     .venv/bin/python bench/evaluate_mitdb.py [--data ../shared/data/mitdb] [--json bench/mitdb_cv.json]
+
+Results: ``bench/results/accuracy.md``.
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from common import markdown_table, print_header  # noqa: E402
 
 from beatflow.score.evaluate import PACED_RECORDS, evaluate, list_records, load_record  # noqa: E402
 from beatflow.score.metrics import Detection  # noqa: E402
@@ -61,54 +65,49 @@ def _f(v, pct=False) -> str:
 
 
 def detection_table(results: list[dict], title: str) -> str:
-    out = [f"**{title}** (gross over the test records, 150 ms tolerance)", "",
-           "| detector | Se % | PPV % | F1 % | TP | FP | FN | Se % (VF excl.) | PPV % (VF excl.) | s / record |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for name in DETECTORS:
         d, v = _gross(results, name), _gross(results, name, vf=True)
-        out.append(f"| {name} | {_f(d.se, 1)} | {_f(d.ppv, 1)} | {_f(d.f1, 1)} | {d.tp} | {d.fp} | {d.fn} | "
-                   f"{_f(v.se, 1)} | {_f(v.ppv, 1)} | {_seconds(results, name):.3f} |")
-    return "\n".join(out)
+        rows.append((name, _f(d.se, 1), _f(d.ppv, 1), _f(d.f1, 1), d.tp, d.fp, d.fn, _f(v.se, 1), _f(v.ppv, 1),
+                     f"{_seconds(results, name):.3f}"))
+    return "\n".join([f"**{title}** (gross over the test records, 150 ms tolerance)", "", markdown_table(
+        ["detector", "Se %", "PPV %", "F1 %", "TP", "FP", "FN", "Se % (VF excl.)", "PPV % (VF excl.)", "s / record"],
+        rows)])
 
 
 def per_record_table(results: list[dict]) -> str:
-    out = ["| record | beats | beatflow FP | beatflow FN | neurokit2 FP/FN | neurokit2_raw FP/FN | xqrs FP/FN |",
-           "|---|---|---|---|---|---|---|"]
+    rows = []
     for r in results:
         for rec, d in r["detection"]["per_record"].items():
             peers = [r["peers"][p]["per_record"][rec] for p in DETECTORS[1:]]
-            out.append(f"| {rec} | {d['tp'] + d['fn']} | {d['fp']} | {d['fn']} | "
-                       + " | ".join(f"{p['fp']}/{p['fn']}" for p in peers) + " |")
-    return "\n".join(out)
+            rows.append([rec, d["tp"] + d["fn"], d["fp"], d["fn"]] + [f"{p['fp']}/{p['fn']}" for p in peers])
+    return markdown_table(["record", "beats", "beatflow FP", "beatflow FN", "neurokit2 FP/FN", "neurokit2_raw FP/FN",
+                           "xqrs FP/FN"], rows)
 
 
 def anomaly_table(results: list[dict], labels: list[str], all_beats: bool = False) -> str:
-    out = ["| fold (test records) | scorer | V-vs-N ROC-AUC | V-vs-N PR-AUC | S-vs-N ROC-AUC | F-vs-N ROC-AUC "
-           "| N / S / V / F beats |",
-           "|---|---|---|---|---|---|---|"]
+    rows = []
     for lab, r in zip(labels, results):
         c = r["anomaly_all_beats" if all_beats else "anomaly"]["counts"]
         for name in SCORERS:
             a = _anom(r, name, all_beats)
-            out.append(f"| {lab} | {name} | {_f(a['auc_v'])} | {_f(a['prauc_v'])} | {_f(a['auc_s'])} | "
-                       f"{_f(a['auc_f'])} | {c['N']} / {c['S']} / {c['V']} / {c['F']} |")
-    return "\n".join(out)
+            rows.append((lab, name, _f(a["auc_v"]), _f(a["prauc_v"]), _f(a["auc_s"]), _f(a["auc_f"]),
+                         f"{c['N']} / {c['S']} / {c['V']} / {c['F']}"))
+    return markdown_table(["fold (test records)", "scorer", "V-vs-N ROC-AUC", "V-vs-N PR-AUC", "S-vs-N ROC-AUC",
+                           "F-vs-N ROC-AUC", "N / S / V / F beats"], rows)
 
 
 def coverage_table(results: list[dict]) -> str:
     ref = {c: sum(r["anomaly"]["reference_counts"][c] for r in results) for c in "NSVF"}
     kept = {c: sum(r["anomaly"]["counts"][c] for r in results) for c in "NSVF"}
     every = {c: sum(r["anomaly_all_beats"]["counts"][c] for r in results) for c in "NSVF"}
-    out = ["| AAMI class | reference beats | scored, kept beats | scored, all detected beats |", "|---|---|---|---|"]
-    for c in "NSVF":
-        out.append(f"| {c} | {ref[c]} | {kept[c]} ({100 * kept[c] / max(1, ref[c]):.0f} %) | "
-                   f"{every[c]} ({100 * every[c] / max(1, ref[c]):.0f} %) |")
-    return "\n".join(out)
+    return markdown_table(["AAMI class", "reference beats", "scored, kept beats", "scored, all detected beats"],
+                          [(c, ref[c], f"{kept[c]} ({100 * kept[c] / max(1, ref[c]):.0f} %)",
+                            f"{every[c]} ({100 * every[c] / max(1, ref[c]):.0f} %)") for c in "NSVF"])
 
 
 def mean_table(results: list[dict]) -> str:
-    out = ["| beats | scorer | V-vs-N ROC-AUC | V-vs-N PR-AUC | S-vs-N ROC-AUC | F-vs-N ROC-AUC |",
-           "|---|---|---|---|---|---|"]
+    rows = []
     for all_beats in (False, True):
         for name in SCORERS:
             cells = []
@@ -116,8 +115,9 @@ def mean_table(results: list[dict]) -> str:
                 vals = [_anom(r, name, all_beats)[key] for r in results if _anom(r, name, all_beats)[key] is not None]
                 cells.append(f"{statistics.mean(vals):.3f} ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else
                              (_f(vals[0]) if vals else "–"))
-            out.append(f"| {'all detected' if all_beats else 'kept'} | {name} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+            rows.append(["all detected" if all_beats else "kept", name] + cells)
+    return markdown_table(["beats", "scorer", "V-vs-N ROC-AUC", "V-vs-N PR-AUC", "S-vs-N ROC-AUC", "F-vs-N ROC-AUC"],
+                          rows)
 
 
 def flagged_table(results: list[dict], labels: list[str]) -> str:
@@ -125,12 +125,10 @@ def flagged_table(results: list[dict], labels: list[str]) -> str:
     rows = [(lab, r["anomaly"]["flagged"]) for lab, r in zip(labels, results) if "flagged" in r["anomaly"]]
     if not rows:
         return ""
-    out = ["| fold (test records) | threshold | flagged | V recall % | V precision % | not-N precision % | N flagged % |",
-           "|---|---|---|---|---|---|---|"]
-    for lab, f in rows:
-        out.append(f"| {lab} | {f['threshold']:.4g} | {f['flagged']} | {_f(f['v_recall'], 1)} | "
-                   f"{_f(f['v_precision'], 1)} | {_f(f['not_n_precision'], 1)} | {_f(f['n_flagged'], 1)} |")
-    return "\n".join(out)
+    return markdown_table(["fold (test records)", "threshold", "flagged", "V recall %", "V precision %",
+                           "not-N precision %", "N flagged %"],
+                          [(lab, f"{f['threshold']:.4g}", f["flagged"], _f(f["v_recall"], 1), _f(f["v_precision"], 1),
+                            _f(f["not_n_precision"], 1), _f(f["n_flagged"], 1)) for lab, f in rows])
 
 
 def report(results: list[dict], folds: list[list[str]], paced_res: dict | None, args: dict, total: float) -> str:
@@ -183,6 +181,7 @@ def main(argv=None) -> int:
             d = json.load(f)
         print(report(d["folds"], d["fold_records"], d["paced"], d["args"], d["seconds"]))
         return 0
+    print_header()
     t0 = time.perf_counter()
     names = sorted(Path(p).name for p in list_records(args.data))
     non_paced = [n for n in names if n not in PACED_RECORDS]

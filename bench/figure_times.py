@@ -3,17 +3,17 @@ the flow's figure processes), on the test suite's fake report data with 20 000 l
 of median and minimum milliseconds per figure, and the slowest of those drawn once the scores are known
 (the report of a warm GPU run waits for it).
 
-    python bench/figure_times.py [REPEATS]        (default 7)
+    python bench/figure_times.py [REPEATS]        (default 7; results: bench/results/report.md)
 """
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench")]
+
+from common import Table, print_header, timeit  # noqa: E402
 
 
 def main() -> int:
@@ -21,18 +21,16 @@ def main() -> int:
     from test_report import _fake_data
 
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 7
+    print_header()
     R.warm_up()
     d = _fake_data(m=20_000, ncols=4000)  # (the flow's columns: beatflow.pipeline.flow.N_COLUMNS)
-    print("| figure | median ms | min ms |\n|---|---:|---:|")
+    table = Table(["figure", "median ms", "min ms"], "lrr")
+    table.header()
     medians = {}
     for name, draw in R.FIGURES.items():
-        took = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            draw(d)
-            took.append((time.perf_counter() - t) * 1e3)
-        medians[name] = statistics.median(took)
-        print(f"| {name} | {medians[name]:.1f} | {min(took):.1f} |")
+        took = timeit(draw, d, repeats=repeats, warmup=0)
+        medians[name] = took.median * 1e3
+        table.row(name, f"{medians[name]:.1f}", f"{took.min * 1e3:.1f}")
     # the figures drawn at once when the scores are known, each in its own process: the report waits for the
     # slowest (beatflow.pipeline.flow: LATE_FIGURES and the top anomalies' parts)
     late = [n for n in medians if n not in R.EARLY_FIGURES]

@@ -4,12 +4,14 @@ Run on the GPU machine from the repository root (``PYTHONPATH=$PWD``)::
 
     python bench/gpu_check.py            # writes gpu_check.json / gpu_check.md under $OUT (or bench/out)
 
-(a) checks ``beatflow.gpu.kernels`` (NMS, warp-per-beat embedding) and the whole CuPy segmentation
-    against the NumPy implementations on a 20 h synthetic ECG (250 Hz, 18 M samples);
+(``bash bench/gpu.sh check``; results: ``bench/results/gpu.md``.)
+
+(a) checks the CUDA kernels (NMS: ``beatflow.detect.gpu``, warp-per-beat embedding: ``beatflow.embed.gpu``)
+    and the whole CuPy segmentation against the NumPy implementations on a 20 h synthetic ECG (250 Hz, 18 M samples);
 (b) follows one partition's device array CuPy -> Numba (``cuda.as_cuda_array``) -> PyTorch
     (``torch.from_dlpack``) and asserts one device pointer throughout;
 (c) times (CUDA events, ``cupyx.profiler.benchmark``) the wavelet response, the NMS kernel against
-    ``cupyx`` ``maximum_filter1d``, the block amplitude, ``segment.detect_peaks`` and ``embed_gpu``,
+    ``cupyx`` ``maximum_filter1d``, the block amplitude, ``detect.detect_peaks`` and ``embed_gpu``,
     then trains the VAE 10 epochs (``model.train_vae``, fp32) and a copy of its loop in fp32 and
     under bf16 autocast;
 (d) runs CuPy, PyTorch and Numba on one RMM pool and reports the pool's peak use.
@@ -21,13 +23,14 @@ import json
 import os
 import sys
 import time
-import traceback
 
 # before Numba is imported: its device memory comes from RMM too
 os.environ.setdefault("NUMBA_CUDA_MEMORY_MANAGER", "rmm.allocators.numba")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 import numpy as np  # noqa: E402
+
+from common import Sections, header, machine, markdown_table  # noqa: E402
 
 HOURS, FS = 20, 250.0
 POOL_BYTES = 16 << 30
@@ -36,27 +39,10 @@ EPOCHS = 10
 
 class Report:
     def __init__(self):
-        self.data: dict = {"errors": {}}
+        self.data: dict = {"errors": {}, "section_s": {}, "machine": machine()}
         self.timings: list[dict] = []
-
-    def section(self, name):
-        report = self
-
-        class _S:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-                print(f"== {name}", flush=True)
-
-            def __exit__(self, et, ev, tb):
-                dt = time.perf_counter() - self.t0
-                report.data.setdefault("section_s", {})[name] = round(dt, 2)
-                if et is not None:
-                    report.data["errors"][name] = "".join(traceback.format_exception(et, ev, tb))[-3000:]
-                    print(f"!! {name} failed: {ev!r}", flush=True)
-                    return True  # go on with the next section
-                print(f"   ({dt:.1f} s)", flush=True)
-
-        return _S()
+        # ``with rep.section(name):`` times a block; one that fails is recorded and the next goes on
+        self.section = Sections(self.data["errors"], self.data["section_s"])
 
     def timing(self, name, gpu_ms, cpu_ms=None, note=""):
         row = {"what": name, "gpu_ms": round(float(gpu_ms), 3),
@@ -132,9 +118,11 @@ def main() -> int:
 
     import cupy
 
-    from beatflow.embed import beats as B
-    from beatflow.gpu import kernels as K
-    from beatflow.detect import peaks as S
+    import beatflow.detect as D
+    import beatflow.embed as E
+    from beatflow.detect import gpu as DG, gpu_kernels as GK, peaks as S
+    from beatflow.embed import beats as B, gpu as EG
+    from beatflow.gpu import runtime as RT
     from beatflow.params import SegmentParams
     from beatflow.io.synth import synthesize_ecg
 
@@ -153,26 +141,26 @@ def main() -> int:
     # (a) correctness against NumPy on the same data
     with rep.section("correctness"):
         c = d["correctness"] = {}
-        env_g = S.qrs_envelope(xg, s)
+        env_g = D.qrs_envelope(xg, s)
         env_h = cupy.asnumpy(env_g)
-        env_cpu = S.qrs_envelope(x, s)  # the fused Numba kernel of the CPU path
+        env_cpu = D.qrs_envelope(x, s)  # the fused Numba kernel of the CPU path
         c["envelope_max_rel_diff_gpu_vs_cpu_kernel"] = float(np.abs(env_h - env_cpu).max() / env_cpu.max())
         t0 = time.perf_counter()
-        nms_h = S.local_maxima(env_h, s.nms)
+        nms_h = D.local_maxima(env_h, s.nms)
         c["cpu_local_maxima_s"] = round(time.perf_counter() - t0, 3)
         t0 = time.perf_counter()
-        nms_g = K.local_maxima_gpu(env_g, s.nms)  # first call compiles
+        nms_g = DG.local_maxima_gpu(env_g, s.nms)  # first call compiles
         cupy.cuda.Device().synchronize()
         c["first_call_nms_s (compile)"] = round(time.perf_counter() - t0, 3)
-        nms_g2 = K.local_maxima_gpu(env_g, s.nms, tiled=False)
+        nms_g2 = DG.local_maxima_gpu(env_g, s.nms, tiled=False)
         c["nms_candidates"] = int(nms_h.shape[0])
         c["nms_tiled_equal"] = bool(np.array_equal(cupy.asnumpy(nms_g), nms_h))
         c["nms_global_equal"] = bool(np.array_equal(cupy.asnumpy(nms_g2), nms_h))
 
         t0 = time.perf_counter()
-        peaks_h = S.detect_peaks(x, s)
+        peaks_h = D.detect_peaks(x, s)
         c["cpu_detect_peaks_s"] = round(time.perf_counter() - t0, 3)
-        peaks_g = cupy.asnumpy(S.detect_peaks(xg, s))
+        peaks_g = cupy.asnumpy(D.detect_peaks(xg, s))
         c["peaks_cpu"], c["peaks_gpu"] = int(peaks_h.shape[0]), int(peaks_g.shape[0])
         c["peaks_equal"] = bool(np.array_equal(peaks_h, peaks_g))
         c["peaks_symmetric_difference"] = int(np.setxor1d(peaks_h, peaks_g).shape[0])
@@ -181,24 +169,24 @@ def main() -> int:
         keep = B.prune_mask(length, s.lower, s.upper)
         start, length = start[keep], length[keep]
         t0 = time.perf_counter()
-        rows_h, p2p_h = B.embed(x, start, length, s.width, baseline_samples=base)
+        rows_h, p2p_h = E.embed(x, start, length, s.width, baseline_samples=base)
         c["cpu_embed_s"] = round(time.perf_counter() - t0, 3)
         start_g, length_g = cupy.asarray(start), cupy.asarray(length)
         t0 = time.perf_counter()
-        rows_g, p2p_g = K.embed_gpu(xg, start_g, length_g, s.width, baseline_samples=base)
+        rows_g, p2p_g = EG.embed_gpu(xg, start_g, length_g, s.width, baseline_samples=base)
         cupy.cuda.Device().synchronize()
         c["first_call_embed_s (compile)"] = round(time.perf_counter() - t0, 3)
         c["beats"] = int(start.shape[0])
         c["embed_rows_max_abs_diff"] = float(np.abs(cupy.asnumpy(rows_g) - rows_h).max())
         c["embed_p2p_max_abs_diff"] = float(np.abs(cupy.asnumpy(p2p_g) - p2p_h).max())
         c["embed_signal_max_abs"] = float(np.abs(x).max())
-        # the dispatch from beats.embed (CuPy input) gives the same
-        rows_d, _ = B.embed(xg, start_g, length_g, s.width, baseline_samples=base)
+        # the dispatch from beatflow.embed.embed (CuPy input) gives the same
+        rows_d, _ = E.embed(xg, start_g, length_g, s.width, baseline_samples=base)
         c["beats_embed_dispatch_equal"] = bool(cupy.array_equal(rows_d, rows_g))
 
         # rows in beat order for every claim size (the seed's one row per claim included)
         c["embed_claims_equal"] = {str(k): bool(cupy.array_equal(
-            K.embed_gpu(xg, start_g, length_g, s.width, baseline_samples=base, claim=k)[0], rows_g)) for k in (1, 8)}
+            EG.embed_gpu(xg, start_g, length_g, s.width, baseline_samples=base, claim=k)[0], rows_g)) for k in (1, 8)}
         assert c["nms_tiled_equal"] and c["nms_global_equal"], "NMS differs from NumPy"
         assert c["embed_rows_max_abs_diff"] < 1e-4 * (1 + c["embed_signal_max_abs"]), "embedding differs"
 
@@ -221,7 +209,7 @@ def main() -> int:
         assert p0 == p1 == t_part.data_ptr() == t_numba.data_ptr(), z
         # the beat matrix the kernel writes for this partition goes to the model the same way
         sel = (start >= a) & (start + length <= b)
-        rows_p, _ = K.embed_gpu(part, cupy.asarray(start[sel]), cupy.asarray(length[sel]), s.width, first=a,
+        rows_p, _ = EG.embed_gpu(part, cupy.asarray(start[sel]), cupy.asarray(length[sel]), s.width, first=a,
                                 baseline_samples=base)
         t_rows = torch.from_dlpack(rows_p)
         z["rows_ptr"], z["torch_rows_ptr"] = hex(rows_p.data.ptr), hex(t_rows.data_ptr())
@@ -236,13 +224,13 @@ def main() -> int:
         from cupyx.scipy import ndimage as cnd
 
         bench(rep, "wavelet response (despike + cupyx convolve1d)", S.wavelet_response, xg, s)
-        bench(rep, "QRS envelope (wavelet + moving RMS)", S.qrs_envelope, xg, s)
-        env_g = S.qrs_envelope(xg, s)
-        cand_g = K.local_maxima_gpu(env_g, s.nms)
-        bench(rep, "steepest slope at the NMS candidates (gathered windows)", S.steepest_at, xg, cand_g, s,
+        bench(rep, "QRS envelope (wavelet + moving RMS)", D.qrs_envelope, xg, s)
+        env_g = D.qrs_envelope(xg, s)
+        cand_g = DG.local_maxima_gpu(env_g, s.nms)
+        bench(rep, "steepest slope at the NMS candidates (gathered windows)", D.steepest_at, xg, cand_g, s,
               note=f"{int(cand_g.shape[0])} candidates")
-        bench(rep, "NMS kernel, shared tiles (+flatnonzero)", K.local_maxima_gpu, env_g, s.nms)
-        bench(rep, "NMS kernel, global memory (+flatnonzero)", lambda e: K.local_maxima_gpu(e, s.nms, tiled=False),
+        bench(rep, "NMS kernel, shared tiles (+flatnonzero)", DG.local_maxima_gpu, env_g, s.nms)
+        bench(rep, "NMS kernel, global memory (+flatnonzero)", lambda e: DG.local_maxima_gpu(e, s.nms, tiled=False),
               env_g)
 
         def nms_cupyx(e):
@@ -251,30 +239,31 @@ def main() -> int:
 
         bench(rep, "NMS by cupyx maximum_filter1d (+flatnonzero)", nms_cupyx, env_g)
         gate = cupy.empty(env_g.shape[0], cupy.uint8)
-        ctx = K._Ctx(False)
-        kern, _ = K._build()
+        ctx = RT.Ctx(False)
+        kern, _ = GK.build()
 
         def nms_kernel_only():
-            ctx.launch(kern["nms_tiled"], -(-env_g.shape[0] // K._NMS_TPB), K._NMS_TPB, (K._NMS_TPB + 2 * s.nms) * 8,
+            ctx.launch(kern["nms_tiled"], -(-env_g.shape[0] // DG._NMS_TPB), DG._NMS_TPB, (DG._NMS_TPB + 2 * s.nms) * 8,
                        ctx.arg(env_g), s.nms, ctx.arg(gate))
 
         bench(rep, "NMS kernel alone, shared tiles (gate only)", nms_kernel_only)
         bench(rep, "block amplitude", S.block_amplitude, env_g, 0, s)
-        bench(rep, "segment.detect_peaks (whole)", S.detect_peaks, xg, s, n_repeat=10)
-        for k in (1, K._EMBED_CLAIM):
+        bench(rep, "detect.detect_peaks (whole)", D.detect_peaks, xg, s, n_repeat=10)
+        for k in (1, EG._EMBED_CLAIM):
             bench(rep, f"embed_gpu (warp per beat, {k} row(s) per claim)",
-                  lambda k=k: K.embed_gpu(xg, start_g, length_g, s.width, baseline_samples=base, claim=k),
+                  lambda k=k: EG.embed_gpu(xg, start_g, length_g, s.width, baseline_samples=base, claim=k),
                   note=f"{int(start.shape[0])} beats x {s.width}")
         c = d["correctness"]
-        rep.timing("CPU: segment.detect_peaks (NumPy/SciPy)", float("nan"), c["cpu_detect_peaks_s"] * 1e3, "1 run")
+        rep.timing("CPU: detect.detect_peaks (NumPy/SciPy)", float("nan"), c["cpu_detect_peaks_s"] * 1e3, "1 run")
         rep.timing("CPU: local_maxima (SciPy)", float("nan"), c["cpu_local_maxima_s"] * 1e3, "1 run")
-        rep.timing("CPU: beats.embed (NumPy)", float("nan"), c["cpu_embed_s"] * 1e3, "1 run")
+        rep.timing("CPU: embed.embed (NumPy)", float("nan"), c["cpu_embed_s"] * 1e3, "1 run")
 
     # VAE training on the beat matrix, straight from the device (no copy)
     with rep.section("vae"):
         import torch
 
-        from beatflow.model.vae import LightVAE, train_vae, vae_loss
+        from beatflow.model.train import train_vae
+        from beatflow.model.vae import LightVAE, vae_loss
 
         v = d["vae"] = {}
         beats_t = torch.from_dlpack(rows_g)
@@ -346,13 +335,12 @@ def main() -> int:
     d["timings"] = rep.timings
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
         json.dump(d, f, indent=2, default=str)
-    md = [f"# beatflow GPU check ({d.get('device', '?')})", "",
+    md = [f"# beatflow GPU check ({d.get('device', '?')})", "", header(info=d["machine"]), "",
           f"{HOURS} h synthetic ECG at {FS:g} Hz ({d.get('data', {}).get('samples', '?')} samples)", "",
-          "| what | GPU ms (CUDA events, median) | wall ms (median) | note |", "| --- | ---: | ---: | --- |"]
-    for r in rep.timings:
-        g = "" if r["gpu_ms"] != r["gpu_ms"] else f"{r['gpu_ms']:.3f}"
-        w = "" if r["wall_ms"] is None else f"{r['wall_ms']:.3f}"
-        md.append(f"| {r['what']} | {g} | {w} | {r['note']} |")
+          markdown_table(["what", "GPU ms (CUDA events, median)", "wall ms (median)", "note"],
+                         [(r["what"], "" if r["gpu_ms"] != r["gpu_ms"] else f"{r['gpu_ms']:.3f}",
+                           "" if r["wall_ms"] is None else f"{r['wall_ms']:.3f}", r["note"]) for r in rep.timings],
+                         "lrrl")]
     md += ["", "## checks", "", "```json", json.dumps({k: d.get(k) for k in ("correctness", "zero_copy", "rmm", "vae",
                                                                              "versions", "section_s")},
                                                       indent=1, default=str), "```"]

@@ -1,8 +1,8 @@
 """GPU: the flow run several times on one long-lived dask-cuda cluster (``beatflow run --scheduler``).
 
 A fresh ``LocalCUDACluster`` per run pays worker start, imports, CUDA/cuDNN start-up, Numba kernel
-compilation and the compiled training step's per-process start on every run (the warm flow of
-``bench/gpu_flow.sh``). Here one Prefect server and one cluster (one worker per GPU, RMM pool 80 %
+compilation and the compiled training step's per-process start on every run (``bash bench/gpu.sh
+ownflow``). Here one Prefect server and one cluster (one worker per GPU, RMM pool 80 %
 for CuPy, Numba and PyTorch, as the flow's own cluster) stay up, and the same 20 h flow runs
 ``RUNS`` times against it (``--scheduler``), as on a deployment whose workers live on.
 
@@ -10,9 +10,8 @@ Run on the GPU machine from the repository root (``PYTHONPATH=/tmp/site:$PWD``):
 
     RUNS=3 python3 bench/gpu_flow_persistent.py     # a table; all runs' summaries and logs in two files under $OUT
 
-``PYSPY=path/to/py-spy`` samples each run's flow process into ``$PYSPY_DIR`` (default ``$OUT``), and
-``bench/stack_summary.py`` adds where the flow's thread spent its time to the log. ``SWITCH=none`` (or
-seconds) sets the workers' ``beatflow.model.vae.QUEUE_SWITCH_INTERVAL`` for the runs (``none``: the
+(``bash bench/gpu.sh flow cpuflow``; results: ``bench/results/flow.md``.) ``SWITCH=none`` (or
+seconds) sets the workers' ``beatflow.model.graphs.QUEUE_SWITCH_INTERVAL`` for the runs (``none``: the
 interpreter's own); ``DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False`` in the environment turns the
 workers' Dask profiler off (which one is on is printed): what held a worker's interpreter. ``TAG``: a suffix for
 the log's and the summaries' file names. ``DEVICE=cpu WORKERS=16`` does the same for the CPU path: a standing ``LocalCluster`` of 16
@@ -29,13 +28,15 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 OUT = os.environ.get("OUT", os.path.join(ROOT, "bench", "out"))
+
+from common import print_header, print_table  # noqa: E402
 
 
 def _set_queue_switch(value):
-    """On a worker: ``beatflow.model.vae.QUEUE_SWITCH_INTERVAL`` set to ``value``; returns it."""
-    from beatflow.model import vae as model
+    """On a worker: ``beatflow.model.graphs.QUEUE_SWITCH_INTERVAL`` set to ``value``; returns it."""
+    from beatflow.model import graphs as model
     model.QUEUE_SWITCH_INTERVAL = value
     return value
 
@@ -48,6 +49,7 @@ def _profiler_on(dask_worker=None):
 def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    print_header()
     from distributed import Client
     from prefect.server.api.server import SubprocessASGIServer
 
@@ -101,12 +103,6 @@ def main() -> int:
                    "--device", device, "--scheduler", cluster.scheduler_address, "--out", out] + extra
             if os.environ.get("EPOCHS"):  # (a shorter training, to look at the other stages on a small machine)
                 cmd += ["--epochs", os.environ["EPOCHS"]]
-            stacks = None
-            if os.environ.get("PYSPY"):  # the flow's process sampled by py-spy (every thread, waits included)
-                stacks = os.path.join(os.environ.get("PYSPY_DIR", OUT), f"stacks-{device}-{r}.txt")
-                os.makedirs(os.path.dirname(stacks), exist_ok=True)
-                cmd = [os.environ["PYSPY"], "record", "-o", stacks, "-f", "raw", "-r", os.environ.get("PYSPY_RATE", "1000"),
-                       "--threads", "--idle", "--nonblocking", "--"] + cmd
             # one log and one file of summaries for all runs (a device call brings back only a few files)
             with open(log_path, "a") as log:
                 log.write(f"\n===== run {r} =====\n")
@@ -114,10 +110,6 @@ def main() -> int:
                 rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                     timeout=int(os.environ.get("RUN_LIMIT", "150"))).returncode
             wall = time.perf_counter() - t
-            if stacks and os.path.exists(stacks):  # the flow's lines and the functions below it, into the log
-                with open(log_path, "a") as log:
-                    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "stack_summary.py"), stacks,
-                                    os.environ.get("PYSPY_RATE", "1000")], stdout=log, stderr=subprocess.STDOUT)
             s = json.load(open(os.path.join(out, "summary.json"))) if os.path.exists(os.path.join(out, "summary.json")) else {}
             rows.append((r, rc, wall, s))
             with open(os.path.join(OUT, f"summaries-persistent-{device}{os.environ.get('TAG', '')}.json"), "w") as f:
@@ -127,7 +119,7 @@ def main() -> int:
                   + f"  training {s.get('training')}  engine {(s.get('engine') or {}).get('cache')}"
                   + f"  transfers {s.get('transfers')}", flush=True)
             detail = s.get("timings_detail_s", {})
-            if detail:  # where the load's and the report's waits went (sessions 24-26)
+            if detail:  # where the load's, training's, scoring's and the report's time went
                 print(f"  load {detail.get('load')}\n  figures {detail.get('figures')}\n  report {detail.get('report')}"
                       f"\n  train {detail.get('train')}\n  score {detail.get('score')}", flush=True)
     finally:
@@ -135,12 +127,12 @@ def main() -> int:
         cluster.close()
         server.stop()
     stages = ["synthesize", "load", "segment", "embed", "train", "engine", "score", "report", "total"]
-    print("| run | " + " | ".join(stages) + " | Se | PPV | AUC |")
-    print("|---" * (len(stages) + 4) + "|")
+    table = []
     for r, rc, wall, s in rows:
         t_, tru = s.get("timings_s", {}), s.get("truth", {})
-        print(f"| {r} | " + " | ".join(f"{t_.get(k, float('nan')):.2f}" for k in stages)
-              + f" | {tru.get('se', 0):.4f} | {tru.get('ppv', 0):.4f} | {tru.get('auc', 0):.4f} |")
+        table.append([r] + [f"{t_.get(k, float('nan')):.2f}" for k in stages]
+                     + [f"{tru.get(k, 0):.4f}" for k in ("se", "ppv", "auc")])
+    print_table(["run"] + stages + ["Se", "PPV", "AUC"], table)
     return 0
 
 

@@ -2,13 +2,15 @@
 
 The shared records are not sent to the GPU machine; ``--prepare`` (here) writes channels 0 and 1 of
 a few records as float32 in one compressed file under the ignored ``.devdata/`` (carried with the
-run), and the plain run (there) detects with ``segment.detect_peaks`` on NumPy and on CuPy and
+run), and the plain run (there) detects with ``beatflow.detect.detect_peaks`` on NumPy and on CuPy and
 compares the peaks, with the detection counts against the reference beats; then the second lead's
-three rules (``leads.second_lead_peaks``, lead 1 checking lead 0) on both, with the peaks they drop
+three rules (``beatflow.detect.second_lead_peaks``, lead 1 checking lead 0) on both, with the peaks they drop
 and move. ``--numpy`` runs the same comparison with NumPy on both sides (a check of the script).
 
     .venv/bin/python bench/gpu_mitdb_check.py --prepare 108 203 207      # here
-    python3 bench/gpu_mitdb_check.py                                     # on the GPU machine
+    python3 bench/gpu_mitdb_check.py                                     # on the GPU machine (bash bench/gpu.sh mitdb)
+
+Results: ``bench/results/gpu.md``.
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 import numpy as np  # noqa: E402
+
+from common import Table, print_header  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILE = os.path.join(ROOT, ".devdata", "mitdb_ch0.npz")
@@ -47,15 +51,17 @@ def check(numpy_only: bool = False):
     else:
         import cupy
 
-    from beatflow.detect import leads as LD
-    from beatflow.detect import peaks as S
+    import beatflow.detect as S
+    import beatflow.detect as LD
     from beatflow.score.evaluate import Record, detection_of
     from beatflow.params import SegmentParams
 
     d = np.load(FILE)
     s = SegmentParams().samples(float(d["fs"]))
-    print(f"{'record':8s} {'CPU peaks':>9s} {'GPU peaks':>9s} {'sym. diff':>9s} {'Se %':>7s} {'PPV %':>7s} "
-          f"{'CPU ms':>7s} {'GPU ms':>7s} {'episodes CPU/GPU, equal':>24s}")
+    print_header()
+    table = Table(["record", "CPU peaks", "GPU peaks", "sym. diff", "Se %", "PPV %", "CPU ms", "GPU ms",
+                   "episodes CPU/GPU, equal", "dropped, moved CPU/GPU"], "lrrrrrrrll")
+    table.header()
     for name in d["names"]:
         x = d[f"x{name}"]
         t = time.perf_counter()
@@ -69,8 +75,8 @@ def check(numpy_only: bool = False):
         tg = time.perf_counter() - t
         rec = Record(str(name), float(d["fs"]), x, d[f"ann{name}"], d[f"sym{name}"].astype(object).astype(str))
         det = detection_of(pg, rec, exclude_vf=True)
-        print(f"{name:8s} {len(pc):9d} {len(pg):9d} {np.setxor1d(pc, pg).size:9d} {100 * det.se:7.2f} "
-              f"{100 * det.ppv:7.2f} {tc * 1e3:7.1f} {tg * 1e3:7.2f} {len(ec):10d}/{len(eg)} {np.array_equal(ec, eg)}")
+        table.row(name, len(pc), len(pg), np.setxor1d(pc, pg).size, f"{100 * det.se:.2f}", f"{100 * det.ppv:.2f}",
+                  f"{tc * 1e3:.1f}", f"{tg * 1e3:.2f}", f"{len(ec)}/{len(eg)} {np.array_equal(ec, eg)}", "")
         if f"y{name}" not in d:
             continue
         y = d[f"y{name}"]
@@ -83,9 +89,9 @@ def check(numpy_only: bool = False):
         qg, epg = cupy.asnumpy(qg), cupy.asnumpy(epg)
         tg = time.perf_counter() - t
         det = detection_of(qg, rec)
-        print(f"{'+ lead 1':8s} {len(qc):9d} {len(qg):9d} {np.setxor1d(qc, qg).size:9d} {100 * det.se:7.2f} "
-              f"{100 * det.ppv:7.2f} {tc * 1e3:7.1f} {tg * 1e3:7.2f} {len(epc):10d}/{len(epg)} "
-              f"{np.array_equal(epc, epg)}  dropped {dc}/{dg}, moved {mc}/{mg}")
+        table.row(f"{name} + lead 1", len(qc), len(qg), np.setxor1d(qc, qg).size, f"{100 * det.se:.2f}",
+                  f"{100 * det.ppv:.2f}", f"{tc * 1e3:.1f}", f"{tg * 1e3:.2f}",
+                  f"{len(epc)}/{len(epg)} {np.array_equal(epc, epg)}", f"dropped {dc}/{dg}, moved {mc}/{mg}")
 
 
 if __name__ == "__main__":

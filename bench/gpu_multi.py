@@ -21,7 +21,7 @@ checked end to end where no several-GPU machine is lent, and the CPU cluster's o
     INPUTS="20 200:10" python3 bench/gpu_multi.py      # on the GPU machine, PYTHONPATH=/tmp/site:$PWD
     DEVICE=cpu INPUTS="2 4:2" .venv/bin/python bench/gpu_multi.py     # here
 
-Table and ``gpu_multi.json`` under ``$OUT``.
+Table and ``gpu_multi.json`` under ``$OUT`` (``bash bench/gpu.sh multi``; results: ``bench/results/gpu.md``).
 """
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 OUT = os.environ.get("OUT", os.path.join(ROOT, "bench", "out"))
+
+from common import print_header, print_table  # noqa: E402
 STAGES = ["synthesize", "load", "segment", "embed", "train", "engine", "score", "report", "total"]
 
 
@@ -109,6 +111,7 @@ def between_workers(client) -> int:
 def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    print_header()
     from distributed import Client
     from prefect.server.api.server import SubprocessASGIServer
 
@@ -183,9 +186,7 @@ def main() -> int:
         server.stop()
 
     measured = {(x["gpus"], x["hours"]): x for x in results if x["run"] == runs and x["summary"]}
-    print(f"| {'GPUs' if device == 'gpu' else 'CPU workers'} | input | " + " | ".join(STAGES)
-          + " | efficiency | between workers MiB | pool peak GB per GPU | same beats | max score diff | same flags |")
-    print("|---" * (len(STAGES) + 7) + "|")
+    table = []
     import numpy as np
     import pandas as pd
 
@@ -204,8 +205,11 @@ def main() -> int:
                 flags = bool((a["flagged"].to_numpy() == b["flagged"].to_numpy()).all())
         x["check"] = {"efficiency": eff, "same_beats": same, "max_score_diff": diff, "same_flags": flags}
         peaks = ", ".join(f"{v / 2**30:.2f}" for v in s.get("transfers", {}).get("rmm_peak_bytes_per_worker") or [])
-        print(f"| {gpus} | {hours} | " + " | ".join(f"{tt.get(k, float('nan')):.2f}" for k in STAGES)
-              + f" | {eff:.2f} | {x['moved_bytes'] / 2**20:.1f} | {peaks} | {same} | {diff} | {flags} |")
+        table.append([gpus, hours] + [f"{tt.get(k, float('nan')):.2f}" for k in STAGES]
+                     + [f"{eff:.2f}", f"{x['moved_bytes'] / 2**20:.1f}", peaks, same, diff, flags])
+    print_table(["GPUs" if device == "gpu" else "CPU workers", "input"] + STAGES
+                + ["efficiency", "between workers MiB", "pool peak GB per GPU", "same beats", "max score diff",
+                   "same flags"], table)
     json.dump([{k: v for k, v in x.items() if k != "summary"} | {"timings_s": x["summary"].get("timings_s")}
                for x in results], open(os.path.join(OUT, "gpu_multi.json"), "w"), indent=1)
     return 0

@@ -1,20 +1,20 @@
 """GPU: where the wall time of segmentation + embedding goes, launch by launch, and the variants of
-how its kernels are queued (session 16).
+how its kernels are queued.
 
-For the 20 h synthetic stream (``gpu_seg_embed.setup``) and ``kernels.segment_rows_gpu``:
+For the 20 h synthetic stream (``common.gpu_stream``) and ``detect.gpu.segment_rows_gpu``:
 
 1. **Wall time** per variant (``VARIANTS``, ";"-separated: "one", every kernel on one stream;
    "streams", the product's default: the flutter rule's kernels on a side stream behind the dense
-   kernel's blocks, the candidates' on a high-priority one, ``kernels._STREAMS``; "slow-launch", every
+   kernel's blocks, the candidates' on a high-priority one, ``detect.gpu._STREAMS``; "slow-launch", every
    launch through Numba; "vfall", ``vf_energy`` on a block per tile of windows instead of the default
-   4 blocks per SM (``kernels._VF_ENERGY_PER_SM``); "scan256", the one-block scans in 256 threads;
-   "graph", ``kernels.SegmentGraph`` over the same buffer: the launches captured once in a CUDA graph
+   4 blocks per SM (``detect.gpu_vf._VF_ENERGY_PER_SM``); "scan256", the one-block scans in 256 threads;
+   "graph", ``detect.gpu.SegmentGraph`` over the same buffer: the launches captured once in a CUDA graph
    and replayed; "ws", its kept arrays with the kernels launched one by one, no graph):
    median and spread of ``RUNS`` calls, each timed from the call to its return (the call ends with
    its one synchronisation). Before that, ``CHECKS`` calls of each variant must give the peaks,
-   episodes and rows of the first variant's first call, exactly. (Session 16 also measured
-   the flutter side stream started behind the block levels, and a scan by runs of counts per thread
-   with 1024 or 128 threads: all slower, dropped; ``bench/RESULTS.md``.)
+   episodes and rows of the first variant's first call, exactly. (On 2026-12-04 the flutter side
+   stream started behind the block levels, and a scan by runs of counts per thread with 1024 or 128
+   threads, were measured too: all slower, dropped.) A summary table of the variants ends this part.
 2. **Timeline** of one call per variant: every launch is followed by a CUDA event on its stream, so
    each kernel's host launch time (from the call's start) sits beside the time its stream finished it on
    the GPU. Where a kernel's launch comes after the previous kernel of its stream ended, the GPU waited
@@ -22,7 +22,8 @@ For the 20 h synthetic stream (``gpu_seg_embed.setup``) and ``kernels.segment_ro
 3. **Host profile** (``PROFILE`` calls under ``cProfile``, the functions by their own time): what the
    host does between the launches.
 
-Run on the GPU machine from the repository root: ``python3 bench/gpu_seg_timeline.py``.
+Run on the GPU machine from the repository root: ``python3 bench/gpu_seg_timeline.py`` (``bash bench/gpu.sh
+detect``; results: ``bench/results/detection.md``).
 """
 from __future__ import annotations
 
@@ -41,14 +42,25 @@ PROFILE = int(os.environ.get("PROFILE", "200"))
 
 
 def apply(variant: str):
-    from beatflow.gpu import kernels as K
+    from beatflow.detect import gpu as K
+    from beatflow.detect import gpu_kernels as GK
+    from beatflow.detect import gpu_vf as VF
+    from beatflow.gpu import runtime as RT
     items = variant.split(",")
-    K._FAST_LAUNCH = "slow-launch" not in items
+    RT.FAST_LAUNCH = "slow-launch" not in items
     K._STREAMS = "one" not in items
-    # vf_energy's blocks per SM: 4, the product's default since session 18 ("vfcap" names it), or one
+    # vf_energy's blocks per SM: 4, the product's default since 2026-12-04 ("vfcap" names it), or one
     # block per tile of windows ("vfall", the default before)
-    K._VF_ENERGY_PER_SM = None if "vfall" in items else 4
-    K._SCAN_TPB = 256 if "scan256" in items else 1024
+    VF._VF_ENERGY_PER_SM = None if "vfall" in items else 4
+    GK.SCAN_TPB = 256 if "scan256" in items else 1024
+
+
+def _pct(values, q: float) -> float:
+    """The ``q``-th percentile of ``values`` (the nearest rank)."""
+    import math
+
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))]
 
 
 def timeline(fn):
@@ -56,8 +68,8 @@ def timeline(fn):
     launch's start, at its end, GPU µs at the kernel's end), all from the call's start."""
     import cupy
 
-    from beatflow.gpu import kernels as K
-    rows, orig = [], K._Ctx.launch
+    from beatflow.gpu import runtime as RT
+    rows, orig = [], RT.Ctx.launch
 
     def launch(self, kernel, blocks, threads, shared, *args, **kw):
         h0 = time.perf_counter()
@@ -68,11 +80,11 @@ def timeline(fn):
     cupy.cuda.Device().synchronize()
     start = cupy.cuda.get_current_stream().record()
     t0 = time.perf_counter()
-    K._Ctx.launch = launch
+    RT.Ctx.launch = launch
     try:
         fn()
     finally:
-        K._Ctx.launch = orig
+        RT.Ctx.launch = orig
     t_end = time.perf_counter()
     cupy.cuda.Device().synchronize()
     streams = {}
@@ -87,10 +99,11 @@ def main():
     import cupy
     import numpy as np
 
-    from gpu_seg_embed import setup
+    from common import gpu_stream, print_header, print_table
 
-    from beatflow.gpu import kernels as K
-    s, x, xg, _ = setup(cache="/tmp/beatflow_timeline_x.npy")
+    from beatflow.detect import gpu as K
+    print_header()
+    s, x, xg, _ = gpu_stream(cache="/tmp/beatflow_timeline_x.npy")
     base = max(1, s.pre // 2)
 
     graphs = {}  # SegmentGraph per variant ("graph": its launches captured in a CUDA graph; "ws": the
@@ -151,6 +164,13 @@ def main():
             json.dump(summary, f, indent=1)
     print("interleaved:", "; ".join(f"{v} median {statistics.median(w):.3f} ms (min {min(w):.3f})"
                                     for v, w in inter.items()))
+    print()
+    print_table(["variant", "median ms", "min", "p90", "p99", "max", "calls over 1 ms", "interleaved median",
+                 "interleaved min", "same result"],
+                [[v, f"{statistics.median(w):.3f}", f"{min(w):.3f}", f"{_pct(w, 90):.3f}", f"{_pct(w, 99):.3f}",
+                  f"{max(w):.3f}", f"{sum(t > 1.0 for t in w)} of {len(w)}", f"{statistics.median(inter[v]):.3f}",
+                  f"{min(inter[v]):.3f}", sames[v]] for v, w in results.items() if v in inter and inter[v]],
+                "lrrrrrrrrl")
     for v in VARIANTS:
         if "graph" in v.split(","):  # (one launch for the whole graph: no timeline by launch)
             continue

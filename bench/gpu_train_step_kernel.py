@@ -6,12 +6,12 @@ on the 20 h stream's kept rows (about 97 k x 256, scaled, minus the dominant bea
 ``RUNS`` times per variant with ``keep_graphs`` (run 1 captures, later runs replay the kept graphs), as
 the flow's training task calls it. Variants (``VARIANTS``, default all):
 
-* ``bf16``: the compiled fusible form cast to bf16, CUDA graphs (the flow's training before session 28);
+* ``bf16``: the compiled fusible form cast to bf16, CUDA graphs (the flow's training before 2026-12-05);
 * ``kernel``: the step kernel in fp32, CUDA graphs (a whole epoch a graph);
 * ``kernel-eager``: the step kernel launched step by step (no graphs);
 * ``kernel-transposed`` (not in the default ``VARIANTS``): the epoch graph of the step kernel with its weight-gradient
-  sums 32 at a time by a transposed butterfly (``BEATFLOW_STEP_SUMS``), the flow's default since session 34; here
-  ``kernel`` keeps a butterfly each (the default before), so that the two compare as in sessions 33-34.
+  sums 32 at a time by a transposed butterfly (``BEATFLOW_STEP_SUMS``), the flow's default since 2026-12-06; here
+  ``kernel`` keeps a butterfly each (the default before), so that the two compare as they were measured.
 
 ``IDLE_S``: seconds the GPU idles before each run (as between the flow's stages); the epoch graph's runs
 also print their epochs' GPU time and the host's time to queue them (``TrainResult.epoch_gpu_ms``, ``queue_s``).
@@ -22,7 +22,7 @@ A table: seconds of ``train_vae`` and its parts, ms per step over epochs 2-10, t
 ``$OUT/train_step_kernel.json``. Then (``PROFILE`` steps, default 20) the kernel step's GPU kernels by
 ``torch.profiler``. Run on the GPU machine from the repository root (``PYTHONPATH=$PWD``)::
 
-    python3 bench/gpu_train_step_kernel.py
+    python3 bench/gpu_train_step_kernel.py     (bash bench/gpu.sh train; results: bench/results/training.md)
 """
 from __future__ import annotations
 
@@ -74,32 +74,35 @@ def main() -> int:
     import torch
 
     from beatflow import device as backend
-    from beatflow.embed import beats as B
-    from beatflow.model import vae as M
+    from beatflow.model import graphs as G
+    from beatflow.model import train as M
+    from beatflow.score import rule as B
     from beatflow.gpu.arena import install
-    from gpu_seg_embed import setup
+    from common import Table, gpu_stream, print_header
 
+    print_header()
     backend.setup_gpu_memory(0.5)
     backend.track_rmm_statistics()
     install()
-    _, _, _, seg_embed = setup()
+    _, _, _, seg_embed = gpu_stream()
     rows, p2p = seg_embed()
     rows /= float(cupy.median(p2p))
     rows = B.residual_rows(rows, B.dominant_beat(rows))
     data = torch.from_dlpack(rows)
     steps = -(-int(data.shape[0] * M.TRAIN_FRACTION) // 1024)
-    print(f"rows {tuple(data.shape)}, {steps} steps per epoch, graph allocator {M.graph_allocator()}", flush=True)
+    print(f"rows {tuple(data.shape)}, {steps} steps per epoch, graph allocator {G.graph_allocator()}", flush=True)
     out = {"rows": list(data.shape), "steps_per_epoch": steps, "runs": []}
-    print("| variant | run | kernel | graphs | kept | compiled | total s | setup s | epochs s | ms per step (2-10) "
-          "| test loss |\n|---|---:|---|---|---|---|---:|---:|---:|---:|---:|")
+    table = Table(["variant", "run", "kernel", "graphs", "kept", "compiled", "total s", "setup s", "epochs s",
+                   "ms per step (2-10)", "test loss"], "lrllllrrrrr")
+    table.header()
     import contextlib
 
-    default_switch = M.QUEUE_SWITCH_INTERVAL
+    default_switch = G.QUEUE_SWITCH_INTERVAL
     for name in os.environ.get("VARIANTS", "bf16 kernel kernel-eager").split():
         kw = dict(VARIANTS[name])
         busy, switch = kw.pop("busy", False), kw.pop("switch", "default")
         os.environ["BEATFLOW_STEP_SUMS"] = kw.pop("sums", "butterfly")
-        M.QUEUE_SWITCH_INTERVAL = default_switch if switch == "default" else switch
+        G.QUEUE_SWITCH_INTERVAL = default_switch if switch == "default" else switch
         for run in range(1, int(os.environ.get("RUNS", "3")) + 1):
             marks = []
             torch.cuda.synchronize()
@@ -110,7 +113,7 @@ def main() -> int:
                     res = M.train_vae(data, epochs=10, batch_size=1024, seed=0, device="cuda", keep_graphs=True,
                                       on_epoch=lambda e, loss, s: marks.append(s), **kw)
             except Exception as e:  # a variant that fails is a row, not the end of the call
-                print(f"| {name} | {run} | failed: {type(e).__name__}: {str(e).splitlines()[0][:200]} |", flush=True)
+                table.row(name, run, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 break
             total = time.perf_counter() - t
             per_step = (marks[-1] - marks[0]) / (9 * steps) * 1e3
@@ -125,9 +128,9 @@ def main() -> int:
             gpu = (f" (GPU {sum(res.epoch_gpu_ms):.1f} ms; host: orders {res.queue_s.get('orders', 0) * 1e3:.1f} ms, "
                    f"queue {res.queue_s.get('queue', 0) * 1e3:.1f} ms, GC {res.queue_s.get('gc', 0) * 1e3:.1f} ms)"
                    if res.epoch_gpu_ms else "")
-            print(f"| {name} | {run} | {res.kernel} | {graphs} | {res.graphs_kept} | {res.compiled} | "
-                  f"{total:.3f} | {res.phases['setup']:.3f} | {res.phases['epochs']:.3f}{gpu} | {per_step:.3f} | "
-                  f"{res.test_loss:.6f} |", flush=True)
+            table.row(name, run, res.kernel, graphs, res.graphs_kept, res.compiled, f"{total:.3f}",
+                      f"{res.phases['setup']:.3f}", f"{res.phases['epochs']:.3f}{gpu}", f"{per_step:.3f}",
+                      f"{res.test_loss:.6f}")
     for name in {r["variant"] for r in out["runs"]}:  # kept graphs train to the fresh capture's weights
         runs = [r for r in out["runs"] if r["variant"] == name]
         same = all(r["train_loss"] == runs[0]["train_loss"] for r in runs)

@@ -2,15 +2,15 @@
 
     .venv/bin/python bench/pipeline_bench.py [--hours 20] [--end-to-end]
 
-Prints a markdown table (paste into bench/RESULTS.md with the command, machine and date). With
-``--end-to-end`` it also runs ``beatflow run`` (the default job) and reports its per-stage times.
+Prints the machine header and a markdown table (``bench/results/detection.md``; the ``--end-to-end`` rows:
+``bench/results/flow.md``). With ``--end-to-end`` it also runs ``beatflow run`` (the default job) and reports
+its per-stage times.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -20,13 +20,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-
-def timed(fn, *a, **k):
-    t = time.perf_counter()
-    out = fn(*a, **k)
-    return out, time.perf_counter() - t
+from common import print_header, print_table, timed  # noqa: E402
 
 
 def segment_on_cluster(x, s, workers: int, whole):
@@ -72,7 +68,7 @@ def mitdb_rows(folder, skip_neurokit: bool) -> list:
     """
     from beatflow.score.evaluate import detection_of, list_records, load_record
     from beatflow.params import SegmentParams
-    from beatflow.detect.peaks import detect_peaks
+    from beatflow.detect import detect_peaks
 
     recs = [load_record(stem) for stem in list_records(folder)]
     x = np.concatenate([r.signal for r in recs]).astype(np.float32)
@@ -111,10 +107,11 @@ def main() -> None:
 
     import torch
 
-    from beatflow.embed.beats import beats_from_peaks, embed, prune_mask
+    from beatflow.embed import embed
+    from beatflow.embed.beats import beats_from_peaks, prune_mask
     from beatflow.score.metrics import match_beats
     from beatflow.params import SegmentParams
-    from beatflow.detect.peaks import detect_peaks
+    from beatflow.detect import detect_peaks
     from beatflow.io.synth import synthesize_ecg
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -170,11 +167,12 @@ def main() -> None:
             rows.append((f"beatflow run: {k}", v, n / v if k == "total" else float("nan"), ""))
         rows.append(("beatflow run: command wall time (server + cluster start included)", wall, n / wall,
                      f"Se {summ['truth']['se']:.4f} PPV {summ['truth']['ppv']:.4f} AUC {summ['truth']['auc']:.4f}"))
-    print(f"\n{args.hours:g} h synthetic ECG at {fs:g} Hz = {n} samples; {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}\n")
-    print("| stage | seconds | samples/s | notes |\n|---|---:|---:|---|")
-    for name, sec, rate, note in rows:
-        print(f"| {name} | {sec:.2f} | {rate / 1e6:.1f} M | {note} |" if rate == rate else f"| {name} | {sec:.2f} | | {note} |")
+    print()
+    print_header()
+    print(f"{args.hours:g} h synthetic ECG at {fs:g} Hz = {n} samples\n")
+    print_table(["stage", "seconds", "samples/s", "notes"],
+                [(name, f"{sec:.2f}", f"{rate / 1e6:.1f} M" if rate == rate else "", note) for name, sec, rate, note in rows],
+                "lrrl")
 
 
 if __name__ == "__main__":

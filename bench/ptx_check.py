@@ -1,4 +1,5 @@
-"""Compile every CUDA kernel of beatflow.gpu.kernels for sm_90 (H100/H200) on a machine without a GPU.
+"""Compile every CUDA kernel of beatflow (``beatflow.detect.gpu_kernels``, ``beatflow.detect.gpu_vf``,
+``beatflow.embed.gpu``) for sm_90 (H100/H200) on a machine without a GPU.
 
 The CUDA simulator checks what the kernels compute, not that Numba can compile them for a real
 device, nor what code they become. NVVM runs without a GPU, so this compiles each kernel to PTX
@@ -36,7 +37,11 @@ numba.cuda.get_current_device = lambda: _H200()
 if hasattr(_dispatcher, "get_current_device"):
     _dispatcher.get_current_device = lambda: _H200()
 
-from beatflow.gpu import kernels as K
+from beatflow.detect import gpu as DG  # noqa: E402
+from beatflow.detect import gpu_kernels as GK  # noqa: E402
+from beatflow.detect import gpu_vf as VF  # noqa: E402
+from beatflow.embed import gpu as EG  # noqa: E402
+from beatflow.gpu.runtime import maxreg  # noqa: E402
 from beatflow.params import SegmentParams  # noqa: E402
 
 
@@ -59,7 +64,7 @@ def ptxas_usage(ptx: str, out: str, name: str) -> str:
     path = os.path.join(out, f"{name}.ptx")
     with open(path, "w") as f:
         f.write(ptx)
-    cap = K._maxreg().get(name)  # the product's register cap of this kernel (kernels._MAXREG_DEFAULT)
+    cap = maxreg().get(name)  # the product's register cap of this kernel (runtime.MAXREG_DEFAULT)
     r = subprocess.run([exe[0], "-arch=sm_90", "-v", path, "-o", os.devnull] + ([f"-maxrregcount={cap}"] if cap else []),
                        capture_output=True, text=True)
     regs = re.search(r"Used (\d+) registers", r.stderr)
@@ -71,12 +76,12 @@ def main():
     out = os.environ.get("OUT", "bench/out")
     os.makedirs(out, exist_ok=True)
     s = SegmentParams().samples(250.0)
-    det = K._detect_build(int(s.kernel), int(s.box), int(s.nms), int(s.block), int(s.fine_kernel),
-                          int(s.slope_half), K._DET_TILE, K._DET_TPB, K._taps(int(s.kernel), float(s.a), True),
-                          K._taps(int(s.fine_kernel), float(s.fine_a)), tuple(K._DENSE_CHUNKS))
-    base, _ = K._build()
-    vf = K._vf_build(int(s.vf_window), int(s.vf_highpass), int(s.kernel), K._VF_CHUNKS * K._VF_TILE,
-                     K._taps(int(s.kernel), float(s.a), True))
+    det = GK.build_detect(int(s.kernel), int(s.box), int(s.nms), int(s.block), int(s.fine_kernel),
+                          int(s.slope_half), DG._DET_TILE, DG._DET_TPB, GK.kernel_taps(int(s.kernel), float(s.a), True),
+                          GK.kernel_taps(int(s.fine_kernel), float(s.fine_a)), tuple(GK.DENSE_CHUNKS))
+    base = {**GK.build()[0], **EG._build()[0]}
+    vf = VF.build_vf(int(s.vf_window), int(s.vf_highpass), int(s.kernel), VF._VF_CHUNKS * VF._VF_TILE,
+                     GK.kernel_taps(int(s.kernel), float(s.a), True))
     A = lambda t: t[::1]  # noqa: E731
     todo = [
         ("dense", det["dense"], (A(float32), int64, int64, boolean, A(float64), A(float64), A(float64),
@@ -105,7 +110,7 @@ def main():
         ("beats_count", base["beats_count"], (A(int64), A(int64), int64, int64, int64, boolean, int64, A(int64))),
         ("beats_write", base["beats_write"], (A(int64), A(int64), int64, int64, int64, boolean, int64, A(int64),
                                               A(int64), A(int64), A(int64), A(int64), A(int64), A(int64))),
-        ("embed_warp", K._embed_build(256), (A(float32), A(int64), A(int64), int64, int64, float32[:, ::1],
+        ("embed_warp", EG._embed_build(256), (A(float32), A(int64), A(int64), int64, int64, float32[:, ::1],
                                              A(float32), A(int32), int64, A(int64))),
     ]
     for name, kern, sig in todo:

@@ -146,7 +146,7 @@ def noise_mask(env, cand, heights, level, slopes, s) -> np.ndarray:
 
 def detect_peaks(x, s, first: int = 0, vf: bool = False) -> np.ndarray:
     """The whole segmentation, by loops (with ``vf``: and the flutter rule of :func:`flutter_keep_mask`,
-    as ``segment.detect_peaks`` applies it after either backend's detection)."""
+    as ``beatflow.detect.detect_peaks`` applies it after either backend's detection)."""
     n = len(x)
     env = energy_envelope(wavelet_response(x, s), s.box)
     slopes = slope_envelope(x, s)
@@ -260,7 +260,7 @@ def _lead_windows(x, s):
 
 
 def second_lead_keep(x0, x1, peaks, fs: float, s, p) -> np.ndarray:
-    """``beatflow.detect.leads.second_lead_keep`` by loops: the flutter rule on either lead, then the
+    """``beatflow.detect.second_lead_keep`` by loops: the flutter rule on either lead, then the
     doubtful-peak rule, peak by peak."""
     peaks = [int(q) for q in peaks]
     n, W, c, L = len(x0), s.vf_window, s.vf_context, max(1, s.vf_runs)
@@ -310,7 +310,7 @@ def second_lead_keep(x0, x1, peaks, fs: float, s, p) -> np.ndarray:
 
 
 def second_lead_peaks(x0, x1, peaks, fs: float, s, p) -> np.ndarray:
-    """``beatflow.detect.leads.second_lead_peaks`` by loops: rules 1 and 2 (:func:`second_lead_keep`), then
+    """``beatflow.detect.second_lead_peaks`` by loops: rules 1 and 2 (:func:`second_lead_keep`), then
     rule 3 peak by peak (a peak moves to the second lead's largest envelope maximum 0.15-0.4 s away)."""
     rest = [int(q) for q, ok in zip(peaks, second_lead_keep(x0, x1, peaks, fs, s, p)) if ok]
     if not (p.move_quiet_ratio > 0 and rest):

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 import naive
-from beatflow.embed.beats import RaggedBeats, beats_from_peaks, embed, prune_mask
+from beatflow.embed import embed
+from beatflow.embed.beats import RaggedBeats, beats_from_peaks, prune_mask
 from beatflow.params import SegmentParams
 
 S250 = SegmentParams().samples(250.0)
@@ -58,7 +59,7 @@ def test_embed_with_offset_partition():
 
 @pytest.mark.parametrize("n", [1, 7, 300])
 def test_dominant_beat_is_the_columnwise_median(n):
-    from beatflow.embed.beats import dominant_beat, residual_rows
+    from beatflow.score.rule import dominant_beat, residual_rows
 
     rows = np.random.default_rng(n).normal(size=(n, 16)).astype(np.float32)
     want = np.array([sorted(rows[:, j])[n // 2] if n % 2 else 0.5 * (sorted(rows[:, j])[n // 2 - 1]
@@ -70,7 +71,7 @@ def test_dominant_beat_is_the_columnwise_median(n):
 
 
 def test_dominant_beat_of_a_long_stream_uses_evenly_spaced_rows(monkeypatch):
-    import beatflow.embed.beats as B
+    import beatflow.score.rule as B
 
     monkeypatch.setattr(B, "DOMINANT_SAMPLE", 10)
     rows = np.arange(25 * 3, dtype=np.float32).reshape(25, 3)  # 25 rows -> every 3rd: rows 0, 3, ..., 24
@@ -81,7 +82,7 @@ def test_dominant_beat_of_a_long_stream_uses_evenly_spaced_rows(monkeypatch):
 def test_residuals_make_one_patients_normal_beats_small_and_others_large():
     """Two 'patients' with different normal shapes: after subtracting each one's dominant beat, the
     normal beats of both are near zero and each one's odd beats stand out."""
-    from beatflow.embed.beats import dominant_beat, residual_rows
+    from beatflow.score.rule import dominant_beat, residual_rows
 
     rng = np.random.default_rng(0)
     t = np.linspace(0, 1, 64, dtype=np.float32)

@@ -114,8 +114,8 @@ def test_compiled_step_captured_under_rmm_through_the_arena():
         from rmm.allocators.torch import rmm_torch_allocator
         rmm.mr.set_current_device_resource(rmm.mr.CudaAsyncMemoryResource())
         torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
-        from beatflow.gpu import arena as M
-        from beatflow.model import vae as M
+        from beatflow.gpu import arena as capture_arena
+        from beatflow.model import train as M
         rows = np.random.default_rng(0).standard_normal((6000, 256)).astype(np.float32) * 0.1
         plain = M.train_vae(rows, epochs=3, batch_size=1024, seed=0, device="cuda", compile=True, cudagraphs=None)
         try:
@@ -145,14 +145,14 @@ def test_compiled_step_captured_under_rmm_through_the_arena():
 
 
 def test_capture_graph_takes_an_arena_only_where_one_is_installed(monkeypatch):
-    # model.capture_graph, the one capture of the training steps and of the compiled engine, with
+    # beatflow.model.graphs.capture_graph, the one capture of the training steps and of the compiled engine, with
     # torch.cuda.graph and the installed arena as stand-ins (CPU)
     import contextlib
 
     import torch
 
     from beatflow.gpu import arena as capture_arena
-    from beatflow.model import vae as M
+    from beatflow.model import graphs as M
     calls = []
 
     @contextlib.contextmanager

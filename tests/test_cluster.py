@@ -5,7 +5,7 @@ from beatflow.errors import DeviceError, InputError
 from beatflow.pipeline.cluster import parse_pool_size, wait_for_workers
 
 
-@pytest.mark.parametrize("value, want", [("80%", 0.8), (0.8, 0.8), ("0.5", 0.5), ("100%", 1.0), ("40GB", "40GB"),
+@pytest.mark.parametrize("value, want", [("80%", 0.8), (0.8, 0.8), ("0.5", 0.5), ("100%", 1.0), ("40GB", 40_000_000_000),
                                          (2e9, 2_000_000_000), ("3000000000", 3_000_000_000)])
 def test_pool_size_in_dask_cuda_terms(value, want):
     got = parse_pool_size(value)
@@ -82,7 +82,7 @@ def test_unknown_rmm_allocator_is_an_input_error():
         make_task_runner("gpu", 1, rmm_allocator="arena")
 
 
-@pytest.mark.parametrize("value, want", [("40GB", 40_000_000_000), ("3000000000", 3_000_000_000), ("", None)])
+@pytest.mark.parametrize("value, want", [("40000000000", 40_000_000_000), ("3000000000", 3_000_000_000), ("", None)])
 def test_reported_pool_size(monkeypatch, value, want):
     from beatflow.device import _rmm_setup_pool_size
 
@@ -409,3 +409,47 @@ def test_the_dask_client_imports_the_module_of_a_results_type_without_fetching_i
         assert "bf_result_type" not in sys.modules
         wait(future)  # (done once the client has taken the result's type in)
         assert "bf_result_type" in sys.modules
+
+
+def _get_dask_client_error() -> str:
+    from prefect_dask import get_dask_client
+
+    try:
+        with get_dask_client():
+            return ""
+    except ValueError as e:
+        return str(e)
+
+
+def test_the_flow_uses_its_runners_client_where_get_dask_client_would_open_its_own(prefect_server):
+    """Why ``flow_client`` and not prefect-dask's ``get_dask_client`` (``flow_client``'s docstring): in the
+    flow body ``get_dask_client`` connects a new client on each call, whose futures are cancelled when it
+    closes (the stages' partition futures live from stage to stage), and in a Prefect task run in the
+    flow's process (how the stages run) it finds no client; ``flow_client`` is the runner's own client,
+    in both, the same on every call."""
+    from prefect import flow, task
+    from prefect_dask import DaskTaskRunner, get_dask_client
+
+    from beatflow.pipeline.cluster import flow_client
+
+    @task
+    def in_a_task():
+        return flow_client(), _get_dask_client_error()
+
+    @flow(task_runner=DaskTaskRunner(cluster_kwargs={"n_workers": 1, "processes": False,
+                                                     "dashboard_address": None}))
+    def body():
+        ours = flow_client()
+        with get_dask_client() as theirs:
+            opened = theirs is not ours and theirs.id != ours.id
+            future = theirs.submit(int, "7", pure=False)
+            got = future.result()
+        kept = ours.submit(int, "8", pure=False)
+        in_task, error = in_a_task()
+        return opened, got, future.status, kept.result(), flow_client() is ours, in_task is ours, error
+
+    opened, got, status, kept, same, same_in_task, error = body()
+    assert opened and got == 7 and status == "cancelled"  # (its own client, its futures gone with it)
+    assert kept == 8 and same and same_in_task
+    assert "No global client found" in error
+    assert flow_client() is None  # (outside a flow run)

@@ -63,3 +63,50 @@ def test_deploy_worker_and_scheduled_scoring(prefect_server, trained_store, tmp_
     assert (inbox / "done" / "night.csv").exists() and not any((inbox / "processing").iterdir())
     df = Store(trained_store).read_results()
     assert "night" in set(df["recording"].astype(str))
+
+
+def test_prefect_yaml_entrypoints_load():
+    """Every entry point of prefect.yaml loads from the checkout (as ``prefect deploy`` and a worker load
+    them) and is the flow of beatflow.pipeline it names; the entry points' packages re-export the flows and
+    tasks."""
+    import yaml
+    from prefect.flows import load_flow_from_entrypoint
+
+    import flows.pipeline
+    import tasks
+    from beatflow.pipeline import deployments, flow, inbox_flow, stages
+
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    want = {"train-and-score": deployments.train_and_score, "score-new-recordings": inbox_flow.score_new_recordings,
+            "benchmark": deployments.benchmark}
+    got = {}
+    for d in spec["deployments"]:
+        path, _, name = d["entrypoint"].partition(":")
+        assert (ROOT / path).is_file(), d["entrypoint"]
+        got[d["name"]] = load_flow_from_entrypoint(str(ROOT / path) + ":" + name)
+    assert set(got) == set(want)
+    for name, f in got.items():
+        assert f.name == want[name].name and f.fn.__module__ == want[name].fn.__module__, name
+    assert flows.pipeline.ecg_anomaly_flow is flow.ecg_anomaly_flow
+    assert all(getattr(tasks, n) is getattr(stages, n, None) or n == "score_inbox_item" for n in tasks.__all__)
+
+
+def test_the_benchmark_finds_its_script_in_the_checkout(tmp_path, monkeypatch):
+    """The benchmark deployment runs bench/pipeline_bench.py of the checkout (not installed): the one under
+    ``$BEATFLOW_HOME`` (prefect.yaml's working directory), else the working directory's, else the one beside
+    the package; none is one clear error."""
+    from beatflow.pipeline.deployments import bench_script
+
+    monkeypatch.delenv("BEATFLOW_HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert bench_script() == ROOT / "bench" / "pipeline_bench.py"  # (beside the package: this checkout)
+    other = tmp_path / "home"
+    (other / "bench").mkdir(parents=True)
+    (other / "bench" / "pipeline_bench.py").write_text("print('x')\n")
+    monkeypatch.chdir(other)
+    assert bench_script() == other / "bench" / "pipeline_bench.py"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BEATFLOW_HOME", str(other))
+    assert bench_script() == other / "bench" / "pipeline_bench.py"
+    with pytest.raises(FileNotFoundError, match="BEATFLOW_HOME"):
+        bench_script("missing.py")

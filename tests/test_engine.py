@@ -1,4 +1,4 @@
-"""Tests of beatflow.engine.base: ONNX export, the ONNX Runtime engine and its validation."""
+"""Tests of beatflow.engine.base, .onnx and .validate: ONNX export, the ONNX Runtime engine and its validation."""
 import copy
 import pickle
 
@@ -7,16 +7,11 @@ import onnx
 import pytest
 import torch
 
-from beatflow.engine.base import (
-    Engine,
-    EngineValidationError,
-    OnnxRuntimeEngine,
-    export_onnx,
-    profile_engine,
-    throughput,
-    validate_engine,
-)
-from beatflow.model.vae import LightVAE, Scorer, score_beats, train_vae
+from beatflow.engine.base import Engine, EngineValidationError
+from beatflow.engine.onnx import OnnxRuntimeEngine, export_onnx
+from beatflow.engine.validate import profile_engine, throughput, validate_engine
+from beatflow.model.train import train_vae
+from beatflow.model.vae import LightVAE, Scorer, score_beats
 
 WIDTH = 64
 
@@ -162,7 +157,7 @@ def test_profile_engine_times_latency_and_throughput_by_batch():
         assert 0.2 * b / 1e-3 < rate <= 1.01 * b / 1e-3, (b, rate)
 
 
-# -- backends, precisions, rewrites (beatflow.engine.base extensions) ---------------------------------
+# -- backends, precisions, rewrites (beatflow.engine.base, .onnx, .options) ---------------------------
 
 def test_batch_profile():
     from beatflow.engine.base import BatchProfile
@@ -175,7 +170,7 @@ def test_batch_profile():
 
 
 def test_cpu_rewrites_are_exact(scorer, tmp_path):
-    from beatflow.engine.base import FlatDownsample, UpsampleConv, optimize_for_onnx_cpu
+    from beatflow.engine.onnx import FlatDownsample, UpsampleConv, optimize_for_onnx_cpu
 
     fast = optimize_for_onnx_cpu(scorer)
     kinds = [type(m) for m in fast.modules()]
@@ -205,7 +200,8 @@ def test_concurrent_feeders_match_one(onnx_path):
 
 
 def test_half_precision_scorer_within_tolerance(scorer, tmp_path):
-    from beatflow.engine.base import TOLERANCES, PrecisionScorer
+    from beatflow.engine.base import PrecisionScorer
+    from beatflow.engine.validate import TOLERANCES
 
     x = torch.from_numpy(beats(200, seed=13))
     with torch.no_grad():
@@ -237,9 +233,9 @@ def test_device_input_and_gpu_providers_fail_clearly_on_cpu(engine):
 
 
 def test_gpu_backends_import_without_a_gpu():
-    from beatflow.engine import aoti as engine_aoti
-    from beatflow.engine import tensorrt as engine_trt
-    assert engine_trt.tensorrt_available() in (True, False)
-    assert engine_aoti.aoti_available("cpu") in (True, False)
+    from beatflow.engine import aoti, compiled, tensorrt  # noqa: F401  (import-safe without a GPU)
+    from beatflow.engine.options import aoti_available, compiled_available, tensorrt_available
+    assert tensorrt_available() in (True, False)
+    assert aoti_available("cpu") in (True, False)
     if not torch.cuda.is_available():
-        assert not engine_trt.tensorrt_available() and not engine_aoti.aoti_available("cuda")
+        assert not tensorrt_available() and not aoti_available("cuda") and not compiled_available("cuda")

@@ -17,12 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from beatflow.engine import base as E
 from beatflow.engine import cache as engines
-from beatflow.engine.base import TOLERANCES, EngineValidationError, OnnxRuntimeEngine
+from beatflow.engine import onnx as E
+from beatflow.engine import options
+from beatflow.engine.base import EngineValidationError
+from beatflow.engine.onnx import OnnxRuntimeEngine
+from beatflow.engine.validate import TOLERANCES
 from beatflow.errors import DeviceError
 from beatflow.engine.cache import EngineCacheWarning, build_or_load_engine
-from beatflow.model.vae import load_model, save_model, score_beats, train_vae
+from beatflow.model.threads import torch_threads
+from beatflow.model.train import train_vae
+from beatflow.model.vae import load_model, save_model, score_beats
 
 PROFILE = (1, 256, 2048)
 
@@ -30,7 +35,8 @@ PROFILE = (1, 256, 2048)
 @pytest.fixture(scope="module")
 def labelled_beats(synthetic_ecg):
     """Scaled beat rows of the 0.1 h synthetic ECG cut at its true R peaks, and their labels."""
-    from beatflow.embed.beats import beats_from_peaks, embed, prune_mask
+    from beatflow.embed import embed
+    from beatflow.embed.beats import beats_from_peaks, prune_mask
     from beatflow.params import SegmentParams
 
     ecg = synthetic_ecg
@@ -46,7 +52,7 @@ def labelled_beats(synthetic_ecg):
 @pytest.fixture(scope="module")
 def trained(labelled_beats, tmp_path_factory):
     rows, _ = labelled_beats
-    with E.torch_threads(1):  # tiny model: one thread is faster than two busy ones
+    with torch_threads(1):  # tiny model: one thread is faster than two busy ones
         res = train_vae(rows, epochs=3, batch_size=128, seed=0, lr=3e-3)
     path = tmp_path_factory.mktemp("model") / "model.pt"
     save_model(res.model, path)
@@ -259,7 +265,7 @@ def test_int8_within_tolerance_and_auc(trained, cache, exports, labelled_beats):
     assert 0 < info["max_abs_err"] and info["max_abs_err_mu"] <= tol.mu_atol + tol.mu_rtol * 0.3
     assert info["validated_on"] == len(trained[1]) // 2  # odd rows validate, even rows calibrated
     rows, labels = labelled_beats
-    with E.torch_threads(1):
+    with torch_threads(1):
         ref, _ = score_beats(load_model(trained[0]), rows)
     got, _ = eng.infer(rows)
     assert np.max(np.abs(got - ref) / (tol.atol + tol.rtol * ref)) <= 1.0
@@ -278,10 +284,10 @@ def test_int8_within_tolerance_and_auc(trained, cache, exports, labelled_beats):
 
 def test_env_var_and_parameter_choose_the_folder(trained, tmp_path, exports, monkeypatch):
     monkeypatch.setenv("BEATFLOW_CACHE_DIR", str(tmp_path / "from-env"))
-    assert engines.cache_dir() == tmp_path / "from-env"
-    assert engines.cache_dir(tmp_path / "param") == tmp_path / "param"
+    assert options.cache_dir() == tmp_path / "from-env"
+    assert options.cache_dir(tmp_path / "param") == tmp_path / "param"
     monkeypatch.delenv("BEATFLOW_CACHE_DIR")
-    assert str(engines.cache_dir()).endswith(os.path.join(".cache", "beatflow", "engines"))
+    assert str(options.cache_dir()).endswith(os.path.join(".cache", "beatflow", "engines"))
     monkeypatch.setenv("BEATFLOW_CACHE_DIR", str(tmp_path / "from-env"))
     model, val = trained
     _, info = build_or_load_engine(model, val, threads=1, batch_profile=PROFILE)
@@ -319,18 +325,18 @@ def test_engine_clean_cli(trained, cache, exports, capsys):
 
 
 def test_backend_resolution_on_cpu():
-    assert engines.resolve_backend("auto", "fp32", "cpu") == "onnxruntime"
-    assert engines.resolve_backend("auto", "int8", "cpu") == "onnxruntime"
-    assert engines.available_backends("cpu")[0] == "onnxruntime"
+    assert options.resolve_backend("auto", "fp32", "cpu") == "onnxruntime"
+    assert options.resolve_backend("auto", "int8", "cpu") == "onnxruntime"
+    assert options.available_backends("cpu")[0] == "onnxruntime"
     with pytest.raises(ValueError, match="for GPUs"):
-        engines.resolve_backend("auto", "fp16", "cpu")
+        options.resolve_backend("auto", "fp16", "cpu")
     with pytest.raises(ValueError, match="unknown backend"):
-        engines.resolve_backend("onnx", "fp32", "cpu")
+        options.resolve_backend("onnx", "fp32", "cpu")
     with pytest.raises(ValueError, match="does not do int8"):
-        engines.resolve_backend("aoti", "int8", "cpu")
+        options.resolve_backend("aoti", "int8", "cpu")
     with pytest.raises(Exception, match="CUDA"):
-        engines.resolve_backend("tensorrt", "fp32", "cpu")
-    assert engines.normalize_device("gpu") == "cuda:0" and engines.normalize_device("cuda:1") == "cuda:1"
+        options.resolve_backend("tensorrt", "fp32", "cpu")
+    assert options.normalize_device("gpu") == "cuda:0" and options.normalize_device("cuda:1") == "cuda:1"
     assert "(" in engines.device_name("cpu")
 
 
@@ -344,7 +350,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
                                                ("compiled", "bf16"), ("aoti", "fp32"),
                                                ("onnxruntime", "fp32"), ("tensorrt", "fp16")])
 def test_gpu_backends_keep_device_results(trained, cache, backend, precision):
-    if backend != "auto" and backend not in engines.available_backends("cuda"):
+    if backend != "auto" and backend not in options.available_backends("cuda"):
         pytest.skip(f"{backend} not available")
     model, val = trained
     eng, info = build_or_load_engine(model, val, backend=backend, precision=precision, device="cuda",
@@ -363,26 +369,27 @@ def test_gpu_backends_keep_device_results(trained, cache, backend, precision):
 
 @cuda
 def test_gpu_auto_prefers_tensorrt_then_compiled_then_aoti():
-    avail = engines.available_backends("cuda")
+    avail = options.available_backends("cuda")
     assert avail == [b for b in ("tensorrt", "compiled", "aoti", "onnxruntime") if b in avail]
-    assert engines.resolve_backend("auto", "fp32", "cuda") == avail[0]
+    assert options.resolve_backend("auto", "fp32", "cuda") == avail[0]
 
 
-@pytest.mark.parametrize("backend", engines.BACKENDS)
+@pytest.mark.parametrize("backend", options.BACKENDS)
 def test_every_backends_cache_file_name_is_recognised(backend):
     """load_engine and `engine clean` recognise entries by name: each backend's extension must match."""
-    name = f"{backend}-fp32-{'0' * engines._KEY_LEN}.{engines.EXTENSIONS[backend]}"
-    assert engines._ENTRY_RE.match(name) and engines._ours(Path(name))
+    name = f"{backend}-fp32-{'0' * options._KEY_LEN}.{options.EXTENSIONS[backend]}"
+    assert options._ENTRY_RE.match(name) and options._ours(Path(name))
 
 
 def test_compiled_backend_is_for_gpus_only():
     with pytest.raises(ValueError, match="backend compiled does not do fp32 on the CPU"):
-        engines.resolve_backend("compiled", "fp32", "cpu")
+        options.resolve_backend("compiled", "fp32", "cpu")
 
 
 @cuda
 def test_compiled_engine_with_cuda_graphs_needs_the_native_allocator(trained, tmp_path):
-    from beatflow.engine.compiled import CompiledEngine, native_allocator
+    from beatflow.engine.compiled import CompiledEngine
+    from beatflow.model.graphs import native_allocator
     from beatflow.model.vae import Scorer, load_model
 
     model, val = trained

@@ -122,7 +122,7 @@ def test_run_killed_during_training_resumes_after_the_last_finished_task(prefect
 def test_only_partials_of_dead_runs_on_this_host_are_removed(tmp_path):
     import socket
 
-    from beatflow.pipeline.flow import _OWNER, remove_stale_partials
+    from beatflow.pipeline.outputs import OWNER, remove_stale_partials
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -133,7 +133,7 @@ def test_only_partials_of_dead_runs_on_this_host_are_removed(tmp_path):
         d = tmp_path / f".run.{name}.partial"
         d.mkdir()
         if owner is not None:
-            (d / _OWNER).write_text(owner)
+            (d / OWNER).write_text(owner)
     (tmp_path / ".other.dead.partial").mkdir()  # another output name: not ours to touch
     removed = remove_stale_partials(tmp_path / "run")
     assert [p.name for p in removed] == [".run.dead.partial"]

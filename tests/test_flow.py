@@ -164,8 +164,8 @@ def test_cli_second_lead_on_mitbih_207(prefect_server, mitdb, tmp_path):
 
     from beatflow.embed.beats import beats_from_peaks
     from beatflow.score.evaluate import load_record
-    from beatflow.detect.leads import second_lead_peaks
-    from beatflow.detect.peaks import detect_peaks
+    from beatflow.detect import second_lead_peaks
+    from beatflow.detect import detect_peaks
 
     rec = tmp_path / "rec"
     rec.mkdir()
@@ -309,8 +309,8 @@ def test_flow_second_lead_from_csv(harness, tmp_path):
     whole recording's rules (beatflow.detect.leads); a bad pair of leads is one clear error, no output."""
     from beatflow.embed.beats import beats_from_peaks
     from beatflow.errors import InputError
-    from beatflow.detect.leads import second_lead_peaks
-    from beatflow.detect.peaks import detect_peaks
+    from beatflow.detect import second_lead_peaks
+    from beatflow.detect import detect_peaks
     from test_leads import _two_leads
 
     x0, x1 = _two_leads(3, 250.0, 240.0)  # (its noise bursts leave doubtful peaks on the first lead)
@@ -372,7 +372,7 @@ def test_report_top_rows_are_the_tables_top_ranks(seed):
     from types import SimpleNamespace
 
     from beatflow.score.rule import anomaly_table
-    from beatflow.pipeline.flow import N_TOP, _top_list
+    from beatflow.report.data import N_TOP, top_list
 
     rng = np.random.default_rng(seed)
     n = 500
@@ -384,7 +384,7 @@ def test_report_top_rows_are_the_tables_top_ranks(seed):
                           1e9, ["r"])
     rows = np.argsort(-scores, kind="stable")[:N_TOP]
     ctx = {0: [(int(plan.start[b]) - 250, np.zeros(3, np.float32)) for b in kb]}
-    top = _top_list(["r"], 250.0, plan, rows, scores, ctx, kb, None)
+    top = top_list(["r"], 250.0, plan, rows, scores, ctx, kb, None)
     want = table.nsmallest(N_TOP, "rank")
     assert [t["beat"] for t in top] == want["beat"].tolist()
     assert [t["start"] for t in top] == want["start"].tolist()
@@ -392,3 +392,20 @@ def test_report_top_rows_are_the_tables_top_ranks(seed):
     assert [t["score"] for t in top] == want["score"].astype(float).tolist()
     assert [t["time_s"] for t in top] == want["time_s"].tolist()
     assert all(t["context_start"] == t["start"] - 250 for t in top)
+
+
+def test_run_options_are_the_flows_parameters():
+    """``RunOptions`` holds every parameter of the flow, with the same defaults (the flow's signature is what
+    the CLI, the deployments and the Prefect UI use), and stays one value (frozen)."""
+    import dataclasses
+    import inspect
+
+    from beatflow.pipeline.flow import ecg_anomaly_flow
+    from beatflow.pipeline.options import RunOptions
+
+    params = inspect.signature(ecg_anomaly_flow.fn).parameters
+    fields = {f.name: f.default for f in dataclasses.fields(RunOptions)}
+    assert list(fields) == list(params)
+    assert fields == {name: p.default for name, p in params.items()}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RunOptions().epochs = 3

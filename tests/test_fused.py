@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from beatflow.model.fused import FusedScorer, conv3, downsample, fused_forward, upsample2
-from beatflow.model.vae import Downsample, LightVAE, Scorer, train_vae, training_precision
+from beatflow.model.train import train_vae, training_precision
+from beatflow.model.vae import Downsample, LightVAE, Scorer
 
 
 def _random_vae(seed, width=64):
@@ -116,18 +117,18 @@ def test_steps_uncompiled_in_graphs_under_a_pluggable_allocator(monkeypatch):
     gives the compiled step's loss."""
     import torch
 
-    from beatflow.model import vae as M
+    from beatflow.model import train as T
     monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
-    assert M.training_compiled(True, graphs=True) and M.training_compiled(True, graphs=False)
-    assert not M.training_compiled(False, graphs=True)
+    assert T.training_compiled(True, graphs=True) and T.training_compiled(True, graphs=False)
+    assert not T.training_compiled(False, graphs=True)
     monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "pluggable")
-    assert not M.training_compiled(True, graphs=True) and M.training_compiled(True, graphs=False)
+    assert not T.training_compiled(True, graphs=True) and T.training_compiled(True, graphs=False)
     torch.manual_seed(0)
-    model = M.LightVAE(64)
+    model = LightVAE(64)
     xb = torch.from_numpy((0.3 * np.random.default_rng(1).normal(size=(32, 64))).astype(np.float32))
     losses = []
     for compile in (True, False):
-        step = M._step_loss(model, "cpu", None, compile, fused=True)
+        step = T._step_loss(model, "cpu", None, compile, fused=True)
         torch.manual_seed(5)  # the same reparameterisation noise
         losses.append(float(step(xb)))
         assert not step.failed
@@ -160,7 +161,8 @@ def test_fused_forward_in_half_precision_casts_the_arithmetic_and_keeps_float32_
 def test_bf16_steps_train_to_within_5_percent_of_float32():
     """The training step of the fusible form with bf16 arithmetic (as on a GPU) reaches a loss
     within 5 % of the float32 step's on the same data and seed (the mixed-precision criterion)."""
-    from beatflow.model import vae as M
+    from beatflow.model import train as T
+    from beatflow.model.vae import vae_loss
     rng = np.random.default_rng(3)
     t = np.linspace(0, 1, 64, dtype=np.float32)
     x = (np.exp(-((t - 0.3) / 0.03) ** 2)[None, :] * rng.uniform(0.5, 1.5, (512, 1))
@@ -169,9 +171,9 @@ def test_bf16_steps_train_to_within_5_percent_of_float32():
     final = {}
     for amp in (None, torch.bfloat16):
         torch.manual_seed(0)
-        model = M.LightVAE(64)
+        model = LightVAE(64)
         opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-        step = M._step_loss(model, "cpu", amp, False, fused=True)
+        step = T._step_loss(model, "cpu", amp, False, fused=True)
         for _ in range(150):
             loss = step(xb)
             opt.zero_grad(set_to_none=True)
@@ -179,7 +181,7 @@ def test_bf16_steps_train_to_within_5_percent_of_float32():
             opt.step()
         with torch.no_grad():
             r, mu, lv = model(xb)
-            final[amp] = float(M.vae_loss(xb, r, mu, lv)) / len(x)
+            final[amp] = float(vae_loss(xb, r, mu, lv)) / len(x)
     assert final[torch.bfloat16] != final[None]  # (not the same arithmetic)
     assert abs(final[torch.bfloat16] - final[None]) <= 0.05 * final[None], final
 
@@ -187,7 +189,7 @@ def test_bf16_steps_train_to_within_5_percent_of_float32():
 def test_compile_pays_on_the_gpu_and_for_large_cpu_trainings():
     """``--train-compile auto``: always on a GPU; on the CPU from CPU_COMPILE_MIN_ROW_EPOCHS rows x
     epochs (the 20 h default run: 72 826 training rows x 10 epochs), not for small trainings."""
-    from beatflow.model.vae import CPU_COMPILE_MIN_ROW_EPOCHS, TRAIN_FRACTION, compile_pays
+    from beatflow.params import CPU_COMPILE_MIN_ROW_EPOCHS, TRAIN_FRACTION, compile_pays
 
     assert compile_pays("gpu", 10, 1)
     assert compile_pays("cpu", int(97102 * TRAIN_FRACTION), 10)

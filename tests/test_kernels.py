@@ -1,4 +1,5 @@
-"""The CUDA kernels (beatflow.gpu.kernels) against the loop references of tests/naive.py.
+"""The CUDA kernels (beatflow.detect.gpu, beatflow.embed.gpu) against the array code and the loop
+references of tests/naive.py.
 
 On a machine with a CUDA GPU and CuPy they run there, on CuPy arrays. Elsewhere they run under
 Numba's CUDA simulator (scripts/test.sh exports NUMBA_ENABLE_CUDASIM=1; this module also turns it
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 
 import naive
+import beatflow.detect as D
+import beatflow.embed as E
 from beatflow.embed import beats as B
 from beatflow.detect import peaks as S
 from beatflow.device import cupy_available
@@ -33,7 +36,7 @@ def _mode():
         if "numba.core.config" in sys.modules:
             sys.modules["numba.core.config"].reload_config()
     try:
-        from beatflow.gpu.kernels import simulator_active
+        from beatflow.gpu.sim import simulator_active
 
         return "sim" if simulator_active() else None
     except Exception:
@@ -43,8 +46,13 @@ def _mode():
 MODE = _mode()
 pytestmark = pytest.mark.skipif(MODE is None, reason="no CUDA GPU and the Numba CUDA simulator is not active")
 
-from beatflow.gpu import kernels as K
-from beatflow.gpu.kernels import embed_gpu, local_maxima_gpu  # noqa: E402
+from beatflow.detect import gpu as K  # noqa: E402
+from beatflow.detect import gpu_kernels as GK  # noqa: E402
+from beatflow.detect import gpu_vf as VF  # noqa: E402
+from beatflow.detect.gpu import local_maxima_gpu  # noqa: E402
+from beatflow.embed import gpu as EG  # noqa: E402
+from beatflow.embed.gpu import embed_gpu  # noqa: E402
+from beatflow.gpu import runtime as RT  # noqa: E402
 
 
 def dev(a):
@@ -82,7 +90,7 @@ def test_local_maxima_matches_loop(tiled):
             want = naive.local_maxima(env, half)
             np.testing.assert_array_equal(host(got), want, err_msg=f"{name} half={half} tiled={tiled}")
             if name == "float64":
-                np.testing.assert_array_equal(want, S.local_maxima(env, half))  # the NumPy contract
+                np.testing.assert_array_equal(want, S.local_maxima_xp(env, half))  # the array code's contract
 
 
 def test_local_maxima_short_and_flat():
@@ -113,8 +121,8 @@ def _beats(rng, nx, n, width, lo=1):
     return start, length
 
 
-def _check_embed(x, start, length, width, first, base, claim=K._EMBED_CLAIM):
-    """Kernel vs loop reference and beats.embed for valid beats (0 < length <= width), zeros for the others."""
+def _check_embed(x, start, length, width, first, base, claim=EG._EMBED_CLAIM):
+    """Kernel vs loop reference and beats.embed_xp for valid beats (0 < length <= width), zeros for the others."""
     got, p2p = embed_gpu(dev(x), dev(start + first), dev(length), width, first=first, baseline_samples=base,
                          claim=claim)
     got, p2p = host(got), host(p2p)
@@ -129,7 +137,7 @@ def _check_embed(x, start, length, width, first, base, claim=K._EMBED_CLAIM):
     np.testing.assert_allclose(p2p[full], wp2p, **tol)
     assert not got[~ok].any() and not p2p[~ok].any()  # skipped beats: zero rows
     # and the NumPy implementation it stands in for (same rows, same order)
-    np_rows, np_p2p = B.embed(x, start[ok] + first, length[ok], width, first=first, baseline_samples=base)
+    np_rows, np_p2p = B.embed_xp(x, start[ok] + first, length[ok], width, first=first, baseline_samples=base)
     np.testing.assert_allclose(got[ok], np_rows, **tol)
     np.testing.assert_allclose(p2p[ok], np_p2p, **tol)
 
@@ -147,7 +155,7 @@ def test_embed_matches_loop(width, first):
 def test_embed_skips_bad_lengths_and_keeps_beat_order():
     rng = np.random.default_rng(11)
     width = 64
-    x = rng.normal(size=900)  # float64 input: rows are float32 like beats.embed's
+    x = rng.normal(size=900)  # float64 input: rows are float32 like beats.embed_xp's
     start, length = _beats(rng, len(x), 24, width)
     length[[2, 9, 17]] = [0, width + 1, 5 * width]  # skipped zero rows among the others
     # warps claim one row at a time (the seed's), a few, more than a warp's share, more than all
@@ -182,15 +190,13 @@ def test_embed_empty():
 
 def test_exclusive_scan_kernel_matches_cumsum():
     # one block over pieces of _SCAN_PER counts per thread: empty, partial and several pieces, the total
-    from beatflow.gpu.kernels import _Ctx, _build, _exclusive_scan
-
-    _, sim = _build()
-    ctx = _Ctx(sim)
+    _, sim = GK.build()
+    ctx = RT.Ctx(sim)
     rng = np.random.default_rng(13)
     for n in (0, 1, 31, 128, 129, 1000, 5000):
         counts = rng.integers(0, 40, n).astype(np.int64)
         offsets, total = dev(np.full(n + 1, -1, np.int64)), dev(np.zeros(1, np.int64))
-        _exclusive_scan(ctx, dev(counts), offsets, total)
+        K._exclusive_scan(ctx, dev(counts), offsets, total)
         want = np.concatenate([[0], np.cumsum(counts)])
         np.testing.assert_array_equal(host(offsets), want)
         assert int(host(total)[0]) == want[-1]
@@ -198,11 +204,11 @@ def test_exclusive_scan_kernel_matches_cumsum():
 
 def test_beat_rows_kernels_match_the_array_code():
     # beats_count / beats_write / embed_warp with the count on the device against beats_from_peaks,
-    # kept_mask, row_lengths and embed: random gaps around the prune limits, peaks before `pre`,
+    # kept_mask, row_lengths and embed_xp: random gaps around the prune limits, peaks before `pre`,
     # long beats cut or dropped, several chunks of beats per block (grid-stride)
     import dataclasses
 
-    from beatflow.gpu.kernels import beat_rows_gpu
+    from beatflow.embed.gpu import beat_rows_gpu
 
     rng = np.random.default_rng(12)
     base = small_params()
@@ -215,7 +221,7 @@ def test_beat_rows_kernels_match_the_array_code():
             peaks = peaks[peaks >= first + s.pre]
         n = int(peaks[-1]) + int(rng.integers(1, 50))
         x = (rng.normal(size=n) * 10).astype(np.float32)
-        want = B.beat_rows(x[first:], peaks, s, n, first=first, baseline_samples=3)  # NumPy: the array code
+        want = B.beat_rows_xp(x[first:], peaks, s, n, first=first, baseline_samples=3)  # the array code
         pk, st, ln = B.beats_from_peaks(peaks, s, n)
         kept = B.kept_mask(ln, s)
         np.testing.assert_array_equal(want[0], np.flatnonzero(kept))
@@ -236,14 +242,14 @@ def test_segment_rows_one_sync_matches_detection_then_beat_rows(monkeypatch):
     # the detection and the rows launched behind it before the one synchronisation: the peaks and
     # episodes of detect_beats, the kept beats and rows of beat_rows (NumPy), also when a tile's
     # candidate slots overflow (the whole launch runs again) and when the kernels cannot take x
-    from beatflow.gpu.kernels import segment_rows_gpu
+    from beatflow.detect.gpu import segment_rows_gpu
     from beatflow.params import SegmentParams
     from beatflow.io.synth import synthesize_ecg
 
     s = SegmentParams().samples(250.0)
     x = synthesize_ecg(hours=20 / 3600, fs=250.0, seed=3).signal
-    peaks, ep = S.detect_beats(x, s)
-    want = B.beat_rows(x, peaks, s, x.shape[0], baseline_samples=12)
+    peaks, ep = D.detect_beats(x, s)
+    want = E.beat_rows(x, peaks, s, x.shape[0], baseline_samples=12)
     assert want[0].shape[0] > 15
     orig = K._detect_gpu
     for slots in (None, 1):  # one slot per tile in the first launch: overflow and the rerun
@@ -272,7 +278,7 @@ def test_segment_graph_replays_the_launches_over_the_buffers_contents(monkeypatc
     # written into it between calls), from the arrays kept by its first pass (no allocation after
     # it; the results are views of them); a CUDA graph on a GPU, the launches one by one under the
     # simulator; on an overflow of the candidate slots the retry's fresh arrays; bad buffers refused
-    from beatflow.gpu.kernels import SegmentGraph, segment_rows_gpu
+    from beatflow.detect.gpu import SegmentGraph, segment_rows_gpu
     from beatflow.params import SegmentParams
     from beatflow.io.synth import synthesize_ecg
 
@@ -328,7 +334,7 @@ def test_segment_graph_replays_the_launches_over_the_buffers_contents(monkeypatc
 
 
 def test_workspace_hands_out_its_arrays_in_order_and_refuses_another_pass():
-    ws = K._Workspace()
+    ws = RT.Workspace()
     a, b = ws.take(np, 3, np.int64), ws.take(np, (2, 4), np.float32)
     assert len(ws.arrays) == 2
     ws.rewind()
@@ -340,14 +346,12 @@ def test_workspace_hands_out_its_arrays_in_order_and_refuses_another_pass():
         ws.take(np, 4, np.int64)
 
 
-# --- without a GPU and without the simulator: one clear error -----------------------------------
-@pytest.mark.skipif(cupy_available(), reason="a CUDA GPU is present")
 @pytest.mark.skipif(MODE != "gpu", reason="needs CuPy on a CUDA GPU")
 def test_host_input_gets_host_results_after_the_overflow_rerun(monkeypatch):
     # NumPy in, NumPy out, also when a tile's candidate slots overflow and the launch runs again
     # (the rerun sees the samples on the device); the same peaks and rows as without the overflow;
     # both stream layouts of the detection
-    from beatflow.gpu.kernels import segment_rows_gpu
+    from beatflow.detect.gpu import segment_rows_gpu
     from beatflow.params import SegmentParams
     from beatflow.io.synth import synthesize_ecg
 
@@ -373,11 +377,12 @@ def test_host_input_gets_host_results_after_the_overflow_rerun(monkeypatch):
             np.testing.assert_array_equal(g, w)
 
 
+# --- without a GPU and without the simulator: one clear error -----------------------------------
 def test_clear_error_without_cuda_or_simulator():
     # (on a GPU machine the device is hidden from the child: Numba then finds no CUDA GPU)
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    code = ("from beatflow.errors import DeviceError\nfrom beatflow.gpu.kernels import local_maxima_gpu\n"
+    code = ("from beatflow.errors import DeviceError\nfrom beatflow.detect.gpu import local_maxima_gpu\n"
             "import numpy as np\ntry:\n    local_maxima_gpu(np.ones(3), 1)\nexcept DeviceError as e:\n"
             "    print('DeviceError:', e)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
@@ -391,21 +396,21 @@ def test_cupy_input_dispatches_to_kernels(synthetic_ecg):
 
     s = SegmentParams().samples(250.0)
     x = synthetic_ecg.signal
-    peaks = S.detect_peaks(x, s)
-    gpeaks = S.detect_peaks(dev(x), s)
+    peaks = D.detect_peaks(x, s)
+    gpeaks = D.detect_peaks(dev(x), s)
     np.testing.assert_array_equal(host(gpeaks), peaks)
     _, start, length = B.beats_from_peaks(peaks, s, len(x))
     keep = B.prune_mask(length, s.lower, s.upper)
-    rows, p2p = B.embed(x, start[keep], length[keep], s.width, baseline_samples=12)
-    grows, gp2p = B.embed(dev(x), dev(start[keep]), dev(length[keep]), s.width, baseline_samples=12)
+    rows, p2p = E.embed(x, start[keep], length[keep], s.width, baseline_samples=12)
+    grows, gp2p = E.embed(dev(x), dev(start[keep]), dev(length[keep]), s.width, baseline_samples=12)
     np.testing.assert_allclose(host(grows), rows, atol=1e-5)
     np.testing.assert_allclose(host(gp2p), p2p, atol=1e-5)
 
 
-# --- beat detection (segment.detect_peaks on the GPU) -------------------------------------------
+# --- beat detection (beatflow.detect.detect_peaks on the GPU) ----------------------------------
 from test_segment import _random_beats, small_params  # noqa: E402
 
-from beatflow.gpu.kernels import _detect_plan, detect_peaks_gpu, qrs_envelope_gpu  # noqa: E402
+from beatflow.detect.gpu import _detect_plan, detect_peaks_gpu, qrs_envelope_gpu  # noqa: E402
 
 
 def test_envelope_kernel_matches_cpu_kernel_and_array_code():
@@ -416,7 +421,7 @@ def test_envelope_kernel_matches_cpu_kernel_and_array_code():
         s = SegmentParams().samples(fs)
         x = (np.cumsum(rng.normal(size=n)) + 3 * rng.normal(size=n)).astype(dtype)
         got = host(qrs_envelope_gpu(dev(x), s))
-        cpu = S.qrs_envelope(x, s)  # the fused CPU kernel: same sums in the same order
+        cpu = D.qrs_envelope(x, s)  # the fused CPU kernel: same sums in the same order
         ref = S.energy_envelope(S.wavelet_response(x, s), s)  # the array code
         np.testing.assert_allclose(got, cpu, rtol=1e-13, atol=1e-13 * np.abs(cpu).max())
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
@@ -424,10 +429,8 @@ def test_envelope_kernel_matches_cpu_kernel_and_array_code():
 
 def test_block_median_kernel_is_nanmedian_of_the_window():
     # the median by ranks: ties, NaN blocks (left out), windows cut by the ends, a window of NaN only
-    from beatflow.gpu.kernels import _Ctx, _build
-
-    kernels, sim = _build()
-    ctx = _Ctx(sim)
+    kernels, sim = GK.build()
+    ctx = RT.Ctx(sim)
     rng = np.random.default_rng(21)
     for n, k in ((1, 2), (7, 1), (40, 3), (97, 5), (300, 0)):
         b = rng.integers(0, 6, n).astype(np.float64) * 0.25  # many equal values
@@ -449,7 +452,7 @@ def test_block_levels_of_the_dense_kernel_match_array_code():
     for blocks, block, first in ((2, 10, 0), (5, 25, 13), (1, 7, 300), (3, 600, 5)):
         s = small_params(block_s=block / 100.0, threshold_blocks=blocks)
         env, amp, b0 = qrs_envelope_gpu(dev(x), s, first=first, levels=True)
-        want, wb0 = S.block_amplitude(S.qrs_envelope(x, s), first, s)
+        want, wb0 = S.block_amplitude(D.qrs_envelope(x, s), first, s)
         assert b0 == wb0
         np.testing.assert_allclose(host(amp), want, rtol=1e-13)
 
@@ -468,7 +471,7 @@ def test_detect_peaks_kernels_match_array_code_and_loops(first, monkeypatch):
         if seed >= 2:
             x[400:800] += (0.15 * np.random.default_rng(100 + seed).normal(size=400)).astype(np.float32)
         want = naive.detect_peaks(x, s, first=first)
-        np.testing.assert_array_equal(S._detect_peaks_xp(x, s, first=first), want)
+        np.testing.assert_array_equal(S.detect_peaks_xp(x, s, first=first), want)
         got = detect_peaks_gpu(dev(x), s, first=first)
         assert got.dtype == np.int64
         np.testing.assert_array_equal(host(got), want, err_msg=f"seed {seed}")
@@ -486,7 +489,7 @@ def test_detect_peaks_kernels_on_synthetic_ecg_and_edge_cases():
 
     s = SegmentParams().samples(250.0)
     x = synthesize_ecg(hours=20 / 3600, fs=250.0, seed=11).signal  # 20 s, default parameters
-    want = S.detect_peaks(x, s)
+    want = D.detect_peaks(x, s)
     assert len(want) > 15
     np.testing.assert_array_equal(host(detect_peaks_gpu(dev(x), s)), want)
     for flat in (np.zeros(900, np.float32), np.full(900, 2.0, np.float32), np.ones(2, np.float32)):
@@ -510,10 +513,10 @@ def test_zero_copy_one_partition_cupy_numba_torch(synthetic_ecg):
     assert part.data.ptr == stream.data.ptr + a * stream.itemsize
     view = cuda.as_cuda_array(part)  # what Numba receives (CUDA array interface); later launches pack part.data.ptr
     assert view.device_ctypes_pointer.value == part.data.ptr
-    peaks = S.detect_peaks(stream, s)  # the kernels, on CuPy arrays
+    peaks = D.detect_peaks(stream, s)  # the kernels, on CuPy arrays
     _, start, length = B.beats_from_peaks(peaks, s, stream.shape[0])
     sel = (start >= a) & (start + length <= b)
-    rows, _ = B.embed(part, start[sel], length[sel], s.width, first=a)  # the warp-per-beat kernel
+    rows, _ = E.embed(part, start[sel], length[sel], s.width, first=a)  # the warp-per-beat kernel
     assert isinstance(rows, cupy.ndarray) and rows.shape[0] == int(sel.sum()) > 3
     t = as_cuda_tensor(rows)  # to PyTorch for the engine: DLPack
     assert t.data_ptr() == rows.data.ptr and t.is_cuda
@@ -526,7 +529,7 @@ def test_zero_copy_one_partition_cupy_numba_torch(synthetic_ecg):
 
 @pytest.mark.skipif(MODE != "gpu", reason="needs CuPy on a CUDA GPU")
 def test_fast_launch_same_results_as_numba_launch(synthetic_ecg, monkeypatch):
-    """Launches through CuPy's driver call (kernels._FastLaunch, arguments packed in Numba's ABI)
+    """Launches through CuPy's driver call (runtime.FastLaunch, arguments packed in Numba's ABI)
     give exactly what Numba's own launches give, and are the ones taken after the first call."""
     import cupy
 
@@ -542,15 +545,15 @@ def test_fast_launch_same_results_as_numba_launch(synthetic_ecg, monkeypatch):
         rows, p2p = embed_gpu(x, start[k], B.row_lengths(length[k], s), s.width, baseline_samples=12)
         return host(peaks), host(rows), host(p2p)
 
-    monkeypatch.setattr(K, "_FAST_LAUNCH", False)
+    monkeypatch.setattr(RT, "FAST_LAUNCH", False)
     want = run()
-    monkeypatch.setattr(K, "_FAST_LAUNCH", True)
+    monkeypatch.setattr(RT, "FAST_LAUNCH", True)
     run()  # registers the compiled kernels
     fast = []
-    orig = K._FastLaunch.__call__
-    monkeypatch.setattr(K._FastLaunch, "__call__", lambda self, *a: (fast.append(self), orig(self, *a))[1])
+    orig = RT.FastLaunch.__call__
+    monkeypatch.setattr(RT.FastLaunch, "__call__", lambda self, *a: (fast.append(self), orig(self, *a))[1])
     got = run()
-    assert len(fast) >= 10, K._FastLaunch.errors  # the detection's kernels and the embedding's
+    assert len(fast) >= 10, RT.FastLaunch.errors  # the detection's kernels and the embedding's
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g, w)
 
@@ -558,7 +561,7 @@ def test_fast_launch_same_results_as_numba_launch(synthetic_ecg, monkeypatch):
 # --- the flutter rule (beatflow.detect.rhythm) as kernels: vf_energy, vf_near, vf_episodes ---------------
 def test_flutter_kernels_match_array_code():
     """The kernels' flutter windows and episodes, and the peaks they let through, equal the array
-    code's (rhythm.flutter_windows / flutter_rule, segment._detect_beats_xp) on streams with a
+    code's (rhythm.flutter_windows / flutter_rule / detect_beats_xp) on streams with a
     flutter episode, for even and odd windows, unaligned starts, a core, and runs of one window."""
     from test_rhythm import _flutter, _stream
 
@@ -577,9 +580,9 @@ def test_flutter_kernels_match_array_code():
         if seed == 2:  # noise, then a bare sinusoid: several short runs
             rng = np.random.default_rng(seed)
             x = np.concatenate([x[:900], rng.normal(size=400).astype(np.float32), _flutter(rng, 900, fs)])
-        ctx, _, _, xp, xd = K._vector_call(dev(x), "x")
+        ctx, _, xp, xd = RT.vector_call(dev(x), "x")
         info = xp.zeros(4, dtype=xp.int64)
-        episode, w0, spans = K._flutter_pass(ctx, xd, s, first, first, first + x.shape[0], info)
+        episode, w0, spans = VF.flutter_pass(ctx, xd, s, first, first, first + x.shape[0], info)
         want, ww0 = R.flutter_windows(x, first, s)
         assert w0 == ww0
         np.testing.assert_array_equal(host(episode).astype(bool), want)
@@ -587,7 +590,7 @@ def test_flutter_kernels_match_array_code():
         spans = host(spans)[: int(host(info)[2])]
         np.testing.assert_array_equal(spans[np.argsort(spans[:, 0])], R.flutter_rule(x, np.zeros(0, np.int64), first, s)[1])
         peaks, ep = K.detect_beats_gpu(dev(x), s, first=first, core=core)
-        wpeaks, wep = S._detect_beats_xp(x, s, first=first, core=core)
+        wpeaks, wep = R.detect_beats_xp(x, s, first=first, core=core)
         np.testing.assert_array_equal(host(peaks), wpeaks)
         np.testing.assert_array_equal(host(ep), wep)
         assert wep.shape[0] > 0
@@ -597,22 +600,22 @@ def test_flutter_kernels_match_array_code():
 def _flutter_energies(x, s, first, blocks=4):
     """The flutter windows' energies ``(e_sig, e_slope)`` from the ``vf_energy`` kernel on
     ``blocks`` blocks (its loop strides over the tiles of windows)."""
-    ctx, _, _, xp, xd = K._vector_call(dev(x), "x")
+    ctx, _, xp, xd = RT.vector_call(dev(x), "x")
     W = int(s.vf_window)
     nw = -(-(first - first // W * W + x.shape[0]) // W)
     e_sig, e_slope = xp.empty(nw), xp.empty(nw)
-    tpb = K.WARP if ctx.sim else K._VF_CHUNKS * K._VF_TILE
-    kern = K._vf_build(W, int(s.vf_highpass), int(s.kernel), tpb, K._taps(int(s.kernel), float(s.a), True))
+    tpb = RT.WARP if ctx.sim else VF._VF_CHUNKS * VF._VF_TILE
+    kern = VF.build_vf(W, int(s.vf_highpass), int(s.kernel), tpb, GK.kernel_taps(int(s.kernel), float(s.a), True))
     ctx.launch(kern["vf_energy"], blocks, tpb, 0, xd, first, first // W, e_sig, e_slope)
     return host(e_sig), host(e_slope)
 
 def test_flutter_energies_match_the_cpu_loops():
     """The flutter rule's per-window energies of the high-passed signal and of its slope from
-    ``vf_energy`` equal ``cpu_kernels.flutter_features_cpu``'s to round-off: windows of several
+    ``vf_energy`` equal ``cpu.flutter_features_cpu``'s to round-off: windows of several
     lengths, unaligned starts (the first window's samples before the stream repeat its first), a
-    stream shorter than a window, and a high-pass reach beyond the slopes'. (Session 17 summed them
-    in the dense kernel instead: the dense kernel took 186 µs longer on the H200, more than
-    ``vf_energy`` takes; dropped.)"""
+    stream shorter than a window, and a high-pass reach beyond the slopes'. (Summed in the dense
+    kernel instead, they made it 186 µs longer on the H200, more than ``vf_energy`` takes:
+    ``bench/results/detection.md``.)"""
     from beatflow.detect.cpu import flutter_features_cpu
     from beatflow.params import SegmentParams
 
@@ -641,7 +644,7 @@ def test_flutter_kernels_off_and_on_a_plain_ecg():
     x = synthesize_ecg(hours=12 / 3600, fs=100.0, seed=4).signal
     on = SegmentParams().samples(100.0)
     off = SegmentParams(vf_baseline_ratio=0.0).samples(100.0)
-    want = S._detect_peaks_xp(x, on)
+    want = S.detect_peaks_xp(x, on)
     for s in (on, off):
         peaks, ep = K.detect_beats_gpu(dev(x), s)
         np.testing.assert_array_equal(host(peaks), want)

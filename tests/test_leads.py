@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 import naive
+import beatflow.detect as D
+from beatflow.detect import detect_peaks
 from beatflow.detect import leads as LD
 from beatflow.device import cupy_available
 from beatflow.params import SegmentParams
-from beatflow.detect.peaks import detect_peaks
 
 
 def _two_leads(seed, fs, seconds):
@@ -65,10 +66,11 @@ def test_second_lead_matches_loop_reference(params):
     for seed in range(3):
         x0, x1 = _two_leads(seed, fs, 40.0)
         peaks = detect_peaks(x0, s)
-        keep, episodes = LD.second_lead_keep(x0, x1, peaks, fs, s, params)
+        keep, episodes = D.second_lead_keep(x0, x1, peaks, fs, s, params)
         want = naive.second_lead_keep(x0, x1, peaks, fs, s, params)
         np.testing.assert_array_equal(keep, want, err_msg=f"seed {seed}")
-        flutter_only = LD.second_lead_keep(x0, x1, peaks, fs, s, LD.SecondLeadParams(**{**params.to_dict(),
+        np.testing.assert_array_equal(LD.second_lead_keep_xp(x0, x1, peaks, fs, s, params)[0], want)  # array code
+        flutter_only = D.second_lead_keep(x0, x1, peaks, fs, s, LD.SecondLeadParams(**{**params.to_dict(),
                                                                                         "weak_ratio": 0.0}))[0]
         np.testing.assert_array_equal(flutter_only, naive.second_lead_keep(
             x0, x1, peaks, fs, s, LD.SecondLeadParams(**{**params.to_dict(), "weak_ratio": 0.0})))
@@ -95,11 +97,12 @@ def test_misplaced_peaks_match_loop_reference(params):
     for seed in range(3):
         for x0, x1, clean in (_misplaced_leads(seed, fs, 60.0), (*_two_leads(seed, fs, 40.0), None)):
             peaks = detect_peaks(x0, s)
-            got, _, _, moved = LD.second_lead_peaks(x0, x1, peaks, fs, s, params)
-            np.testing.assert_array_equal(got, naive.second_lead_peaks(x0, x1, peaks, fs, s, params),
-                                          err_msg=f"seed {seed}")
+            got, _, _, moved = D.second_lead_peaks(x0, x1, peaks, fs, s, params)
+            want = naive.second_lead_peaks(x0, x1, peaks, fs, s, params)
+            np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}")
+            np.testing.assert_array_equal(LD.second_lead_peaks_xp(x0, x1, peaks, fs, s, params)[0], want)
             assert (np.diff(got) > 0).all()
-            keep, _ = LD.second_lead_keep(x0, x1, peaks, fs, s, params)
+            keep, _ = D.second_lead_keep(x0, x1, peaks, fs, s, params)
             assert got.shape[0] == int(keep.sum()) and moved == int((got != peaks[keep]).sum())
             moved_total += moved
             if clean is not None and params == LD.SecondLeadParams():
@@ -135,7 +138,7 @@ def test_lead_windows_array_code_matches_fused_loops(first):
     rng = np.random.default_rng(first)
     both = []
     for x in (x0, x1):
-        fused, array = LD.lead_windows(x, first, s), LD._lead_windows_xp(x, first, s)
+        fused, array = D.lead_windows(x, first, s), LD.lead_windows_xp(x, first, s)
         assert fused[3] == array[3]
         np.testing.assert_allclose(array[0], fused[0], rtol=1e-9)
         np.testing.assert_allclose(array[1], fused[1], rtol=1e-9)
@@ -155,14 +158,14 @@ def test_rules_off_keep_every_peak_and_bad_input():
     x0, x1 = _two_leads(1, fs, 30.0)
     peaks = detect_peaks(x0, s)
     off = LD.SecondLeadParams(flutter_baseline_ratio=0.0, weak_ratio=0.0)
-    keep, episodes = LD.second_lead_keep(x0, x1, peaks, fs, s, off)
+    keep, episodes = D.second_lead_keep(x0, x1, peaks, fs, s, off)
     assert keep.all() and keep.shape == peaks.shape and episodes.shape == (0, 2)
     # the first lead's own rule off too: no flutter episodes from either lead
     s_off = SegmentParams(vf_baseline_ratio=0.0).samples(fs)
-    keep, episodes = LD.second_lead_keep(x0, x1, peaks, fs, s_off, LD.SecondLeadParams(weak_ratio=0.0))
+    keep, episodes = D.second_lead_keep(x0, x1, peaks, fs, s_off, LD.SecondLeadParams(weak_ratio=0.0))
     assert keep.all() and episodes.shape == (0, 2)
     with pytest.raises(ValueError, match="differ in length"):
-        LD.second_lead_keep(x0, x1[:-1], peaks, fs, s)
+        D.second_lead_keep(x0, x1[:-1], peaks, fs, s)
 
 
 def test_mitbih_207_second_lead_finds_more_of_the_flutter(mitdb):
@@ -173,7 +176,7 @@ def test_mitbih_207_second_lead_finds_more_of_the_flutter(mitdb):
     r0, r1 = load_record(str(mitdb / "207"), lead=0), load_record(str(mitdb / "207"), lead=1)
     s = SegmentParams().samples(r0.fs)
     peaks = detect_peaks(r0.signal, s)
-    keep, episodes = LD.second_lead_keep(r0.signal, r1.signal, peaks, r0.fs, s)
+    keep, episodes = D.second_lead_keep(r0.signal, r1.signal, peaks, r0.fs, s)
     before, after = detection_of(peaks, r0), detection_of(peaks[keep], r0)
     vf_before = before.fp - detection_of(peaks, r0, exclude_vf=True).fp
     vf_after = after.fp - detection_of(peaks[keep], r0, exclude_vf=True).fp
@@ -192,14 +195,14 @@ def test_second_lead_on_cupy_equals_numpy():
         x0, x1 = _two_leads(seed, fs, 40.0)
         peaks = detect_peaks(x0, s)
         for p in (LD.SecondLeadParams(), LD.SecondLeadParams(weak_ratio=1.2, quiet_ratio=1.5, quality_ratio=0.0)):
-            keep, ep = LD.second_lead_keep(x0, x1, peaks, fs, s, p)
-            gkeep, gep = LD.second_lead_keep(cupy.asarray(x0), cupy.asarray(x1), cupy.asarray(peaks), fs, s, p)
+            keep, ep = D.second_lead_keep(x0, x1, peaks, fs, s, p)
+            gkeep, gep = D.second_lead_keep(cupy.asarray(x0), cupy.asarray(x1), cupy.asarray(peaks), fs, s, p)
             np.testing.assert_array_equal(cupy.asnumpy(gkeep), keep)
             np.testing.assert_array_equal(cupy.asnumpy(gep), ep)
         x0, x1, _ = _misplaced_leads(seed, fs, 60.0)
         peaks = detect_peaks(x0, s)
-        want, _, _, moved = LD.second_lead_peaks(x0, x1, peaks, fs, s)
-        got, _, _, gmoved = LD.second_lead_peaks(cupy.asarray(x0), cupy.asarray(x1), cupy.asarray(peaks), fs, s)
+        want, _, _, moved = D.second_lead_peaks(x0, x1, peaks, fs, s)
+        got, _, _, gmoved = D.second_lead_peaks(cupy.asarray(x0), cupy.asarray(x1), cupy.asarray(peaks), fs, s)
         np.testing.assert_array_equal(cupy.asnumpy(got), want)
         assert gmoved == moved > 0
 
@@ -236,7 +239,7 @@ def test_second_lead_partition_invariance():
             quiet_ratio=1.0, quality_ratio=1.0, neighbours=3)):
         for x0, x1 in (_two_leads(2, fs, 120.0), _misplaced_leads(4, fs, 120.0, n_spikes=16)[:2]):
             peaks = detect_peaks(x0, s)
-            want, episodes, dropped, moved = LD.second_lead_peaks(x0, x1, peaks, fs, s, params)
+            want, episodes, dropped, moved = D.second_lead_peaks(x0, x1, peaks, fs, s, params)
             for n_parts in (1, 3, 8):
                 got, got_ep, counts = _partitioned(x0, x1, n_parts, s, params.samples(fs))
                 np.testing.assert_array_equal(got, want, err_msg=f"{n_parts} partitions")
@@ -251,7 +254,7 @@ def test_second_lead_partition_invariance_mitbih_207(mitdb):
     rec = load_record(str(mitdb / "207"), 0, max_seconds=900.0, second=1)
     s = SegmentParams().samples(rec.fs)
     peaks = detect_peaks(rec.signal, s)
-    want, episodes, _, _ = LD.second_lead_peaks(rec.signal, rec.second, peaks, rec.fs, s)
+    want, episodes, _, _ = D.second_lead_peaks(rec.signal, rec.second, peaks, rec.fs, s)
     assert want.shape[0] < peaks.shape[0] - 10  # (the rules act on this stretch)
     for n_parts in (4, 11):
         got, got_ep, _ = _partitioned(rec.signal, rec.second, n_parts, s, LD.SecondLeadParams().samples(rec.fs))
@@ -269,8 +272,8 @@ def test_mitbih_misplaced_peaks_move_onto_reference_beats(mitdb):
         rec = load_record(str(mitdb / name), 0, second=1)
         s = SegmentParams().samples(rec.fs)
         peaks = detect_peaks(rec.signal, s)
-        keep, _ = LD.second_lead_keep(rec.signal, rec.second, peaks, rec.fs, s)
-        got, _, _, moved = LD.second_lead_peaks(rec.signal, rec.second, peaks, rec.fs, s)
+        keep, _ = D.second_lead_keep(rec.signal, rec.second, peaks, rec.fs, s)
+        got, _, _, moved = D.second_lead_peaks(rec.signal, rec.second, peaks, rec.fs, s)
         before, after = detection_of(peaks[keep], rec), detection_of(got, rec)
         assert moved >= 3 and after.tp == before.tp + moved and after.fp == before.fp - moved, (name, moved)
         ref = rec.beats[0]

@@ -1,18 +1,18 @@
-"""Tests of beatflow.model.vae: the LightVAE, its loss, training, scoring and persistence."""
+"""Tests of beatflow.model: the LightVAE and its loss (vae), training (train), its CUDA-graph runtime
+(graphs), scoring and persistence."""
 import numpy as np
 import pytest
 import torch
 
+from beatflow.model.train import TrainResult, train_vae
 from beatflow.model.vae import (
     Downsample,
     LightVAE,
     Scorer,
     Swish,
-    TrainResult,
     load_model,
     save_model,
     score_beats,
-    train_vae,
     vae_loss,
 )
 
@@ -200,7 +200,7 @@ def test_cuda_graph_training_is_refused_where_it_cannot_run():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_graph_training_matches_launched_steps(compile):
-    from beatflow.model.vae import training_graphs
+    from beatflow.model.train import training_graphs
 
     if not training_graphs(None, "cuda"):
         pytest.skip("PyTorch allocates from another allocator here: no capture")
@@ -217,7 +217,7 @@ def test_cuda_graph_training_matches_launched_steps(compile):
 def test_set_start_restores_weights_and_zeroes_adam_in_place():
     """What the captured and kept training graphs start from: the weights given, Adam's state zero, in
     the same tensors (the graphs hold their addresses)."""
-    from beatflow.model import vae as M
+    from beatflow.model import graphs as G
     torch.manual_seed(0)
     m = LightVAE(16)
     start = {k: v.clone() for k, v in m.state_dict().items()}
@@ -229,7 +229,7 @@ def test_set_start_restores_weights_and_zeroes_adam_in_place():
     tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
     ptrs = [v.data_ptr() for v in tensors] + [p.data_ptr() for p in m.parameters()]
     assert any(not torch.equal(v, start[k]) for k, v in m.state_dict().items())
-    M._set_start(m, opt, start)
+    G.set_start(m, opt, start)
     for k, v in m.state_dict().items():
         assert torch.equal(v, start[k])
     assert all(not v.any() for v in tensors)
@@ -238,11 +238,11 @@ def test_set_start_restores_weights_and_zeroes_adam_in_place():
 
 def test_keep_graphs_without_graphs_changes_nothing():
     """On the CPU (no CUDA graphs) ``keep_graphs`` keeps nothing, and training is the same."""
-    from beatflow.model import vae as M
+    from beatflow.model import graphs as G
     beats = synthetic_beats(400, width=64)
     a = train_vae(beats, epochs=2, batch_size=64, seed=3, keep_graphs=True)
     b = train_vae(beats, epochs=2, batch_size=64, seed=3)
-    assert not a.graphs_kept and not a.cudagraphs and not M._KEPT
+    assert not a.graphs_kept and not a.cudagraphs and not G._KEPT
     assert a.train_loss == b.train_loss
     for k, v in a.model.state_dict().items():
         torch.testing.assert_close(v, b.model.state_dict()[k], rtol=0, atol=0)
@@ -254,17 +254,18 @@ def test_kept_training_graphs_train_to_the_weights_of_a_fresh_capture(compile, k
     """``keep_graphs``: the second call replays the first one's captured steps, reset to its own seed's
     weights and generator offset, and ends where a fresh capture of that seed ends: the same losses and
     weights, for the same seed and for another; other shapes capture anew (and drop the kept set)."""
-    from beatflow.model import vae as M
-    if not M.training_graphs(None, "cuda"):
+    from beatflow.model import graphs as G
+    from beatflow.model import train as T
+    if not T.training_graphs(None, "cuda"):
         pytest.skip("PyTorch allocates from another allocator here: no capture")
     beats = torch.as_tensor(synthetic_beats(3000, width=64)).cuda()
     kw = dict(epochs=3, batch_size=512, device="cuda", compile=compile, cudagraphs=True, kernel=kernel)
-    M._KEPT.clear()
+    G._KEPT.clear()
     fresh = {seed: train_vae(beats, seed=seed, **kw) for seed in (1, 2)}
-    assert fresh[1].cudagraphs and not fresh[1].graphs_kept and not M._KEPT  # (without keep_graphs: nothing kept)
+    assert fresh[1].cudagraphs and not fresh[1].graphs_kept and not G._KEPT  # (without keep_graphs: nothing kept)
     assert fresh[1].kernel == kernel
     first = train_vae(beats, seed=1, keep_graphs=True, **kw)
-    assert not first.graphs_kept and len(M._KEPT) == 1
+    assert not first.graphs_kept and len(G._KEPT) == 1
     assert first.train_loss == fresh[1].train_loss  # (two fresh captures of one seed agree: the baseline)
     # memory freed after the first call goes to new tensors, filled with NaN: the kept graphs must not read
     # or write any (the step kernel's noise and per-row gradient buffers once did, after the call returned)
@@ -273,7 +274,7 @@ def test_kept_training_graphs_train_to_the_weights_of_a_fresh_capture(compile, k
     from beatflow.model.step_kernel import param_layout
 
     gc.collect()
-    n_train = int(len(beats) * M.TRAIN_FRACTION)
+    n_train = int(len(beats) * T.TRAIN_FRACTION)
     junk = [torch.full((rows, cols), float("nan"), device="cuda")
             for rows in (512, n_train % 512) for cols in (2, param_layout(64)["size"] + 1) for _ in range(4)]
     for seed in (1, 2, 1):
@@ -285,20 +286,21 @@ def test_kept_training_graphs_train_to_the_weights_of_a_fresh_capture(compile, k
         assert again.model.fc.weight.device.type == "cpu"
     assert all(torch.isnan(j).all() for j in junk)
     other = train_vae(beats[:2000], seed=1, keep_graphs=True, **kw)  # other shapes: a new capture, kept instead
-    assert not other.graphs_kept and len(M._KEPT) == 1
+    assert not other.graphs_kept and len(G._KEPT) == 1
     assert train_vae(beats[:2000], seed=1, keep_graphs=True, **kw).graphs_kept
-    M._KEPT.clear()
+    G._KEPT.clear()
 
 
 def test_graph_allocator_rule(monkeypatch):
     import sys
 
-    from beatflow.model import vae as M
+    from beatflow.model import graphs as G
+    from beatflow.model import train as T
     monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
-    assert M.graph_allocator()
+    assert G.graph_allocator()
     monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "pluggable")
     monkeypatch.setitem(sys.modules, "rmm", None)  # no RMM: a pluggable allocator cannot capture
-    assert not M.rmm_async_resource() and not M.graph_allocator()
+    assert not G.rmm_async_resource() and not G.graph_allocator()
 
     class Async:
         upstream_mr = None
@@ -322,9 +324,9 @@ def test_graph_allocator_rule(monkeypatch):
     for current, is_async, graphs in ((arena.mr, True, True), (Stats(), True, False), (Pool(), False, False)):
         fake.mr.get_current_device_resource = lambda c=current: c
         monkeypatch.setitem(sys.modules, "rmm", fake)
-        assert M.rmm_async_resource() is is_async and M.graph_allocator() is graphs
-        assert M.training_compiled(True, True) is graphs  # compiled steps captured only through the arena
-        assert M.training_compiled(True, False) and not M.training_compiled(False, True)
+        assert G.rmm_async_resource() is is_async and G.graph_allocator() is graphs
+        assert T.training_compiled(True, True) is graphs  # compiled steps captured only through the arena
+        assert T.training_compiled(True, False) and not T.training_compiled(False, True)
 
 
 class _FakeEvent:
@@ -359,14 +361,14 @@ class _FakeEpochGraph:
 
 
 def test_queued_epochs_host_side_matches_epoch_by_epoch_and_restores_the_process(monkeypatch):
-    """``_queued_epochs`` on the host (the GPU's events and pinned memory stood in for): the same orders and
+    """``queued_epochs`` on the host (the GPU's events and pinned memory stood in for): the same orders and
     losses as epoch by epoch from the same generator, each epoch reported once in order, and the process's
     switch interval, garbage collector and PyTorch threads as they were, also when an epoch fails."""
     import gc
     import sys
     import time
 
-    from beatflow.model import vae as M
+    from beatflow.model import graphs as G
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     data = torch.randn(300, 8, dtype=torch.float64)
@@ -382,21 +384,21 @@ def test_queued_epochs_host_side_matches_epoch_by_epoch_and_restores_the_process
         then_saw.append((len(graph.orders), len(seen)))
         return torch.ones(())
 
-    got, after = M._queued_epochs(graph, data, train_idx, n, 4, torch.Generator().manual_seed(5),
-                                  lambda e, loss, t: seen.append((e, loss)), time.perf_counter(), then=then)
+    got, after = G.queued_epochs(graph, data, train_idx, n, 4, torch.Generator().manual_seed(5),
+                                 lambda e, loss, t: seen.append((e, loss)), time.perf_counter(), then=then)
     assert got == want and then_saw == [(4, 0)] and float(after) == 1.0
     assert all(torch.equal(a, b) for a, b in zip(graph.orders, want_orders))
     assert seen == list(enumerate(want, start=1))
     assert len(graph.epoch_gpu_ms) == 4
     assert {"orders", "queue", "then", "read", "gc", "other_threads"} <= set(graph.queue_s)
     assert (sys.getswitchinterval(), gc.isenabled(), torch.get_num_threads(), list(gc.callbacks)) == before
-    assert M._queued_epochs(graph, data, train_idx, n, 0, gen, None, 0.0) == ([], None)
-    assert M._queued_epochs(graph, data, train_idx, n, 1, torch.Generator().manual_seed(5), None, 0.0)[0] == want[:1]
+    assert G.queued_epochs(graph, data, train_idx, n, 0, gen, None, 0.0) == ([], None)
+    assert G.queued_epochs(graph, data, train_idx, n, 1, torch.Generator().manual_seed(5), None, 0.0)[0] == want[:1]
 
     class Failing(_FakeEpochGraph):
         def run(self, data, order):
             raise RuntimeError("replay failed")
 
     with pytest.raises(RuntimeError, match="replay failed"):
-        M._queued_epochs(Failing(), data, train_idx, n, 3, gen, None, time.perf_counter())
+        G.queued_epochs(Failing(), data, train_idx, n, 3, gen, None, time.perf_counter())
     assert (sys.getswitchinterval(), gc.isenabled(), torch.get_num_threads(), list(gc.callbacks)) == before

@@ -1,4 +1,5 @@
-"""Tests for beatflow.report.figures: per-pixel min/max aggregation and the HTML report."""
+"""Tests for beatflow.report: the stream's per-pixel min/max envelope (envelope), the figures (figures, png),
+their processes (pool) and the HTML page (html)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from beatflow.report.figures import ReportData, column_bounds, column_minmax, combine_minmax, write_report
+from beatflow.report.envelope import column_bounds, column_minmax, combine_minmax
+from beatflow.report.figures import ReportData
+from beatflow.report.html import write_report
 
 
 # ---------------------------------------------------------------------------
@@ -340,7 +343,8 @@ def test_top_figures_parts_are_the_whole_figures_sides(n):
 
     import matplotlib
 
-    from beatflow.report.figures import _RC, FIGURES, _fig_top, render_report_html
+    from beatflow.report.figures import _RC, FIGURES, _fig_top
+    from beatflow.report.html import render_report_html
 
     def pixels(png):
         return np.asarray(Image.open(io.BytesIO(base64.b64decode(png))))
@@ -382,7 +386,8 @@ def test_write_report_fast_realistic(tmp_path):
 def test_figures_drawn_ahead_are_used_and_match():
     from types import SimpleNamespace
 
-    from beatflow.report.figures import EARLY_FIGURES, render_figures, render_report_html
+    from beatflow.report.figures import EARLY_FIGURES, render_figures
+    from beatflow.report.html import render_report_html
 
     d = _fake_data()
     # the early figures read only what the flow has once the model is trained
@@ -618,13 +623,14 @@ def test_figure_pool_is_kept_from_run_to_run_and_replaced_when_broken():
 
 
 def test_png_is_the_figure_savefig_draws_without_its_alpha():
-    """A figure's PNG (``_png``: RGB, zlib level 1) has the pixels of Matplotlib's own ``savefig`` of it
-    (RGBA; the figures are opaque), at the figure's size."""
+    """A figure's PNG (``figure_png``: RGB, zlib level 1) has the pixels of Matplotlib's own ``savefig`` of it
+    (RGBA; the figures are opaque), at the figure's size; ``png_width`` reads its width."""
     import io
 
     from PIL import Image
 
-    from beatflow.report.figures import _DPI, _new_fig, _png
+    from beatflow.report.figures import _DPI, _new_fig
+    from beatflow.report.png import figure_png, png_width
 
     fig = _new_fig(4.0, 2.5)
     ax = fig.add_subplot(1, 1, 1)
@@ -632,43 +638,29 @@ def test_png_is_the_figure_savefig_draws_without_its_alpha():
     ax.plot(rng.normal(size=300), lw=0.8)
     ax.scatter(rng.normal(size=50), rng.normal(size=50), c=rng.random(50), alpha=0.5)
     ax.set_title("a title")
-    mine = Image.open(io.BytesIO(base64.b64decode(_png(fig))))
+    png = figure_png(fig)
+    mine = Image.open(io.BytesIO(base64.b64decode(png)))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=_DPI)
     ref = np.asarray(Image.open(io.BytesIO(buf.getvalue())))
-    assert mine.mode == "RGB" and mine.size == (int(4.0 * _DPI), int(2.5 * _DPI))
+    assert mine.mode == "RGB" and mine.size == (int(4.0 * _DPI), int(2.5 * _DPI)) and png_width(png) == 400
     assert (ref[..., 3] == 255).all()  # (opaque: the alpha channel carries nothing)
     np.testing.assert_array_equal(np.asarray(mine), ref[..., :3])
 
 
-@pytest.mark.parametrize("up", [True, False])
 @pytest.mark.parametrize("h,w,seed", [(1, 1, 0), (2, 3, 1), (37, 53, 2), (300, 17, 3)])
-def test_png_bytes_decode_to_the_images_rgb(h, w, seed, up):
-    """``_png_bytes`` of random RGBA pixels (every byte value, so the "Up" filter's differences wrap), by "Up"
-    or unfiltered, decodes, by Pillow, to their RGB at their size."""
+def test_png_bytes_decode_to_the_images_rgb(h, w, seed):
+    """``png_bytes`` of random RGBA pixels (every byte value) decodes to their RGB at their size."""
     import io
 
     from PIL import Image
 
-    from beatflow.report.figures import _png_bytes
-
-    import struct
-    import zlib
+    from beatflow.report.png import png_bytes
 
     rgba = np.random.default_rng(seed).integers(0, 256, size=(h, w, 4), dtype=np.uint8)
-    png = _png_bytes(rgba, up)
-    at, kinds = 8, []
-    while at < len(png):  # every chunk's length and CRC
-        (n,) = struct.unpack(">I", png[at:at + 4])
-        kind, data = png[at + 4:at + 8], png[at + 8:at + 8 + n]
-        (crc,) = struct.unpack(">I", png[at + 8 + n:at + 12 + n])
-        assert zlib.crc32(kind + data) == crc
-        kinds.append(kind)
-        at += 12 + n
-    assert kinds == [b"IHDR", b"IDAT", b"IEND"] and at == len(png)
-    img = Image.open(io.BytesIO(png))
+    img = Image.open(io.BytesIO(png_bytes(rgba)))
     img.load()
-    assert img.mode == "RGB" and img.size == (w, h)
+    assert img.format == "PNG" and img.mode == "RGB" and img.size == (w, h)
     np.testing.assert_array_equal(np.asarray(img), rgba[..., :3])
 
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import naive
+import beatflow.detect as D
 from beatflow.detect import rhythm as R
 from beatflow.detect import peaks as S
 from beatflow.device import cupy_available
@@ -42,8 +43,12 @@ def test_rhythm_matches_loop_reference():
             x = np.concatenate([rng.normal(size=3000).astype(np.float32), _flutter(rng, 4000, fs)])
         peaks = np.sort(rng.choice(x.shape[0], 200, replace=False)).astype(np.int64)
         for first in (0, 1137):
-            got = R.flutter_keep_mask(x, peaks + first, first, s)
-            np.testing.assert_array_equal(got, naive.flutter_keep_mask(x, peaks + first, first, s))
+            want = naive.flutter_keep_mask(x, peaks + first, first, s)
+            got = R.flutter_keep_mask(x, peaks + first, first, s)  # the array code
+            np.testing.assert_array_equal(got, want)
+            # and with the CPU's fused loops, as beatflow.detect passes them
+            np.testing.assert_array_equal(R.flutter_keep_mask(x, peaks + first, first, s,
+                                                              window_features=D.window_features), want)
             fired += int((~got).sum())
         sh = SegmentParams(vf_context=1, vf_min_windows=3, vf_window_s=0.7).samples(fs)
         np.testing.assert_array_equal(R.flutter_keep_mask(x, peaks, 0, sh), naive.flutter_keep_mask(x, peaks, 0, sh))
@@ -51,10 +56,10 @@ def test_rhythm_matches_loop_reference():
 
 
 def test_cpu_loops_match_array_code():
-    """The fused CPU loops (cpu_kernels.flutter_features_cpu) give the array code's window
+    """The fused CPU loops (cpu.flutter_features_cpu) give the array code's window
     quantities: energies to round-off, the same smooth windows and near-median fractions, for even
     and odd windows, unaligned starts and streams shorter than a window."""
-    from beatflow.detect.cpu import flutter_features_cpu
+    from beatflow.detect.cpu import flutter_features_cpu, window_features_cpu
 
     fs = 250.0
     for seed, params in ((0, {}), (1, {"vf_window_s": 0.71, "vf_context": 1}), (2, {"vf_highpass_s": 0.02})):
@@ -62,7 +67,7 @@ def test_cpu_loops_match_array_code():
         rng = np.random.default_rng(seed)
         x, a, b = _stream(seed, fs, seconds=24.0)
         for first, xs in ((0, x), (1137, x), (3, x[:100]), (0, rng.normal(size=4000).astype(np.float32))):
-            got_s, got_b, w0 = R._window_features_cpu(xs, first, s)
+            got_s, got_b, w0 = window_features_cpu(xs, first, s)
             want_s, want_b, ww0 = R.window_features_xp(xs, first, s)
             assert w0 == ww0
             np.testing.assert_array_equal(got_s, want_s)
@@ -76,7 +81,7 @@ def test_cpu_loops_match_array_code():
             W, lead = s.vf_window, first - w0 * s.vf_window
             tail = e_sig.shape[0] * W - lead - xs.shape[0]
             h = np.pad(xd - uniform_filter1d(xd, s.vf_highpass, mode="nearest"), (lead, tail), mode="edge")
-            d = np.pad(S._slope(xd, s.kernel, s.a), (lead, tail), mode="edge")
+            d = np.pad(S.despiked_slope(xd, s.kernel, s.a), (lead, tail), mode="edge")
             np.testing.assert_allclose(e_sig, (h.reshape(-1, W) ** 2).sum(axis=1), rtol=1e-9)
             np.testing.assert_allclose(e_slope, (d.reshape(-1, W) ** 2).sum(axis=1), rtol=1e-9)
 
@@ -87,12 +92,12 @@ def test_rhythm_fires_on_flutter_only_and_can_be_switched_off():
     off = SegmentParams(vf_baseline_ratio=0.0).samples(fs)
     for seed in range(3):
         x, a, b = _stream(seed, fs)
-        on_peaks, off_peaks = S.detect_peaks(x, s), S.detect_peaks(x, off)
+        on_peaks, off_peaks = D.detect_peaks(x, s), D.detect_peaks(x, off)
         gone = np.setdiff1d(off_peaks, on_peaks)
         assert gone.size > 0.5 * ((off_peaks >= a) & (off_peaks < b)).sum()
         assert ((gone >= a - 2 * fs) & (gone < b + 2 * fs)).all()  # nothing outside the episode
     clean = np.concatenate([_stream(5, fs)[0][: int(0.2 * 60 * fs)]] * 3)  # no flutter: nothing dropped
-    np.testing.assert_array_equal(S.detect_peaks(clean, s), S.detect_peaks(clean, off))
+    np.testing.assert_array_equal(D.detect_peaks(clean, s), D.detect_peaks(clean, off))
 
 
 def test_episodes_are_the_ranges_of_the_dropped_peaks():
@@ -101,7 +106,7 @@ def test_episodes_are_the_ranges_of_the_dropped_peaks():
     s = SegmentParams().samples(fs)
     for seed in range(3):
         x, a, b = _stream(seed, fs, seconds=90.0)
-        peaks = S.detect_peaks(x, SegmentParams(vf_baseline_ratio=0.0).samples(fs))
+        peaks = D.detect_peaks(x, SegmentParams(vf_baseline_ratio=0.0).samples(fs))
         for first in (0, 777):
             keep, ep = R.flutter_rule(x, peaks + first, first, s)
             assert ep.shape[1] == 2 and len(ep) >= 1 and (ep[:, 0] < ep[:, 1]).all()
@@ -121,8 +126,8 @@ def test_rhythm_partition_invariance():
     fs = 250.0
     s = SegmentParams().samples(fs)
     x, a, b = _stream(7, fs, seconds=90.0)
-    whole, whole_episodes = S.detect_beats(x, s)
-    assert whole.size < S.detect_peaks(x, SegmentParams(vf_baseline_ratio=0.0).samples(fs)).size
+    whole, whole_episodes = D.detect_beats(x, s)
+    assert whole.size < D.detect_peaks(x, SegmentParams(vf_baseline_ratio=0.0).samples(fs)).size
     assert len(whole_episodes) >= 1
     for n_parts in (2, 5, 13):
         spans = _split_even(len(x), n_parts)
@@ -143,8 +148,8 @@ def _beats_kept(rec, lo, hi, s):
     ref, _ = rec.beats
     ref = ref[(ref >= lo) & (ref < hi)]
     tol = int(round(0.15 * rec.fs))
-    on = match_beats(S.detect_peaks(rec.signal, s), ref, tol)[0].tp
-    off = match_beats(S.detect_peaks(rec.signal, SegmentParams(vf_baseline_ratio=0.0).samples(rec.fs)), ref, tol)[0].tp
+    on = match_beats(D.detect_peaks(rec.signal, s), ref, tol)[0].tp
+    off = match_beats(D.detect_peaks(rec.signal, SegmentParams(vf_baseline_ratio=0.0).samples(rec.fs)), ref, tol)[0].tp
     return ref.size, on, off
 
 
@@ -153,7 +158,7 @@ def test_mitdb_207_flutter_dropped_and_vt_runs_kept(mitdb):
 
     rec = load_record(str(mitdb / "207"), max_seconds=70.0)
     s = SegmentParams().samples(rec.fs)
-    on, off = S.detect_peaks(rec.signal, s), S.detect_peaks(rec.signal, SegmentParams(vf_baseline_ratio=0.0)
+    on, off = D.detect_peaks(rec.signal, s), D.detect_peaks(rec.signal, SegmentParams(vf_baseline_ratio=0.0)
                                                             .samples(rec.fs))
     a, b = 14665, 18350  # the first (VFL episode
     inside = lambda p: ((p >= a) & (p <= b)).sum()  # noqa: E731
@@ -174,8 +179,8 @@ def test_mitdb_vt_runs_keep_their_beats(mitdb, name, seconds, runs):
     for lo, hi in runs:
         n, kept_on, kept_off = _beats_kept(rec, lo, hi, s)
         assert n > 0 and kept_on == kept_off
-    off = S.detect_peaks(rec.signal, SegmentParams(vf_baseline_ratio=0.0).samples(rec.fs))
-    np.testing.assert_array_equal(S.detect_peaks(rec.signal, s), off)  # nothing dropped in these records
+    off = D.detect_peaks(rec.signal, SegmentParams(vf_baseline_ratio=0.0).samples(rec.fs))
+    np.testing.assert_array_equal(D.detect_peaks(rec.signal, s), off)  # nothing dropped in these records
 
 
 @pytest.mark.skipif(not cupy_available(), reason="needs CuPy on a CUDA GPU")
@@ -193,8 +198,8 @@ def test_rhythm_on_cupy_same_as_numpy():
             want = R.flutter_keep_mask(x, peaks + first, first, s)
             got = R.flutter_keep_mask(cupy.asarray(x), cupy.asarray(peaks + first), first, s)
             np.testing.assert_array_equal(cupy.asnumpy(got), want)
-        want, want_ep = S.detect_beats(x, s)
-        assert want.size < S.detect_peaks(x, SegmentParams(vf_baseline_ratio=0.0).samples(fs)).size  # it fired
-        got, got_ep = S.detect_beats(cupy.asarray(x), s)
+        want, want_ep = D.detect_beats(x, s)
+        assert want.size < D.detect_peaks(x, SegmentParams(vf_baseline_ratio=0.0).samples(fs)).size  # it fired
+        got, got_ep = D.detect_beats(cupy.asarray(x), s)
         np.testing.assert_array_equal(cupy.asnumpy(got), want)
         np.testing.assert_array_equal(cupy.asnumpy(got_ep), want_ep)

@@ -24,11 +24,13 @@ def _write_csv(path, seed, hours=0.02):
 @pytest.fixture(scope="module")
 def trained_store(tmp_path_factory):
     """A store whose latest model was trained (briefly) on synthetic beats at 250 Hz."""
-    from beatflow.embed.beats import beats_from_peaks, dominant_beat, embed, prune_mask, residual_rows
-    from beatflow.model.vae import save_model, score_beats, train_vae
+    from beatflow.embed import embed
+    from beatflow.embed.beats import beats_from_peaks, prune_mask
+    from beatflow.model.train import train_vae
+    from beatflow.model.vae import save_model, score_beats
     from beatflow.params import SegmentParams
-    from beatflow.score.rule import robust_threshold
-    from beatflow.detect.peaks import detect_peaks
+    from beatflow.score.rule import model_input, robust_threshold
+    from beatflow.detect import detect_peaks
     from beatflow.io.synth import synthesize_ecg
 
     root = tmp_path_factory.mktemp("store")
@@ -38,7 +40,7 @@ def trained_store(tmp_path_factory):
     kept = prune_mask(length, s.lower, s.upper)
     rows, p2p = embed(ecg.signal, start[kept], length[kept], s.width, baseline_samples=s.pre // 2)
     scale = float(np.median(p2p))
-    x = residual_rows(rows / scale, dominant_beat(rows / scale))  # what the pipeline trains on
+    x = model_input(rows, scale)  # what the pipeline trains on
     res = train_vae(x, epochs=2, batch_size=256)
     score, _ = score_beats(res.model, x)
     save_model(res.model, root / "model.pt")
@@ -86,9 +88,9 @@ def test_score_new_recordings_with_a_second_lead(prefect_server, trained_store, 
     import sys
     from pathlib import Path
 
-    from beatflow.detect.leads import second_lead_peaks
+    from beatflow.detect import second_lead_peaks
     from beatflow.params import SegmentParams
-    from beatflow.detect.peaks import detect_peaks
+    from beatflow.detect import detect_peaks
     from beatflow.pipeline.inbox_flow import score_new_recordings
 
     sys.path.insert(0, str(Path(__file__).parent))

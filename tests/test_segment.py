@@ -2,7 +2,9 @@ import numpy as np
 import pytest
 
 import naive
+import beatflow.detect as D
 from beatflow.detect import peaks as S
+from beatflow.detect import rhythm as R
 from beatflow.params import SegmentParams
 from beatflow.embed.partitions import assemble_halos, edges, plan_beats, segment_partition
 from beatflow.io.sources import PartitionSpec, _split_even
@@ -60,12 +62,12 @@ def test_envelopes_match_loops(n):
     y = S.wavelet_response(x, s)
     want = naive.energy_envelope(y, s.box)
     np.testing.assert_allclose(S.energy_envelope(y, s), want, atol=1e-9)
-    np.testing.assert_allclose(S.qrs_envelope(x, s), want, atol=1e-9)  # the fused CPU kernel
+    np.testing.assert_allclose(D.qrs_envelope(x, s), want, atol=1e-9)  # the fused CPU kernel
+    np.testing.assert_allclose(S.qrs_envelope_xp(x, s), want, atol=1e-9)  # the array code
     slopes = naive.slope_envelope(x, s)
     at = np.arange(n, dtype=np.int64)
-    np.testing.assert_allclose(S.steepest_at(x, at, s), slopes, atol=1e-9)  # the CPU kernel
-    k = S.gaussian_derivative(s.fine_kernel, s.fine_a)
-    np.testing.assert_allclose(S._steepest_xp(x, at, k, s), slopes, atol=1e-9)  # the array code (GPU path)
+    np.testing.assert_allclose(D.steepest_at(x, at, s), slopes, atol=1e-9)  # the CPU kernel
+    np.testing.assert_allclose(S.steepest_at_xp(x, at, s), slopes, atol=1e-9)  # the array code (GPU path)
 
 
 @pytest.mark.parametrize("fs", [250.0, 360.0])
@@ -79,13 +81,12 @@ def test_fused_envelope_matches_array_code_across_chunks(fs, dtype):
     n = 3 * _CHUNK + 123
     x = (np.cumsum(rng.normal(size=n)) * 0.01 + rng.normal(size=n)).astype(dtype)
     want = S.energy_envelope(S.wavelet_response(x, s), s)
-    got = S.qrs_envelope(x, s)
+    got = D.qrs_envelope(x, s)
     np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12 * float(want.max()))
     # each sample's value does not depend on where the stream starts (partitions agree bit for bit)
-    np.testing.assert_array_equal(S.qrs_envelope(x[777:], s)[500:-500], got[777:][500:-500])
+    np.testing.assert_array_equal(D.qrs_envelope(x[777:], s)[500:-500], got[777:][500:-500])
     at = np.sort(rng.integers(0, n, 300))
-    k = S.gaussian_derivative(s.fine_kernel, s.fine_a)
-    np.testing.assert_allclose(S.steepest_at(x, at, s), S._steepest_xp(x, at, k, s), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(D.steepest_at(x, at, s), S.steepest_at_xp(x, at, s), rtol=1e-12, atol=1e-12)
 
 
 def test_constant_and_baseline_have_no_response():
@@ -102,7 +103,9 @@ def test_local_maxima_match_loop(seed):
     env[rng.integers(0, 400, 20)] = 0.5  # ties
     env[100:110] = 3.0  # a plateau: every sample of it is a maximum
     for half in (1, 3, 8, 500):
-        np.testing.assert_array_equal(S.local_maxima(env, half), naive.local_maxima(env, half))
+        want = naive.local_maxima(env, half)
+        np.testing.assert_array_equal(D.local_maxima(env, half), want)  # the CPU kernel
+        np.testing.assert_array_equal(S.local_maxima_xp(env, half), want)  # the array code
 
 
 def test_local_maxima_match_scipy_moving_maximum():
@@ -112,7 +115,7 @@ def test_local_maxima_match_scipy_moving_maximum():
     env[:50] = 0.0
     for half in (2, 58):
         m = maximum_filter1d(env, 2 * half + 1, mode="nearest")
-        np.testing.assert_array_equal(S.local_maxima(env, half), np.flatnonzero((env == m) & (env > 0)))
+        np.testing.assert_array_equal(D.local_maxima(env, half), np.flatnonzero((env == m) & (env > 0)))
 
 
 @pytest.mark.parametrize("first", [0, 3, 17, 250])
@@ -220,8 +223,8 @@ def test_noise_burst_peaks_are_no_beats():
         x += np.exp(-0.5 * ((t - b) / 4.0) ** 2)
     x[fs * 10:fs * 20] += 0.2 * rng.normal(size=10 * fs)
     x = x.astype(np.float32)
-    on = S.detect_peaks(x, S250)
-    off = S.detect_peaks(x, SegmentParams(noise_slope_ratio=float("inf")).samples(fs))
+    on = D.detect_peaks(x, S250)
+    off = D.detect_peaks(x, SegmentParams(noise_slope_ratio=float("inf")).samples(fs))
     from beatflow.score.metrics import match_beats
 
     d_on, _ = match_beats(on, beats, int(0.15 * fs))
@@ -262,10 +265,10 @@ def test_detect_peaks_matches_naive_on_random_input(monkeypatch):
         noisy = x.copy()
         noisy[400:800] += (0.15 * np.random.default_rng(100 + seed).normal(size=400)).astype(np.float32)
         for first in (0, 55):
-            np.testing.assert_array_equal(S.detect_peaks(x, s, first=first),
-                                          naive.detect_peaks(x, s, first=first, vf=True))
-            np.testing.assert_array_equal(S.detect_peaks(noisy, s, first=first),
-                                          naive.detect_peaks(noisy, s, first=first, vf=True))
+            for xs in (x, noisy):
+                want = naive.detect_peaks(xs, s, first=first, vf=True)
+                np.testing.assert_array_equal(D.detect_peaks(xs, s, first=first), want)  # the CPU's steps
+                np.testing.assert_array_equal(R.detect_beats_xp(xs, s, first=first)[0], want)  # the array code
     assert used["t_wave"] > 0 and used["search_back"] > 0 and used["noise"] > 0  # every decision was exercised
 
 
@@ -281,7 +284,7 @@ def _partitioned_peaks(x, s, n_parts):
 
 def test_partition_count_does_not_change_beats(synthetic_ecg):
     x = synthetic_ecg.signal
-    whole = S.detect_peaks(x, S250)
+    whole = D.detect_peaks(x, S250)
     assert len(whole) > 100
     for n in (1, 2, 7, 40):  # 40 partitions are shorter than one halo
         specs, firsts, peaks = _partitioned_peaks(x, S250, n)
@@ -293,11 +296,11 @@ def test_partition_count_does_not_change_beats(synthetic_ecg):
 def test_detects_synthetic_beats(synthetic_ecg):
     from beatflow.score.metrics import match_beats
 
-    p = S.detect_peaks(synthetic_ecg.signal, S250)
+    p = D.detect_peaks(synthetic_ecg.signal, S250)
     d, _ = match_beats(p, synthetic_ecg.r_peaks, int(0.15 * 250))
     assert d.se > 0.995 and d.ppv > 0.995, d.to_dict()
 
 
 def test_flat_line_has_no_peaks():
-    assert S.detect_peaks(np.zeros(5000, np.float32), S250).size == 0
-    assert S.detect_peaks(np.full(5000, 2.0, np.float32), S250).size == 0
+    assert D.detect_peaks(np.zeros(5000, np.float32), S250).size == 0
+    assert D.detect_peaks(np.full(5000, 2.0, np.float32), S250).size == 0

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from beatflow.model.vae import LightVAE, train_vae, vae_loss
+from beatflow.model.train import train_vae
+from beatflow.model.vae import LightVAE, vae_loss
 from beatflow.model.step_kernel import param_layout, row_grads
 
 
 def _mode():
     """``"gpu"``, ``"sim"`` (Numba's CUDA simulator: ``NUMBA_ENABLE_CUDASIM=1``, as scripts/test.sh sets) or None."""
-    from beatflow.gpu.kernels import simulator_active
+    from beatflow.gpu.sim import simulator_active
 
     if simulator_active():
         return "sim"
@@ -186,14 +187,15 @@ def test_kernel_training_is_refused_where_it_cannot_run():
 def test_a_kernel_that_cannot_run_falls_back_to_pytorchs_steps(monkeypatch):
     """Where the step kernel is chosen but cannot be built or launched (here: a CPU tensor), training
     warns once and runs PyTorch's steps: the same result as without the kernel, nothing kept."""
-    from beatflow.model import vae as M
+    from beatflow.model import graphs as G
+    from beatflow.model import train as T
     beats = np.random.default_rng(1).normal(size=(200, 16)).astype(np.float32)
-    monkeypatch.setattr(M, "training_kernel", lambda kernel, device, amp=None: True)
+    monkeypatch.setattr(T, "training_kernel", lambda kernel, device, amp=None: True)
     with pytest.warns(RuntimeWarning, match="the training step kernel cannot run here"):
         res = train_vae(beats, epochs=2, batch_size=32, seed=4, keep_graphs=True)
     monkeypatch.undo()
     plain = train_vae(beats, epochs=2, batch_size=32, seed=4)
-    assert not res.kernel and not res.graphs_kept and not M._KEPT
+    assert not res.kernel and not res.graphs_kept and not G._KEPT
     assert res.train_loss == plain.train_loss and res.test_loss == plain.test_loss
 
 
@@ -229,7 +231,7 @@ def _copy(model: LightVAE) -> LightVAE:
 def test_training_with_the_kernel_reaches_the_models_loss(graphs):
     """Training by the step kernel (launched, or replayed from CUDA graphs) against PyTorch's own steps in
     fp32: the same split and start, other noise; the losses agree within 5 %."""
-    from beatflow.model.vae import training_graphs
+    from beatflow.model.train import training_graphs
 
     if graphs and not training_graphs(None, "cuda"):
         pytest.skip("PyTorch allocates from another allocator here: no capture")
@@ -249,10 +251,10 @@ def test_training_with_the_kernel_reaches_the_models_loss(graphs):
 def test_an_epoch_graph_trains_as_a_graph_per_step(monkeypatch):
     """With the kernel, an epoch is one CUDA graph; refused, a graph per step: the same training (other
     noise: the warm-ups draw differently), and the epoch graph's kept replays equal its fresh capture."""
-    from beatflow.model import vae as M
+    from beatflow.model import train as T
     from test_model import synthetic_beats
 
-    if not M.training_graphs(None, "cuda"):
+    if not T.training_graphs(None, "cuda"):
         pytest.skip("PyTorch allocates from another allocator here: no capture")
     beats = torch.as_tensor(synthetic_beats(4000, width=64)).cuda()
     kw = dict(epochs=4, batch_size=512, device="cuda", seed=2, kernel=True, cudagraphs=True)
@@ -265,7 +267,7 @@ def test_an_epoch_graph_trains_as_a_graph_per_step(monkeypatch):
         def __init__(self, *args, **kwargs):
             raise RuntimeError("no epoch graph here")
 
-    monkeypatch.setattr(M, "_EpochGraph", Refused)
+    monkeypatch.setattr(T, "EpochGraph", Refused)
     with pytest.warns(RuntimeWarning, match="a graph per step instead"):
         steps = train_vae(beats, **kw)
     assert steps.cudagraphs and not steps.epoch_graph
@@ -294,12 +296,12 @@ def test_flow_shapes_on_the_gpu():
 
 @needs_gpu
 def test_queued_epochs_train_as_epoch_by_epoch(monkeypatch):
-    """All epochs queued before a loss is read (``_queued_epochs``) train exactly as the epochs run one
+    """All epochs queued before a loss is read (``queued_epochs``) train exactly as the epochs run one
     at a time, each order made and each loss read before the next epoch (the naive loop, here)."""
-    from beatflow.model import vae as M
+    from beatflow.model import train as T
     from test_model import synthetic_beats
 
-    if not M.training_graphs(None, "cuda"):
+    if not T.training_graphs(None, "cuda"):
         pytest.skip("PyTorch allocates from another allocator here: no capture")
     beats = torch.as_tensor(synthetic_beats(3000, width=64)).cuda()
     kw = dict(epochs=5, batch_size=256, device="cuda", seed=4, kernel=True, cudagraphs=True)
@@ -314,7 +316,7 @@ def test_queued_epochs_train_as_epoch_by_epoch(monkeypatch):
             losses.append(float(graph.run(data, order)) / n_train)
         return losses, None  # (the held-out loss then computed after the epochs, by train_vae)
 
-    monkeypatch.setattr(M, "_queued_epochs", one_at_a_time)
+    monkeypatch.setattr(T, "queued_epochs", one_at_a_time)
     naive = train_vae(beats, **kw)
     assert naive.epoch_graph
     assert queued.train_loss == naive.train_loss and queued.test_loss == naive.test_loss

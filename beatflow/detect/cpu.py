@@ -1,7 +1,7 @@
-"""Fused CPU kernels (Numba) for the two dense steps of segmentation on NumPy arrays.
+"""Fused CPU kernels (Numba) for the dense steps of segmentation on NumPy arrays.
 
-Why they exist: the array-namespace version of the QRS energy envelope (:func:`beatflow.detect.peaks.
-energy_envelope_xp`) makes a dozen full passes over the stream (median, convolution, square,
+Why they exist: the array-namespace version of the QRS energy envelope
+(:func:`beatflow.detect.peaks.qrs_envelope_xp`) makes a dozen full passes over the stream (median, convolution, square,
 moving sum, square root, each with its temporaries), and SciPy's moving maximum for the
 non-maximum suppression is slower than all of them. On a 2-core machine that made segmentation
 slower than NeuroKit2. Here each is one pass:
@@ -13,21 +13,27 @@ slower than NeuroKit2. Here each is one pass:
 * :func:`local_maxima_cpu`: the non-maximum suppression as a scan that only looks at the window of
   a sample that is a 3-point maximum, and stops at the first larger neighbour;
 * :func:`flutter_features_cpu`: the flutter rule's per-window energies in one pass (the array code
-  of :func:`beatflow.detect.rhythm.window_features` made five full passes and four stream-sized
+  of :func:`beatflow.detect.rhythm.window_features_xp` made five full passes and four stream-sized
   temporaries, 2 s per 20 h on one core), and the near-median fractions of the windows that need one.
 
-Each has exactly the contract of its array-namespace function in :mod:`beatflow.detect.peaks` or
-:mod:`beatflow.detect.rhythm` and is tested against it (and against the loop references of
-``tests/naive.py``). Compiled on first use and cached on disk (``cache=True``; this module is imported only when the CPU path runs).
+Each has exactly the contract of its array-namespace function in :mod:`beatflow.detect.peaks`,
+:mod:`beatflow.detect.rhythm` or :mod:`beatflow.detect.leads` and is tested against it (and against
+the loop references of ``tests/naive.py``); the steps at the end (:func:`qrs_envelope_cpu`,
+:func:`steepest_at_cpu`, :func:`window_features_cpu`, :func:`lead_windows_cpu`) take the reference's
+arguments, for streams of at least 3 samples (:mod:`beatflow.detect` chooses them). Compiled on first
+use and cached on disk (``cache=True``; this module is imported only when the CPU path runs).
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 from numba import njit
 
-__all__ = ["envelope_cpu", "local_maxima_cpu", "steepest_cpu", "flutter_features_cpu"]
+from beatflow.detect.peaks import gaussian_derivative
+from beatflow.detect.rhythm import context_sum, quantile_sorted
+from beatflow.params import SegmentSamples
+
+__all__ = ["envelope_cpu", "local_maxima_cpu", "steepest_cpu", "flutter_features_cpu", "qrs_envelope_cpu",
+           "steepest_at_cpu", "window_features_cpu", "lead_windows_cpu"]
 
 _CHUNK = 4096
 
@@ -215,22 +221,6 @@ def _window_energies(x, kr, first, w0, W, hp, e_sig, e_slope):
         e_sig[k] = ss
         e_slope[k] = sd
 
-def quantile_sorted(srt, q):
-    """NumPy's default (linear) ``quantile(q)`` of the sorted values ``srt``, with its interpolation
-    formula. Plain Python: compiled here for the CPU loops and by :mod:`beatflow.gpu.kernels` as a CUDA
-    device function."""
-    m = srt.shape[0]
-    vi = (m - 1) * q
-    i0 = int(math.floor(vi))
-    g = vi - i0
-    a = srt[i0]
-    b = srt[min(i0 + 1, m - 1)]
-    diff = b - a
-    if g >= 0.5:
-        return b - diff * (1.0 - g)
-    return a + diff * g
-
-
 _quantile = njit(cache=True, nogil=True)(quantile_sorted)
 
 @njit(cache=True, nogil=True)
@@ -280,7 +270,7 @@ def envelope_cpu(x: np.ndarray, kernel: np.ndarray, box: int) -> np.ndarray:
     ndarray, float64
         ``sqrt(mean over ±box//2 of (despike(x) * kernel)²)``, every convolution and window
         padded with the edge values: equal (to float round-off) to
-        ``segment.energy_envelope_xp``.
+        :func:`beatflow.detect.peaks.qrs_envelope_xp`.
     """
     x = np.ascontiguousarray(x)
     if x.dtype not in (np.float32, np.float64):
@@ -305,8 +295,8 @@ def local_maxima_cpu(env: np.ndarray, half_window: int) -> np.ndarray:
 def steepest_cpu(x: np.ndarray, at: np.ndarray, kernel: np.ndarray, slope_half: int) -> np.ndarray:
     """Max of |despiked ``x`` convolved with ``kernel``| over ``±slope_half`` around each of ``at``.
 
-    Exactly ``segment.steepest_at`` (the array-namespace version) for a NumPy stream of at least
-    3 samples, a loop per position instead of a gathered matrix.
+    Exactly :func:`beatflow.detect.peaks.steepest_at_xp` (the array-namespace version) for a NumPy
+    stream of at least 3 samples, a loop per position instead of a gathered matrix.
     """
     x = np.ascontiguousarray(x)
     if x.dtype not in (np.float32, np.float64):
@@ -318,7 +308,7 @@ def steepest_cpu(x: np.ndarray, at: np.ndarray, kernel: np.ndarray, slope_half: 
 
 def flutter_features_cpu(x: np.ndarray, first: int, window: int, highpass: int, kernel: np.ndarray,
                          rows: np.ndarray | None = None, tol: float = 0.1):
-    """The flutter rule's window quantities of :func:`beatflow.detect.rhythm.window_features` for a NumPy
+    """The flutter rule's window quantities of :func:`beatflow.detect.rhythm.window_features_xp` for a NumPy
     stream of at least 3 samples: windows of ``window`` samples aligned to the stream (``x[0]`` is
     global sample ``first``), the ones at the ends of ``x`` completed with its end samples.
 
@@ -344,3 +334,43 @@ def flutter_features_cpu(x: np.ndarray, first: int, window: int, highpass: int, 
     R = max(hp // 2, kr.shape[0] // 2)
     _window_near(x, first, w0, W, hp, R, np.ascontiguousarray(rows, dtype=np.int64), float(tol), near)
     return near
+
+
+# --- the steps, with the references' arguments (NumPy streams of at least 3 samples) --------------
+def qrs_envelope_cpu(x: np.ndarray, s: SegmentSamples) -> np.ndarray:
+    """:func:`beatflow.detect.peaks.qrs_envelope_xp` in one fused pass (:func:`envelope_cpu`)."""
+    return envelope_cpu(x, gaussian_derivative(s.kernel, s.a), s.box)
+
+
+def steepest_at_cpu(x: np.ndarray, at: np.ndarray, s: SegmentSamples) -> np.ndarray:
+    """:func:`beatflow.detect.peaks.steepest_at_xp` as a loop per position (:func:`steepest_cpu`)."""
+    if at.shape[0] == 0:
+        return np.zeros(0, dtype=np.float64)
+    return steepest_cpu(x, at, gaussian_derivative(s.fine_kernel, s.fine_a), s.slope_half)
+
+
+def window_features_cpu(x: np.ndarray, first: int, s: SegmentSamples):
+    """:func:`beatflow.detect.rhythm.window_features_xp` with the fused loops of
+    :func:`flutter_features_cpu` (one pass for the energies, the near-median fractions only for the
+    windows that need them); the array code is their reference."""
+    taps = gaussian_derivative(s.kernel, s.a)
+    e_sig, e_slope = flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps)
+    c = s.vf_context
+    smooth = context_sum(e_slope, c) < s.vf_omega**2 * context_sum(e_sig, c)
+    rows = np.flatnonzero(context_sum(smooth.astype(np.float64), c) > 0)
+    near = flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps, rows=rows, tol=s.vf_tol)
+    base = context_sum(near, c) / context_sum(np.ones(near.shape[0], dtype=np.float64), c)
+    return smooth, base, first // s.vf_window
+
+
+def lead_windows_cpu(x: np.ndarray, first: int, s: SegmentSamples):
+    """:func:`beatflow.detect.leads.lead_windows_xp` with the fused loops of
+    :func:`flutter_features_cpu`: ``(e_signal, e_slope, near, w0)``, ``near(rows)`` computing the
+    near-median fractions of the windows ``rows`` when asked."""
+    taps = gaussian_derivative(s.kernel, s.a)
+    e_sig, e_slope = flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps)
+
+    def near(rows):
+        return flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps, rows=rows, tol=s.vf_tol)
+
+    return e_sig, e_slope, near, first // s.vf_window

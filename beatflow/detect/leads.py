@@ -1,10 +1,10 @@
 """A second lead as a check on the first: fewer false beats where the recording has two leads.
 
-Beats are detected on one lead (:func:`beatflow.detect.peaks.detect_peaks`, with its flutter-episode rule).
+Beats are detected on one lead (:func:`beatflow.detect.detect_peaks`, with its flutter-episode rule).
 Holter and MIT-BIH recordings have a second lead, which sees the same heart from another angle: a QRS
 complex shows on both, while a noise burst or an electrode artefact on one lead is often quiet on the
 other, and ventricular flutter may lose its last bits of baseline on one lead only. Three rules use it
-(:func:`second_lead_peaks`), all on quantities the detection already computes, per lead:
+(:func:`second_lead_peaks_xp`), all on quantities the detection already computes, per lead:
 
 1. **flutter on either lead.** A 1 s window (aligned to the stream, as in :mod:`beatflow.detect.rhythm`) is
    flutter-like when it is so on the first lead (the detection's rule), or when it is so on the second
@@ -27,18 +27,19 @@ other, and ventricular flutter may lose its last bits of baseline on one lead on
    QRS energy too (``move_first_ratio`` × the peak's), more than the detection's T-wave window after
    the previous peak and more than its refractory period before the next (:func:`misplaced`).
 
-MIT-BIH, 22 non-paced records, lead 0 checked by lead 1 (``bench/RESULTS_mitdb.md``, sessions 18 and
-19): false positives 90 -> 55 (rules 1 and 2; 19 of them inside the annotated flutter of 207) -> 44
+MIT-BIH, 22 non-paced records, lead 0 checked by lead 1 (``bench/results/accuracy.md``, second
+lead): false positives 90 -> 55 (rules 1 and 2; 19 of them inside the annotated flutter of 207) -> 44
 (rule 3: 11 peaks moved, each from a false beat onto a missed one, so the missed beats 90 -> 79);
 the 4 paced records 17 -> 10 -> 9 false positives, none lost. The defaults were chosen on those
-records and checked by cross-validation over records (``bench/two_lead_study.py``,
-``bench/misplaced_lead_study.py``).
+records and checked by cross-validation over records (same file).
 
-Array code for NumPy and CuPy (the namespace comes from the input); the loop references are in
-``tests/naive.py``. On a whole recording: :func:`second_lead_peaks` (``beatflow evaluate
---confirm-lead``). In the flow (``beatflow run --confirm-lead`` / ``--confirm-column``) each partition,
-with the halos of both leads, runs rule 1 and measures its peaks (:func:`flutter_keep`,
-:func:`peak_measures`: both look no further than the first lead's flutter rule), and rules 2 and 3,
+Array code for NumPy and CuPy (the namespace comes from the input): the reference; the loop
+references are in ``tests/naive.py``, and :mod:`beatflow.detect` has the public functions (the same,
+with the CPU's fused loops for the steps ``envelope`` and ``lead_windows`` on NumPy input). On a
+whole recording: :func:`second_lead_peaks_xp` (``beatflow evaluate --confirm-lead``). In the flow
+(``beatflow run --confirm-lead`` / ``--confirm-column``) each partition, with the halos of both
+leads, runs rule 1 and measures its peaks (:func:`flutter_keep_xp`, :func:`peak_measures_xp`: both
+look no further than the first lead's flutter rule), and rules 2 and 3,
 which compare a peak with its neighbouring peaks, run on the gathered measures (:func:`doubtful`,
 :func:`misplaced`): any partitioning gives the whole recording's beats.
 """
@@ -47,11 +48,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-import numpy as np
-
+from beatflow.detect.peaks import qrs_envelope_xp
+from beatflow.detect.rhythm import context_sum, episode_spans, near_fractions_xp, runs_of, window_energies_xp
 from beatflow.device import namespace_of, scipy_for
 from beatflow.params import SegmentSamples
-from beatflow.detect.rhythm import _context_sum, episode_spans, near_fractions_xp, runs_of, window_energies_xp
 
 
 @dataclass(frozen=True)
@@ -129,55 +129,38 @@ class SecondLeadSamples:
     move_max: int = 1
 
 
-def lead_windows(x, first: int, s: SegmentSamples):
+def lead_windows_xp(x, first: int, s: SegmentSamples):
     """Per window of ``s.vf_window`` samples aligned to the recording (``x[0]`` is its sample
     ``first``; the windows at the ends of ``x`` completed with its end samples), not summed with its
     neighbours: ``(e_signal, e_slope, near, w0)``, the energies of the high-passed signal and of its
     slope, ``near(rows)``: the fractions of near-median samples of the windows ``rows`` (0 for the
-    others), and the number of the first window (:mod:`beatflow.detect.rhythm`'s quantities; on NumPy by
-    the fused loops of :func:`beatflow.detect.cpu.flutter_features_cpu`)."""
-    xp = namespace_of(x)
-    if xp is np and x.shape[0] >= 3:
-        from beatflow.detect.cpu import flutter_features_cpu
-        from beatflow.detect.peaks import gaussian_derivative
-
-        taps = gaussian_derivative(s.kernel, s.a)
-        e_sig, e_slope = flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps)
-
-        def near(rows):
-            return flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps, rows=rows, tol=s.vf_tol)
-
-        return e_sig, e_slope, near, first // s.vf_window
-    return _lead_windows_xp(x, first, s)
-
-
-def _lead_windows_xp(x, first: int, s: SegmentSamples):
-    """:func:`lead_windows` in array code (CuPy's path; on NumPy the reference of the fused loops)."""
+    others), and the number of the first window (:mod:`beatflow.detect.rhythm`'s quantities; the
+    fused loops of :func:`beatflow.detect.cpu.lead_windows_cpu` give the same)."""
     h, e_sig, e_slope, w0 = window_energies_xp(x, first, s)
     return e_sig, e_slope, lambda rows: near_fractions_xp(h, rows, s), w0
 
 
 def flutter_either_lead(first_lead: tuple, second_lead: tuple, s: SegmentSamples, q: SecondLeadSamples):
     """Rule 1: which windows lie in an episode, from the two leads' ``(e_signal, e_slope, near)`` of
-    :func:`lead_windows` (the same windows). With ``q.baseline = 0``, exactly the first lead's episodes.
+    :func:`lead_windows_xp` (the same windows). With ``q.baseline = 0``, exactly the first lead's episodes.
 
     The near-median fractions (a median and two percentiles per window: most of the rule's cost)
     are asked only for the windows within ``±s.vf_context`` of a window whose baseline fraction the
-    rule reads (as :func:`beatflow.detect.rhythm.window_features` does): the second lead's around its smooth
-    windows, the first lead's around its own smooth ones and the second lead's candidates."""
+    rule reads (as :func:`beatflow.detect.rhythm.window_features_xp` does): the second lead's around
+    its smooth windows, the first lead's around its own smooth ones and the second lead's candidates."""
     (es0, ed0, near0), (es1, ed1, near1) = first_lead, second_lead
     xp = namespace_of(es0)
     c = s.vf_context
-    count = _context_sum(xp.ones(es0.shape[0], dtype=xp.float64), c)
+    count = context_sum(xp.ones(es0.shape[0], dtype=xp.float64), c)
 
     def around(mask):
-        return xp.flatnonzero(_context_sum(mask.astype(xp.float64), c) > 0)
+        return xp.flatnonzero(context_sum(mask.astype(xp.float64), c) > 0)
 
-    smooth0 = _context_sum(ed0, c) < s.vf_omega**2 * _context_sum(es0, c)
-    smooth1 = _context_sum(ed1, c) < q.omega**2 * _context_sum(es1, c)
-    b1 = _context_sum(near1(around(smooth1)), c) / count
+    smooth0 = context_sum(ed0, c) < s.vf_omega**2 * context_sum(es0, c)
+    smooth1 = context_sum(ed1, c) < q.omega**2 * context_sum(es1, c)
+    b1 = context_sum(near1(around(smooth1)), c) / count
     candidate1 = smooth1 & (b1 < q.baseline)
-    b0 = _context_sum(near0(around(smooth0 | candidate1)), c) / count
+    b0 = context_sum(near0(around(smooth0 | candidate1)), c) / count
     like = (smooth0 & (b0 < s.vf_baseline)) | (candidate1 & (b0 < q.gate))
     return runs_of(like, s.vf_runs)
 
@@ -242,7 +225,8 @@ def _ring_maxima(env1, m1, local, q: SecondLeadSamples):
     return best, where
 
 
-def peak_measures(x0, x1, peaks, first: int, n_total: int, s: SegmentSamples, q: SecondLeadSamples):
+def peak_measures_xp(x0, x1, peaks, first: int, n_total: int, s: SegmentSamples, q: SecondLeadSamples, *,
+                     envelope=qrs_envelope_xp):
     """The measures of each peak that rules 2 and 3 need from the signal, all within ``s.vf_window``
     of the peak (a partition's halo covers them): ``(h0, h1, background, far1, far_at, far0)``, the
     first lead's QRS envelope at the peak, the second lead's envelope maximum within ``±q.reach``,
@@ -251,16 +235,15 @@ def peak_measures(x0, x1, peaks, first: int, n_total: int, s: SegmentSamples, q:
     for rule 3 the second lead's largest QRS maximum ``q.move_min`` to ``q.move_max`` samples away
     (:func:`_ring_maxima`), its position (global; -1 if none) and the first lead's envelope there.
     ``x0``, ``x1``: samples ``[first, first + len)`` of a recording of ``n_total`` samples;
-    ``peaks``: global indices inside them."""
-    from beatflow.detect.peaks import qrs_envelope
-
+    ``peaks``: global indices inside them; ``envelope``: the QRS envelope, of
+    :func:`beatflow.detect.peaks.qrs_envelope_xp`'s contract."""
     xp = namespace_of(x0)
     _, ndimage = scipy_for(xp)
     peaks = xp.asarray(peaks, dtype=xp.int64)
     if peaks.shape[0] == 0:
         z = xp.zeros(0, dtype=xp.float64)
         return z, z, z, z, xp.zeros(0, dtype=xp.int64), z
-    env0, env1 = qrs_envelope(x0, s), qrs_envelope(x1, s)
+    env0, env1 = envelope(x0, s), envelope(x1, s)
     m1 = ndimage.maximum_filter1d(env1, 2 * q.reach + 1, mode="nearest")
     local = peaks - first
     W, n = s.vf_window, x0.shape[0]
@@ -281,7 +264,7 @@ def peak_measures(x0, x1, peaks, first: int, n_total: int, s: SegmentSamples, q:
 
 
 def doubtful(h0, h1, background, q: SecondLeadSamples):
-    """Rule 2 over the measures of consecutive peaks of one recording (:func:`peak_measures`, in
+    """Rule 2 over the measures of consecutive peaks of one recording (:func:`peak_measures_xp`, in
     order): True for the peaks to drop (weak on the first lead, quiet on a usable second lead)."""
     xp = namespace_of(h0)
     if h0.shape[0] == 0 or not q.weak > 0:
@@ -294,7 +277,7 @@ def doubtful(h0, h1, background, q: SecondLeadSamples):
 
 
 def misplaced(peaks, h0, h1, background, far1, far_at, far0, q: SecondLeadSamples, refractory: int, twave: int):
-    """Rule 3 over the measures of consecutive peaks of one recording (:func:`peak_measures`, in
+    """Rule 3 over the measures of consecutive peaks of one recording (:func:`peak_measures_xp`, in
     order, after rule 2): ``(move, peaks)``, which peaks to move and the peaks with those moved to
     the second lead's QRS. A peak moves when the second lead is usable there (rule 2's quality) and
     quiet at the peak (its QRS energy below ``q.move_quiet`` × the lower quartile of the same at the
@@ -327,11 +310,13 @@ def misplaced(peaks, h0, h1, background, far1, far_at, far0, q: SecondLeadSample
     return move, xp.where(move, far_at, peaks)
 
 
-def flutter_keep(x0, x1, peaks, first: int, s: SegmentSamples, q: SecondLeadSamples, span: tuple[int, int]):
+def flutter_keep_xp(x0, x1, peaks, first: int, s: SegmentSamples, q: SecondLeadSamples, span: tuple[int, int], *,
+                    lead_windows=lead_windows_xp):
     """Rule 1 on ``x0``, ``x1`` (samples ``[first, first + len)`` of a recording): ``(keep, episodes)``,
     which ``peaks`` (global, inside ``x0``) lie outside the episodes, and the episodes as ``[start,
     end)`` ranges clipped to ``span``. Decisions within ``span`` are those of the whole recording
-    where ``x0`` reaches ``s.halo`` beyond it (the first lead's rule reaches as far)."""
+    where ``x0`` reaches ``s.halo`` beyond it (the first lead's rule reaches as far). ``lead_windows``:
+    the windows' quantities, of :func:`lead_windows_xp`'s contract."""
     xp = namespace_of(x0)
     peaks = xp.asarray(peaks, dtype=xp.int64)
     keep = xp.ones(peaks.shape[0], dtype=bool)
@@ -344,52 +329,56 @@ def flutter_keep(x0, x1, peaks, first: int, s: SegmentSamples, q: SecondLeadSamp
     return keep, episode_spans(episode, w0, s.vf_window, int(span[0]), int(span[1]))
 
 
-def _rules_1_and_2(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams, rule3: bool):
+def _rules_1_and_2(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams, rule3: bool, envelope,
+                   lead_windows):
     """Rules 1 and 2 on a whole recording: ``(keep, episodes, dropped, measures)``, which ``peaks``
     to keep, rule 1's episodes, how many peaks rule 2 dropped, and the kept peaks' measures
-    (:func:`peak_measures`, rule 3's too when ``rule3``; None when rule 2 and, with ``rule3``, rule 3
-    are off or no peak is left)."""
+    (:func:`peak_measures_xp`, rule 3's too when ``rule3``; None when rule 2 and, with ``rule3``, rule 3
+    are off or no peak is left); the steps ``envelope`` and ``lead_windows`` as those take them."""
     xp = namespace_of(x0)
     if x1.shape != x0.shape:
         raise ValueError(f"the two leads differ in length ({x0.shape[0]} and {x1.shape[0]} samples)")
     q = p.samples(fs) if rule3 else replace(p.samples(fs), move_quiet=0.0)
     n = int(x0.shape[0])
     peaks = xp.asarray(peaks, dtype=xp.int64)
-    keep, episodes = flutter_keep(x0, x1, peaks, 0, s, q, (0, n))
+    keep, episodes = flutter_keep_xp(x0, x1, peaks, 0, s, q, (0, n), lead_windows=lead_windows)
     rest = xp.flatnonzero(keep)
     if not (q.weak > 0 or q.move_quiet > 0) or n < 3 or rest.shape[0] == 0:
         return keep, episodes, 0, None
-    measures = peak_measures(x0, x1, peaks[rest], 0, n, s, q)
+    measures = peak_measures_xp(x0, x1, peaks[rest], 0, n, s, q, envelope=envelope)
     drop = doubtful(*measures[:3], q)
     keep[rest[drop]] = False
     return keep, episodes, int(drop.sum()), tuple(m[~drop] for m in measures)
 
 
-def second_lead_keep(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams = SecondLeadParams()):
+def second_lead_keep_xp(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams = SecondLeadParams(), *,
+                        envelope=qrs_envelope_xp, lead_windows=lead_windows_xp):
     """Rules 1 and 2 on a whole recording: ``(keep, episodes)``, which of the first lead's detected
-    ``peaks`` (:func:`beatflow.detect.peaks.detect_peaks` of ``x0``) to keep, and the flutter episodes of
+    ``peaks`` (:func:`beatflow.detect.detect_peaks` of ``x0``) to keep, and the flutter episodes of
     rule 1 as ``[start, end)`` sample ranges (``(m, 2)`` int64). ``x1``: the second lead, as long as
     ``x0``. (The flow runs the same steps per partition: :func:`beatflow.embed.partitions.segment_partition`
-    with a second lead, then :func:`doubtful` on the gathered measures.)
+    with a second lead, then :func:`doubtful` on the gathered measures.) The steps ``envelope`` and
+    ``lead_windows`` as :func:`peak_measures_xp` and :func:`flutter_keep_xp` take them.
 
     Raises
     ------
     ValueError
         The leads differ in length.
     """
-    keep, episodes, _, _ = _rules_1_and_2(x0, x1, peaks, fs, s, p, rule3=False)
+    keep, episodes, _, _ = _rules_1_and_2(x0, x1, peaks, fs, s, p, False, envelope, lead_windows)
     return keep, episodes
 
 
-def second_lead_peaks(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams = SecondLeadParams()):
+def second_lead_peaks_xp(x0, x1, peaks, fs: float, s: SegmentSamples, p: SecondLeadParams = SecondLeadParams(), *,
+                         envelope=qrs_envelope_xp, lead_windows=lead_windows_xp):
     """The three rules on a whole recording: ``(peaks, episodes, dropped, moved)``, the first lead's
-    detected ``peaks`` (:func:`beatflow.detect.peaks.detect_peaks` of ``x0``) that rules 1 and 2 keep,
+    detected ``peaks`` (:func:`beatflow.detect.detect_peaks` of ``x0``) that rules 1 and 2 keep,
     with those of rule 3 moved to the second lead's QRS (sorted, as many as kept), rule 1's flutter
-    episodes (as :func:`second_lead_keep`), and how many peaks rule 2 dropped and rule 3 moved.
+    episodes (as :func:`second_lead_keep_xp`), and how many peaks rule 2 dropped and rule 3 moved.
     (The flow runs the same steps per partition and on the gathered measures:
-    :func:`beatflow.embed.partitions.second_lead_gathered`.)"""
+    :func:`beatflow.embed.partitions.second_lead_gathered`.) The steps as :func:`second_lead_keep_xp`."""
     xp = namespace_of(x0)
-    keep, episodes, dropped, measures = _rules_1_and_2(x0, x1, peaks, fs, s, p, rule3=True)
+    keep, episodes, dropped, measures = _rules_1_and_2(x0, x1, peaks, fs, s, p, True, envelope, lead_windows)
     rest = xp.asarray(peaks, dtype=xp.int64)[keep]
     moved = 0
     if measures is not None:

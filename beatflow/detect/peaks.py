@@ -1,46 +1,47 @@
-"""Beat segmentation: a QRS energy envelope, non-maximum suppression, adaptive thresholds, T-wave
-rejection and search-back.
+"""Beat segmentation, the reference: a QRS energy envelope, non-maximum suppression, adaptive
+thresholds, T-wave rejection and search-back.
 
-One implementation for NumPy and CuPy (the array namespace comes from the input): the dense steps
-are array code on the whole signal (a 3-point median, a direct convolution, a moving average, the
-non-maximum suppression), the decisions are vectorised over the sparse candidate peaks. Where the
-array code is too slow for its device, a kernel with exactly its contract takes over and is tested
-against it and against the loop references in ``tests/naive.py``: on the GPU the whole of
-:func:`detect_peaks` runs as the kernels of :func:`beatflow.gpu.kernels.detect_peaks_gpu` (Numba CUDA:
-one fused pass over the stream in shared memory and small kernels over the candidates, with one
-host synchronisation instead of some forty array operations and their synchronisations); on the CPU
-the fused envelope, the NMS scan and the sparse slope of :mod:`beatflow.detect.cpu` (Numba), which
-make the CPU path ~15x faster.
+Array code for NumPy and CuPy (the array namespace comes from the input): the dense steps are array
+code on the whole signal (a 3-point median, a direct convolution, a moving average, the non-maximum
+suppression), the decisions are vectorised over the sparse candidate peaks. Where the array code is
+too slow for its device, a kernel with exactly its contract takes over and is tested against it and
+against the loop references in ``tests/naive.py``; :mod:`beatflow.detect` chooses, by the input's
+device: on the GPU the whole detection runs as the kernels of
+:func:`beatflow.detect.gpu.detect_beats_gpu` (Numba CUDA: one fused pass over the stream in shared
+memory and small kernels over the candidates, with one host synchronisation instead of some forty
+array operations and their synchronisations); on the CPU :func:`detect_peaks_xp` runs with the fused
+envelope, the NMS scan and the sparse slope of :mod:`beatflow.detect.cpu` (Numba) as its
+``envelope``, ``local_maxima`` and ``steepest`` steps, which make the CPU path ~15x faster.
 
-The steps of :func:`detect_peaks`:
+The steps of :func:`detect_peaks_xp`:
 
 1. ``despike``: 3-point median (removes one-sample glitches and most pacemaker spikes);
 2. ``wavelet_response``: derivative of a Gaussian (σ ≈ 8 ms), a band-pass slope estimate with no
    response to a constant or to slow baseline wander;
 3. ``energy_envelope``: root mean square of the slope over ~100 ms; QRS complexes are its
    highest, narrowest peaks, T waves (slow) and baseline wander (slower) are much lower
-   (1-3: :func:`qrs_envelope`);
-4. ``local_maxima``: candidates are maxima of the envelope over ``±nms``;
+   (1-3: :func:`qrs_envelope_xp`);
+4. ``local_maxima_xp``: candidates are maxima of the envelope over ``±nms``;
 5. ``block_amplitude``: the local level, a median of 1 s block maxima over ``±blocks`` blocks;
    a candidate above ``ratio`` × level is *strong*, one above ``weak_ratio`` × level is *weak*;
    ``noise_mask``: a candidate in a burst of noise (the envelope stays above ``noise_valley`` × its
    height over ``±nms``, its steepest slope is above ``noise_slope`` × its height, and it is below
    ``noise_level`` × level) is no candidate at all;
 6. ``t_wave_mask``: a strong candidate closer than ``twave`` to the previous strong one whose
-   steepest slope (:func:`steepest_at`: fine derivative, σ ≈ 4 ms) is below ``twave_slope`` ×
+   steepest slope (:func:`steepest_at_xp`: fine derivative, σ ≈ 4 ms) is below ``twave_slope`` ×
    that one's is a T wave;
 7. ``drop_refractory``: of two accepted peaks closer than ``refractory``, the smaller goes;
 8. ``search_back``: a weak candidate is accepted where the accepted beats around it leave a gap
    longer than ``searchback`` × the local mean RR (beats within ``±rr_window``), if it is at least
    ``margin`` × RR from both and not T-wave-like; the ends of the stream bound a gap as a beat does;
-9. :func:`beatflow.detect.rhythm.flutter_keep_mask`: peaks inside ventricular flutter/fibrillation
+9. :func:`beatflow.detect.rhythm.detect_beats_xp`: peaks inside ventricular flutter/fibrillation
    episodes (runs of windows with no isoelectric baseline and a low mean frequency) are dropped
    (after the CPU's detection, fused loops of :func:`beatflow.detect.cpu.flutter_features_cpu`;
-   on the GPU four kernels before the peaks are emitted, :func:`beatflow.gpu.kernels.detect_beats_gpu`).
+   on the GPU four kernels before the peaks are emitted, :mod:`beatflow.detect.gpu_vf`).
 
 Why not the seed's Ricker wavelet by FFT: on real ECG (MIT-BIH) a Ricker response of fixed width
 peaks on tall T waves and on the wrong lobe of wide beats; the slope envelope with a T-wave test
-and search-back is what brought sensitivity from 99.60 to 99.84 % (``bench/RESULTS_mitdb.md``).
+and search-back is what brought sensitivity from 99.60 to 99.84 % (``bench/results/accuracy.md``).
 The kernels are 9–37 taps, for which direct convolution is several times faster than an FFT and
 gives every sample the same round-off wherever the stream was cut.
 
@@ -120,10 +121,10 @@ def wavelet_response(x, s: SegmentSamples):
     Same length as ``x``, float64, signed. The ends are padded with the edge values, so a baseline
     offset at the stream's ends does not look like a beat.
     """
-    return _slope(despike(x), s.kernel, s.a)
+    return despiked_slope(despike(x), s.kernel, s.a)
 
 
-def _slope(xd, points: int, sigma: float):
+def despiked_slope(xd, points: int, sigma: float):
     """Derivative-of-Gaussian response of an already despiked signal."""
     return _convolve_edge(xd, gaussian_derivative(points, sigma, namespace_of(xd)))
 
@@ -138,49 +139,34 @@ def energy_envelope(y, s: SegmentSamples):
     return xp.sqrt(xp.maximum(e, 0.0))
 
 
-def qrs_envelope(x, s: SegmentSamples):
+def qrs_envelope_xp(x, s: SegmentSamples):
     """The QRS energy envelope of a stream: ``energy_envelope(wavelet_response(x, s), s)``.
 
-    On NumPy this is one fused pass (:func:`beatflow.detect.cpu.envelope_cpu`, about 15× faster
-    than the array code on the CPU); on CuPy the array code below runs on the device.
+    (The one fused pass of :func:`beatflow.detect.cpu.envelope_cpu` gives the same, about 15× faster
+    on the CPU: :func:`beatflow.detect.qrs_envelope` takes it for NumPy input.)
     """
-    xp = namespace_of(x)
-    if xp is np and x.shape[0] >= 3:
-        from beatflow.detect.cpu import envelope_cpu
-
-        return envelope_cpu(x, gaussian_derivative(s.kernel, s.a), s.box)
     return energy_envelope(wavelet_response(x, s), s)
 
 
-def steepest_at(x, at, s: SegmentSamples):
+def steepest_at_xp(x, at, s: SegmentSamples):
     """Steepest slope near each of the positions ``at``: max of |fine slope| over ``±s.slope_half``.
 
     The fine slope is the derivative-of-Gaussian response (σ = ``s.fine_a``) of the despiked signal;
     QRS complexes are much steeper than T waves, which is what :func:`t_wave_mask` compares. Only
     the windows around ``at`` are computed (gathered as one ``(len(at), window)`` matrix), not the
     whole stream; the ends of the stream are padded with edge values, as by the dense filters.
+    (:func:`beatflow.detect.cpu.steepest_cpu` makes the same sums as a loop per position, no
+    ``(m, window)`` temporaries.)
 
     Returns
     -------
     array, float64, shape ``at.shape``
     """
     xp = namespace_of(x)
-    n = x.shape[0]
-    m = at.shape[0]
+    n, m = x.shape[0], at.shape[0]
     if m == 0:
         return xp.zeros(0, dtype=xp.float64)
     k = gaussian_derivative(s.fine_kernel, s.fine_a, xp)
-    if xp is np and n >= 3:  # the same sums as a loop per position (no (m, window) temporaries)
-        from beatflow.detect.cpu import steepest_cpu
-
-        return steepest_cpu(x, at, k, s.slope_half)
-    return _steepest_xp(x, at, k, s)
-
-
-def _steepest_xp(x, at, k, s: SegmentSamples):
-    """:func:`steepest_at` in array code (the GPU path, and the CPU kernel's reference)."""
-    xp = namespace_of(x)
-    n, m = x.shape[0], at.shape[0]
     K, kh, sh = s.fine_kernel, s.fine_kernel // 2, s.slope_half
     # despiked samples at clip(at - sh - kh + t), t = 0 .. 2(sh + kh)
     pos = xp.clip(at[:, None] + xp.arange(-(sh + kh), sh + kh + 1), 0, n - 1)
@@ -203,19 +189,21 @@ def _steepest_xp(x, at, k, s: SegmentSamples):
     return d.max(axis=1)
 
 
-def local_maxima(env, half_window: int):
+def local_maxima_xp(env, half_window: int):
     """Indices where ``env`` is the maximum of its ``±half_window`` neighbourhood and positive.
 
-    The 1-D non-maximum suppression of the seed (a dense gate becomes a sparse index list).
+    The 1-D non-maximum suppression of the seed (a dense gate becomes a sparse index list): the
+    moving maximum over the clipped window (``mode="nearest"`` repeats the end values, which lie in
+    it). (The scan with early exit of :func:`beatflow.detect.cpu.local_maxima_cpu`, ~30× SciPy's
+    moving maximum, and the NMS kernel of :func:`beatflow.detect.gpu.local_maxima_gpu` give the same.)
     """
     xp = namespace_of(env)
-    if xp is not np:  # the GPU has its own kernel (beatflow.gpu.kernels), tested against the same reference
-        from beatflow.gpu.kernels import local_maxima_gpu
-
-        return local_maxima_gpu(env, half_window)
-    from beatflow.detect.cpu import local_maxima_cpu  # a scan with early exit, ~30× SciPy's moving maximum
-
-    return local_maxima_cpu(env, half_window)
+    _, ndimage = scipy_for(xp)
+    half = int(half_window)
+    if env.shape[0] == 0:
+        return xp.zeros(0, dtype=xp.int64)
+    m = ndimage.maximum_filter1d(env, 2 * half + 1, mode="nearest")
+    return xp.flatnonzero((env == m) & (env > 0)).astype(xp.int64, copy=False)
 
 
 def block_amplitude(env, first: int, s: SegmentSamples):
@@ -388,8 +376,11 @@ def search_back(beats, beat_slopes, cand, cand_slopes, cand_heights, s: SegmentS
     return ok
 
 
-def detect_peaks(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None):
-    """Beat fiducial points (QRS peaks) of a stream or of one extended partition.
+def detect_peaks_xp(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None,
+                    envelope=qrs_envelope_xp, local_maxima=local_maxima_xp, steepest=steepest_at_xp):
+    """Beat fiducial points (QRS peaks) of a stream or of one extended partition, without the flutter
+    rule (:func:`beatflow.detect.rhythm.detect_beats_xp` adds it): the reference of
+    :func:`beatflow.detect.detect_peaks`.
 
     Parameters
     ----------
@@ -401,57 +392,22 @@ def detect_peaks(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] 
         Global sample index of ``x[0]``.
     core : (int, int), optional
         Keep only peaks with ``core[0] <= peak < core[1]`` (global). Default: all of ``x``.
+    envelope, local_maxima, steepest : callables
+        The steps of the same contracts as :func:`qrs_envelope_xp`, :func:`local_maxima_xp` and
+        :func:`steepest_at_xp` (the defaults): :mod:`beatflow.detect` passes the fast ones of the
+        input's device.
 
     Returns
     -------
     array of int64
         Sorted global sample indices of the detected peaks (maxima of the QRS energy envelope),
-        in the namespace of ``x``. Peaks inside ventricular flutter/fibrillation episodes are
-        dropped (:func:`beatflow.detect.rhythm.flutter_keep_mask`, as kernels on the GPU; ``s.vf_baseline = 0``
-        switches that off).
+        in the namespace of ``x``.
     """
-    return detect_beats(x, s, first=first, core=core)[0]
-
-
-def detect_beats(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None):
-    """:func:`detect_peaks`, and the ventricular flutter/fibrillation episodes it dropped peaks in.
-
-    Returns
-    -------
-    (peaks, episodes) : int64 arrays in the namespace of ``x``
-        The peaks as :func:`detect_peaks`; the episodes as ``[start, end)`` global sample ranges
-        within ``core`` (default: ``x``), shape ``(m, 2)`` (:func:`beatflow.detect.rhythm.flutter_rule`).
-    """
-    if namespace_of(x) is not np:  # the GPU runs the same steps as a few kernels (beatflow.gpu.kernels)
-        from beatflow.gpu.kernels import detect_beats_gpu
-
-        return detect_beats_gpu(x, s, first=first, core=core)
-    return _detect_beats_xp(x, s, first=first, core=core)
-
-
-def _detect_beats_xp(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None):
-    """:func:`detect_beats` in array code (the CPU path, and the GPU kernels' reference)."""
-    xp = namespace_of(x)
-    vf = s.vf_baseline > 0
-    peaks = _detect_peaks_xp(x, s, first=first, core=None if vf else core)
-    if not vf:
-        return peaks, xp.zeros((0, 2), dtype=xp.int64)
-    from beatflow.detect.rhythm import flutter_rule  # the rhythm rule is array code on the detected peaks
-
-    keep, episodes = flutter_rule(x, peaks, first, s, span=core)
-    peaks = peaks[keep]
-    if core is not None:
-        peaks = peaks[(peaks >= core[0]) & (peaks < core[1])]
-    return peaks, episodes
-
-
-def _detect_peaks_xp(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None):
-    """:func:`detect_peaks` in array code (the CPU path, and the GPU kernels' reference)."""
     xp = namespace_of(x)
     n = x.shape[0]
     if n == 0:
         return xp.zeros(0, dtype=xp.int64)
-    env = qrs_envelope(x, s)
+    env = envelope(x, s)
     cand = local_maxima(env, s.nms)
     # a peak within `edge` of the ends of x sees only padding on one side (a QRS cut by the end of
     # the record); for a partition these are halo samples, never in its core
@@ -463,7 +419,7 @@ def _detect_peaks_xp(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, i
     floor = 1e-7 * float(xp.abs(x).max())
     keep = (heights > s.weak_ratio * level) & (heights > floor)
     cand, heights, level = cand[keep], heights[keep], level[keep]
-    slopes = steepest_at(x, cand, s)
+    slopes = steepest(x, cand, s)
     quiet = ~noise_mask(env, cand, heights, level, slopes, s)  # peaks of noise bursts are no candidates
     cand, heights, level, slopes = cand[quiet], heights[quiet], level[quiet], slopes[quiet]
     strong = xp.flatnonzero(heights > s.ratio * level)

@@ -7,9 +7,12 @@ similar rate, so the rule looks at the wave's shape rather than at the rate.
 
 Array code for NumPy and CuPy (the namespace comes from the input) over fixed windows of
 ``s.vf_window`` samples aligned to the stream (window ``k`` covers global samples ``[k·W, (k+1)·W)``,
-as the blocks of :func:`beatflow.detect.peaks.block_amplitude`). On the GPU the detection runs the same
-steps as kernels (:func:`beatflow.gpu.kernels.detect_beats_gpu`: about sixty CuPy launches took 4.5–5.8 ms
-over 20 h on an H200, the kernels 0.38 ms) and this array code is their reference and fallback:
+as the blocks of :func:`beatflow.detect.peaks.block_amplitude`): the reference. On the CPU the
+window quantities come from the fused loops of :func:`beatflow.detect.cpu.window_features_cpu`
+(the ``window_features`` step, which :mod:`beatflow.detect` passes for NumPy input); on the GPU the
+detection runs the same steps as kernels (:mod:`beatflow.detect.gpu_vf`: about sixty CuPy launches
+took 4.5–5.8 ms over 20 h on an H200, the kernels 0.38 ms) and this array code is their reference and
+fallback:
 
 1. the despiked signal is high-passed (minus its moving mean over ``s.vf_highpass`` samples) and
    its QRS-band slope taken (:func:`beatflow.detect.peaks.wavelet_response`);
@@ -29,14 +32,17 @@ result does not depend on the partitioning. ``s.vf_baseline = 0`` switches the r
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from beatflow.detect.peaks import (despike, despiked_slope, detect_peaks_xp, local_maxima_xp, qrs_envelope_xp,
+                                   steepest_at_xp)
 from beatflow.device import namespace_of, scipy_for
 from beatflow.params import SegmentSamples
-from beatflow.detect.peaks import _slope, despike
 
 
-def _context_sum(v, radius: int):
+def context_sum(v, radius: int):
     """``v[k - radius] + … + v[k + radius]`` for every ``k`` (positions outside ``v`` add 0), added
     in that order (as the loop reference adds them): one padded copy and ``2·radius`` additions of
     its shifted views (few launches on a GPU)."""
@@ -49,9 +55,10 @@ def _context_sum(v, radius: int):
     return total
 
 
-def window_features(x, first: int, s: SegmentSamples):
+def window_features_xp(x, first: int, s: SegmentSamples):
     """Per stream-aligned window, over it and its ``±s.vf_context`` neighbours: whether its waves
-    are smooth, and the mean fraction of near-median samples.
+    are smooth, and the mean fraction of near-median samples (the reference of the CPU's fused loops,
+    :func:`beatflow.detect.cpu.window_features_cpu`, and of the GPU kernels).
 
     Parameters
     ----------
@@ -70,24 +77,16 @@ def window_features(x, first: int, s: SegmentSamples):
         (``smooth[k]``; elsewhere it is not meaningful). The windows at the ends of ``x`` are
         completed with its first and last sample.
     """
-    if namespace_of(x) is np and x.shape[0] >= 3:  # the CPU path: the same quantities in fused loops
-        return _window_features_cpu(x, first, s)
-    return window_features_xp(x, first, s)
-
-
-def window_features_xp(x, first: int, s: SegmentSamples):
-    """:func:`window_features` in array code, whatever the namespace (the reference of the CPU's
-    fused loops and of the GPU kernels; the path of CuPy input without the kernels)."""
     xp = namespace_of(x)
     h, e_sig, e_slope, w0 = window_energies_xp(x, first, s)
     nw = h.shape[0]
     c = s.vf_context
-    smooth = _context_sum(e_slope, c) < s.vf_omega**2 * _context_sum(e_sig, c)
+    smooth = context_sum(e_slope, c) < s.vf_omega**2 * context_sum(e_sig, c)
     # the baseline fraction (a median and two percentiles per window: most of the rule's cost) only
     # for the windows within ±c of a smooth one, the ones a smooth window's mean reads
-    need = _context_sum(smooth.astype(xp.float64), c) > 0
+    need = context_sum(smooth.astype(xp.float64), c) > 0
     near = near_fractions_xp(h, xp.flatnonzero(need), s)
-    base = _context_sum(near, c) / _context_sum(xp.ones(nw, dtype=xp.float64), c)
+    base = context_sum(near, c) / context_sum(xp.ones(nw, dtype=xp.float64), c)
     return smooth, base, w0
 
 
@@ -104,7 +103,7 @@ def window_energies_xp(x, first: int, s: SegmentSamples):
     nw = -(-(lead + n) // W)
     xd = despike(x)
     high = xd - ndimage.uniform_filter1d(xd, size=s.vf_highpass, mode="nearest")
-    slope = _slope(xd, s.kernel, s.a)  # segment.wavelet_response, despiked once
+    slope = despiked_slope(xd, s.kernel, s.a)  # peaks.wavelet_response, despiked once
     tail = nw * W - lead - n
     h = xp.pad(high, (lead, tail), mode="edge").reshape(nw, W)
     d = xp.pad(slope, (lead, tail), mode="edge").reshape(nw, W)
@@ -124,24 +123,7 @@ def near_fractions_xp(h, rows, s: SegmentSamples):
     return near
 
 
-def _window_features_cpu(x, first: int, s: SegmentSamples):
-    """:func:`window_features` on NumPy with the fused loops of
-    :func:`beatflow.detect.cpu.flutter_features_cpu` (one pass for the energies, the near-median
-    fractions only for the windows that need them); the array code is their reference."""
-    from beatflow.detect.cpu import flutter_features_cpu
-    from beatflow.detect.peaks import gaussian_derivative
-
-    taps = gaussian_derivative(s.kernel, s.a)
-    e_sig, e_slope = flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps)
-    c = s.vf_context
-    smooth = _context_sum(e_slope, c) < s.vf_omega**2 * _context_sum(e_sig, c)
-    rows = np.flatnonzero(_context_sum(smooth.astype(np.float64), c) > 0)
-    near = flutter_features_cpu(x, first, s.vf_window, s.vf_highpass, taps, rows=rows, tol=s.vf_tol)
-    base = _context_sum(near, c) / _context_sum(np.ones(near.shape[0], dtype=np.float64), c)
-    return smooth, base, first // s.vf_window
-
-
-def flutter_windows(x, first: int, s: SegmentSamples):
+def flutter_windows(x, first: int, s: SegmentSamples, *, window_features=window_features_xp):
     """Which stream-aligned windows lie in a ventricular flutter/fibrillation episode.
 
     Returns
@@ -149,7 +131,7 @@ def flutter_windows(x, first: int, s: SegmentSamples):
     (episode, w0) : bool array, int
         ``episode[k]`` for global window ``w0 + k``: the window is in a run of at least
         ``s.vf_runs`` consecutive flutter-like windows (low mean frequency and low baseline
-        fraction: :func:`window_features`).
+        fraction: ``window_features``, of :func:`window_features_xp`'s contract).
     """
     smooth, base, w0 = window_features(x, first, s)
     return runs_of(smooth & (base < s.vf_baseline), s.vf_runs), w0
@@ -206,23 +188,25 @@ def merge_spans(spans) -> np.ndarray:
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
-def flutter_rule(x, peaks, first: int, s: SegmentSamples, span: tuple[int, int] | None = None):
+def flutter_rule(x, peaks, first: int, s: SegmentSamples, span: tuple[int, int] | None = None, *,
+                 window_features=window_features_xp):
     """The peaks to keep and the episodes: ``(keep, episodes)``.
 
     ``keep`` as :func:`flutter_keep_mask`; ``episodes`` the flutter/fibrillation episodes as
     ``[start, end)`` global sample ranges (whole windows) clipped to ``span`` (default: ``x``), an
-    int64 ``(m, 2)`` array in the namespace of ``x`` (empty when the rule is off).
+    int64 ``(m, 2)`` array in the namespace of ``x`` (empty when the rule is off). ``window_features``:
+    the step of :func:`window_features_xp`'s contract (:mod:`beatflow.detect` passes the CPU's loops).
     """
     xp = namespace_of(x)
     lo, hi = (first, first + x.shape[0]) if span is None else (int(span[0]), int(span[1]))
     if x.shape[0] == 0 or not s.vf_baseline > 0:
         return xp.ones(peaks.shape[0], dtype=bool), xp.zeros((0, 2), dtype=xp.int64)
-    episode, w0 = flutter_windows(x, first, s)
+    episode, w0 = flutter_windows(x, first, s, window_features=window_features)
     k = xp.clip(peaks // s.vf_window - w0, 0, episode.shape[0] - 1)
     return ~episode[k], episode_spans(episode, w0, s.vf_window, lo, hi)
 
 
-def flutter_keep_mask(x, peaks, first: int, s: SegmentSamples):
+def flutter_keep_mask(x, peaks, first: int, s: SegmentSamples, *, window_features=window_features_xp):
     """True for the peaks outside ventricular flutter/fibrillation episodes.
 
     Parameters
@@ -240,4 +224,51 @@ def flutter_keep_mask(x, peaks, first: int, s: SegmentSamples):
     """
     if peaks.shape[0] == 0:  # nothing to drop: the windows are not needed
         return namespace_of(x).ones(0, dtype=bool)
-    return flutter_rule(x, peaks, first, s)[0]
+    return flutter_rule(x, peaks, first, s, window_features=window_features)[0]
+
+
+def detect_beats_xp(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None,
+                    envelope=qrs_envelope_xp, local_maxima=local_maxima_xp, steepest=steepest_at_xp,
+                    window_features=window_features_xp):
+    """The peaks of :func:`beatflow.detect.peaks.detect_peaks_xp` outside the ventricular
+    flutter/fibrillation episodes, and the episodes: the reference of
+    :func:`beatflow.detect.detect_beats` (and the GPU kernels' fallback).
+
+    Returns
+    -------
+    (peaks, episodes) : int64 arrays in the namespace of ``x``
+        The sorted global peaks within ``core`` (default: ``x``); the episodes as ``[start, end)``
+        global sample ranges within ``core``, shape ``(m, 2)`` (:func:`flutter_rule`; none when
+        ``s.vf_baseline <= 0``, the rule switched off). The steps ``envelope``, ``local_maxima``,
+        ``steepest`` and ``window_features`` as :func:`beatflow.detect.peaks.detect_peaks_xp` and
+        :func:`flutter_rule` take them.
+    """
+    xp = namespace_of(x)
+    vf = s.vf_baseline > 0
+    peaks = detect_peaks_xp(x, s, first=first, core=None if vf else core, envelope=envelope,
+                            local_maxima=local_maxima, steepest=steepest)
+    if not vf:
+        return peaks, xp.zeros((0, 2), dtype=xp.int64)
+    keep, episodes = flutter_rule(x, peaks, first, s, span=core, window_features=window_features)
+    peaks = peaks[keep]
+    if core is not None:
+        peaks = peaks[(peaks >= core[0]) & (peaks < core[1])]
+    return peaks, episodes
+
+
+def quantile_sorted(srt, q):
+    """NumPy's default (linear) ``quantile(q)`` of the sorted values ``srt``, with its interpolation
+    formula (as :func:`near_fractions_xp`'s percentiles take it). Plain Python: compiled by
+    :mod:`beatflow.detect.cpu` for the CPU loops and by :mod:`beatflow.detect.gpu_vf` as a CUDA
+    device function. (Numba's disk cache of the CPU loops is checked against ``cpu.py`` only: after a
+    change here, delete ``beatflow/detect/__pycache__/cpu.*.nbi``.)"""
+    m = srt.shape[0]
+    vi = (m - 1) * q
+    i0 = int(math.floor(vi))
+    g = vi - i0
+    a = srt[i0]
+    b = srt[min(i0 + 1, m - 1)]
+    diff = b - a
+    if g >= 0.5:
+        return b - diff * (1.0 - g)
+    return a + diff * g

@@ -1,9 +1,12 @@
-"""Beats: from peaks to a ragged (CSR) view over the stream, pruning, and the padded beat matrix."""
+"""Beats: from peaks to a ragged (CSR) view over the stream, pruning, and the padded beat matrix.
+
+Array code for NumPy and CuPy (the namespace comes from the input): the reference of the GPU's
+kernels (:mod:`beatflow.embed.gpu`); :mod:`beatflow.embed` chooses between them
+(:func:`beatflow.embed.embed`, :func:`beatflow.embed.beat_rows`).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
 
 from beatflow.device import namespace_of
 from beatflow.params import SegmentSamples
@@ -31,17 +34,12 @@ def beats_from_peaks(peaks, s: SegmentSamples, n_samples: int):
     return peaks[ok], start[ok], length[ok]
 
 
-#: what the VAE is trained on and scores (recorded in model.json)
-MODEL_INPUT = "beat rows / scale - dominant beat of their recording (elementwise median of its rows)"
-#: at most this many rows (evenly spaced) enter a stream's dominant beat
-DOMINANT_SAMPLE = 16384
-
-
-def beat_rows(x, peaks, s: SegmentSamples, n_samples: int, *, first: int = 0, baseline_samples: int = 0):
+def beat_rows_xp(x, peaks, s: SegmentSamples, n_samples: int, *, first: int = 0, baseline_samples: int = 0):
     """The beats of one recording's sorted peaks that get a row, and their rows.
 
-    :func:`beats_from_peaks`, :func:`kept_mask`, :func:`row_lengths` and :func:`embed` in one call;
-    on the GPU (CuPy input) three kernels and one synchronisation (``kernels.beat_rows_gpu``).
+    :func:`beats_from_peaks`, :func:`kept_mask`, :func:`row_lengths` and :func:`embed_xp` in one call
+    (on the GPU three kernels and one synchronisation do the same:
+    :func:`beatflow.embed.gpu.beat_rows_gpu`).
 
     Parameters
     ----------
@@ -59,46 +57,11 @@ def beat_rows(x, peaks, s: SegmentSamples, n_samples: int, *, first: int = 0, ba
         and length (int64), its row (float32, ``s.width``) and peak-to-peak.
     """
     xp = namespace_of(x)
-    if xp is not np:
-        from beatflow.gpu.kernels import beat_rows_gpu
-
-        return beat_rows_gpu(x, peaks, s, n_samples, first=first, baseline_samples=baseline_samples)
-    peak, start, length = beats_from_peaks(np.asarray(peaks), s, n_samples)
+    peak, start, length = beats_from_peaks(xp.asarray(peaks), s, n_samples)
     kept = kept_mask(length, s)
-    rows, p2p = embed(x, start[kept], row_lengths(length[kept], s), s.width, first=first,
-                      baseline_samples=baseline_samples)
-    return np.flatnonzero(kept), peak[kept], start[kept], length[kept], rows, p2p
-
-
-def dominant_beat(rows):
-    """A stream's dominant beat: the elementwise median of its (scaled) beat rows.
-
-    Most beats of a recording are that patient's normal beats, so the median row is their shape,
-    and a beat's difference from it (:func:`residual_rows`) is what makes it unusual *for this
-    patient*; the VAE is trained on and scores those differences, which makes its score comparable
-    across patients whose normal beats differ (bundle branch blocks, lead placement). Long streams
-    use at most :data:`DOMINANT_SAMPLE` evenly spaced rows (deterministic).
-
-    Parameters
-    ----------
-    rows : array (n, width), NumPy or CuPy
-
-    Returns
-    -------
-    array (width,) of ``rows.dtype`` (zeros when there are no rows)
-    """
-    xp = namespace_of(rows)
-    n = int(rows.shape[0])
-    if n == 0:
-        return xp.zeros(rows.shape[1], dtype=rows.dtype)
-    step = -(-n // DOMINANT_SAMPLE)
-    return xp.median(rows[::step], axis=0).astype(rows.dtype)
-
-
-def residual_rows(rows, dominant):
-    """The rows minus their stream's dominant beat (the VAE's input); a new array."""
-    xp = namespace_of(rows)
-    return rows - xp.asarray(dominant, dtype=rows.dtype)[None, :]
+    rows, p2p = embed_xp(x, start[kept], row_lengths(length[kept], s), s.width, first=first,
+                         baseline_samples=baseline_samples)
+    return xp.flatnonzero(kept), peak[kept], start[kept], length[kept], rows, p2p
 
 
 def prune_mask(length, lower: int, upper: int):
@@ -151,16 +114,17 @@ class RaggedBeats:
     def to_padded(self, width: int, rows=None, baseline_samples: int = 0):
         """The zero-padded ``(n, width)`` float32 matrix of the rows (all, or those in ``rows``).
 
-        See :func:`embed`.
+        See :func:`embed_xp`.
         """
         start, length = self.indptr[:-1], self.lengths
         if rows is not None:
             start, length = start[rows], length[rows]
-        return embed(self.data, start, length, width, baseline_samples=baseline_samples)
+        return embed_xp(self.data, start, length, width, baseline_samples=baseline_samples)
 
 
-def embed(x, start, length, width: int, *, first: int = 0, baseline_samples: int = 0, chunk: int = 8192):
-    """Write each beat into a row of a zero-padded matrix.
+def embed_xp(x, start, length, width: int, *, first: int = 0, baseline_samples: int = 0, chunk: int = 8192):
+    """Write each beat into a row of a zero-padded matrix (the warp-per-beat kernel of
+    :func:`beatflow.embed.gpu.embed_gpu` has the same contract).
 
     Parameters
     ----------
@@ -182,10 +146,6 @@ def embed(x, start, length, width: int, *, first: int = 0, baseline_samples: int
         Range of each beat's samples (for a stream-wide amplitude scale).
     """
     xp = namespace_of(x)
-    if xp is not np:  # warp-per-beat CUDA kernel (beatflow.gpu.kernels), same contract
-        from beatflow.gpu.kernels import embed_gpu
-
-        return embed_gpu(x, start, length, width, first=first, baseline_samples=baseline_samples)
     n = int(start.shape[0])
     rows = xp.zeros((n, width), dtype=xp.float32)
     p2p = xp.zeros(n, dtype=xp.float32)

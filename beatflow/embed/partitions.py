@@ -1,6 +1,7 @@
 """Partitions of a stream: halos from neighbours, per-partition work, and the stream-wide beat plan.
 
-Pure functions on arrays (NumPy or CuPy); the Prefect tasks in ``tasks/`` call them on workers.
+Pure functions on arrays (NumPy or CuPy); the Prefect tasks of :mod:`beatflow.pipeline.stages` call
+them on workers.
 """
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from beatflow.detect import detect_beats, flutter_keep, peak_measures
+from beatflow.detect.leads import doubtful, misplaced
 from beatflow.device import namespace_of, to_host
-from beatflow.embed.beats import beats_from_peaks, embed, kept_mask
-from beatflow.params import SegmentSamples
+from beatflow.embed import embed
+from beatflow.embed.beats import beats_from_peaks, kept_mask
 from beatflow.io.sources import PartitionSpec
-from beatflow.detect.peaks import detect_beats
+from beatflow.params import SegmentSamples
 
 
 def edges(x, halo: int):
@@ -67,12 +70,12 @@ def segment_partition(core, left, right, first: int, s: SegmentSamples, *, episo
                       q=None, n_total: int | None = None):
     """Peaks (global sample indices in the recording) whose position lies in this partition's core;
     with ``episodes``, also the ventricular flutter/fibrillation episodes within the core
-    (``[start, end)`` ranges, :func:`beatflow.detect.peaks.detect_beats`).
+    (``[start, end)`` ranges, :func:`beatflow.detect.detect_beats`).
 
     With ``second = (core, left, right)`` of a second lead (the same halos) and its rules ``q``
     (:class:`beatflow.detect.leads.SecondLeadSamples`; ``n_total``: the recording's length):
     ``(peaks, episodes, measures)``, the peaks outside the flutter episodes of either lead, those
-    episodes, and the peaks' measures (:func:`beatflow.detect.leads.peak_measures`) for rules 2 and 3, which
+    episodes, and the peaks' measures (:func:`beatflow.detect.peak_measures`) for rules 2 and 3, which
     compare each peak with its neighbours and so run once the partitions' peaks are gathered
     (:func:`second_lead_gathered`)."""
     x = extend(core, left, right)
@@ -80,8 +83,6 @@ def segment_partition(core, left, right, first: int, s: SegmentSamples, *, episo
     peaks, eps = detect_beats(x, s, first=x_first, core=span)
     if second is None:
         return (peaks, eps) if episodes else peaks
-    from beatflow.detect.leads import flutter_keep, peak_measures
-
     x1 = extend(*second)
     if x1.shape != x.shape:
         raise ValueError(f"the two leads' partitions differ in length ({x.shape[0]} and {x1.shape[0]} samples)")
@@ -92,13 +93,11 @@ def segment_partition(core, left, right, first: int, s: SegmentSamples, *, episo
 
 
 def second_lead_gathered(specs: list[PartitionSpec], peaks: list, measures: list, q, s: SegmentSamples):
-    """Rules 2 and 3 of the second lead (:func:`beatflow.detect.leads.doubtful`, :func:`beatflow.detect.leads.misplaced`),
-    which compare each peak with its neighbours, over each recording's gathered peaks and measures
+    """Rules 2 and 3 of the second lead (:func:`beatflow.detect.leads.doubtful`,
+    :func:`beatflow.detect.leads.misplaced`), which compare each peak with its neighbours, over each recording's gathered peaks and measures
     (its partitions in order): ``(peaks per partition, number dropped, number moved)``. A moved peak
     stays in its partition's list (its place between its neighbours keeps the concatenation sorted;
     :func:`plan_beats` gives it to the partition that holds its new position)."""
-    from beatflow.detect.leads import doubtful, misplaced
-
     out, dropped, moved = list(peaks), 0, 0
     for rec in sorted({sp.recording for sp in specs}):
         idx = [k for k, sp in enumerate(specs) if sp.recording == rec]

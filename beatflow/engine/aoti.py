@@ -6,7 +6,7 @@ wrapped through DLPack) is passed to the compiled model as it is and results sta
 
 On this project's 2-core CPU, compiling takes ~1.5 min and the result scores ~7k beats/s (ONNX
 Runtime: ~50k per core), so ``backend="auto"`` never picks it on the CPU; it is allowed there for
-testing. Import-safe without CUDA.
+testing (whether it can run: :func:`beatflow.engine.options.aoti_available`). Import-safe without CUDA.
 """
 from __future__ import annotations
 
@@ -20,36 +20,22 @@ import numpy as np
 import torch
 
 from beatflow.engine.base import (
-    _TORCH_DTYPES,
+    TORCH_DTYPES,
     BatchProfile,
     Engine,
     PathLike,
-    Scorer,
-    _check_matrix,
     array_kind,
     as_cuda_tensor,
-    check_precision,
-    cuda_device_index,
+    check_matrix,
     from_cuda_tensor,
     precision_scorer,
 )
+from beatflow.engine.options import check_precision, cuda_device_index
 from beatflow.errors import DeviceError
+from beatflow.model.vae import Scorer
 
-__all__ = ["AotInductorEngine", "aoti_available"]
+__all__ = ["AotInductorEngine"]
 
-
-def aoti_available(device: str = "cuda") -> bool:
-    """Whether AOTInductor can compile for ``device`` here (CUDA torch for a GPU; a C++ compiler
-    for the CPU)."""
-    try:
-        from torch import _inductor  # noqa: F401
-    except Exception:  # pragma: no cover - broken install
-        return False
-    if cuda_device_index(device) is not None:
-        return torch.cuda.is_available()
-    import shutil
-
-    return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++") is not None
 
 
 class AotInductorEngine(Engine):
@@ -126,7 +112,7 @@ class AotInductorEngine(Engine):
         if fused:
             from beatflow.model.fused import FusedScorer
 
-            module = FusedScorer(copy.deepcopy(scorer.vae).to(dev), _TORCH_DTYPES[precision]).to(dev).eval()
+            module = FusedScorer(copy.deepcopy(scorer.vae).to(dev), TORCH_DTYPES[precision]).to(dev).eval()
         else:
             module = precision_scorer(copy.deepcopy(scorer), precision).to(dev).eval()  # the caller's stays put
         hi = max(profile.max, profile.example)
@@ -176,7 +162,7 @@ class AotInductorEngine(Engine):
             if kind != "numpy":
                 raise DeviceError("device beats given to a CPU AOTInductor engine: pass NumPy")
             x = torch.from_numpy(np.ascontiguousarray(beats, dtype=np.float32))
-        _check_matrix(x.shape)
+        check_matrix(x.shape)
         n = x.shape[0]
         model = self.model
         if n == 0:

@@ -1,4 +1,4 @@
-"""Validated, cached inference engines: :func:`build_or_load_engine` and ``beatflow engine clean``.
+"""Validated, cached inference engines: :func:`build_or_load_engine` and :func:`load_engine`.
 
 One entry point for the flow::
 
@@ -6,11 +6,11 @@ One entry point for the flow::
                                         device="cpu", threads=2)
     score, mu = engine.infer(beats / scale)
 
-Backends (see :mod:`beatflow.engine.base`): ``onnxruntime`` (CPU; CUDA with onnxruntime-gpu),
-``compiled`` (the fusible scorer through ``torch.compile``; GPU), ``aoti`` (PyTorch AOTInductor;
-GPU, CPU allowed), ``tensorrt`` (GPU, when importable). ``backend="auto"`` picks, on a GPU,
-tensorrt > compiled > aoti > onnxruntime-cuda, on the CPU onnxruntime
-(the first available that supports the precision).
+Backends (see :mod:`beatflow.engine.base`; which run where: :mod:`beatflow.engine.options`):
+``onnxruntime`` (CPU; CUDA with onnxruntime-gpu), ``compiled`` (the fusible scorer through
+``torch.compile``; GPU), ``aoti`` (PyTorch AOTInductor; GPU, CPU allowed), ``tensorrt`` (GPU, when
+importable). ``backend="auto"`` picks, on a GPU, tensorrt > compiled > aoti > onnxruntime-cuda, on the
+CPU onnxruntime (the first available that supports the precision).
 
 **Cache.** Engines live in a cache folder (``cache_dir`` argument, else ``$BEATFLOW_CACHE_DIR``,
 else ``~/.cache/beatflow/engines``) as ``<backend>-<precision>-<key>.<ext>`` plus a sidecar
@@ -21,10 +21,11 @@ this module's engine format, and for int8 the calibration beats. A build with a 
 cache loads the entry instead of exporting; an entry whose sidecar is missing, unreadable, for
 another key, or whose file's sha256 differs, is rebuilt with an :class:`EngineCacheWarning`,
 never loaded. Files are written to a temporary name and renamed (``os.replace``), the sidecar
-last, so a reader never sees half an entry.
+last, so a reader never sees half an entry. The entries' names, and ``beatflow engine clean|list``, are
+:mod:`beatflow.engine.options`' (no PyTorch).
 
 **Validation.** Every engine, built or loaded, is compared with the fp32 PyTorch scorer on the
-validation beats with the precision's tolerance (:data:`beatflow.engine.base.TOLERANCES`); a build that
+validation beats with the precision's tolerance (:data:`beatflow.engine.validate.TOLERANCES`); a build that
 fails raises :class:`~beatflow.engine.base.EngineValidationError` (one line) and is not cached. For int8
 the validation beats are split: even rows calibrate, odd rows validate.
 
@@ -38,7 +39,6 @@ import json
 import logging
 import os
 import platform
-import re
 import shutil
 import tempfile
 import threading
@@ -49,57 +49,36 @@ from typing import Optional, Union
 
 import numpy as np
 
-from beatflow.engine.base import (
-    PRECISIONS,
-    TOLERANCES,
-    BatchProfile,
-    Engine,
-    EngineValidationError,
-    OnnxRuntimeEngine,
-    check_precision,
-    cuda_device_index,
-    PROFILE_BATCHES,
-    export_onnx,
-    profile_engine,
-    validate_engine,
-)
-from beatflow.engine.options import (  # noqa: F401  (re-exported: the options of an engine, without PyTorch)
-    BACKENDS,
-    DEFAULT_CACHE_DIR,
-    GPU_ORDER,
+from beatflow.engine.base import BatchProfile, Engine, EngineValidationError
+from beatflow.engine.onnx import OnnxRuntimeEngine, export_onnx, quantize_onnx_int8
+from beatflow.engine.options import (
+    _ENTRY_RE,
+    _KEY_LEN,
+    _TMP_PREFIX,
+    EXTENSIONS,
     _supports,
     available_backends,
     cache_dir,
+    check_precision,
+    cuda_device_index,
     normalize_device,
-    register,
     resolve_backend,
 )
+from beatflow.engine.validate import PROFILE_BATCHES, TOLERANCES, profile_engine, validate_engine
 
 __all__ = [
-    "BACKENDS",
     "EngineCacheWarning",
-    "available_backends",
     "build_or_load_engine",
-    "cache_dir",
     "cache_key",
-    "clean_cache",
     "device_name",
     "library_versions",
-    "list_cache",
     "load_engine",
-    "register",
-    "resolve_backend",
 ]
 
 log = logging.getLogger(__name__)
 
 #: Bump when what an engine file contains changes for the same inputs (invalidates caches).
 ENGINE_FORMAT = 3  # 3: the compiled backend (fusible scorer through torch.compile)
-EXTENSIONS = {"onnxruntime": "onnx", "compiled": "pt", "aoti": "pt2", "tensorrt": "plan"}
-_KEY_LEN = 24
-_ENTRY_RE = re.compile(r"^(%s)-(%s)-([0-9a-f]{%d})\.(%s|json)$"
-                       % ("|".join(BACKENDS), "|".join(PRECISIONS), _KEY_LEN, "|".join(EXTENSIONS.values())))
-_TMP_PREFIX = ".tmp-"
 
 
 class EngineCacheWarning(UserWarning):
@@ -272,7 +251,7 @@ def _runtime_options(backend: str, dev: str, threads: Optional[int], profile: Ba
         if dev == "cpu":
             n = int(threads) if threads else _usable_cores()
             # measured on 2 cores: n concurrent single-threaded runs beat one run with n intra-op
-            # threads (bench/RESULTS_engine.md)
+            # threads (bench/results/engine.md)
             opts.update(intra_op_num_threads=1, feeders=max(1, n))
     elif backend == "aoti":
         opts.update(max_batch=max(profile.max, profile.example), threads=threads)
@@ -311,8 +290,6 @@ def _build(backend: str, scorer, path: str, *, precision: str, dev: str, profile
     """Build one engine into ``path`` (uses the module-level :func:`export_onnx`, which tests patch)."""
     if backend == "onnxruntime":
         if precision == "int8":
-            from beatflow.engine.base import quantize_onnx_int8
-
             fp32 = path + ".fp32.onnx"
             # plain graph: ONNX Runtime 1.32 aborts (C++ assertion) creating a session for the
             # quantized rewritten graph, and int8 is slower than fp32 on this model anyway
@@ -428,7 +405,7 @@ def build_or_load_engine(model_path: str, validation_beats: np.ndarray, *, backe
         ``backend``, ``precision``, ``device``, ``device_name``, ``cache`` (``"hit"`` or
         ``"built"``), ``max_abs_err`` and ``max_abs_err_mu`` (against PyTorch on the validation
         beats), ``tolerance``, ``throughput_beats_per_s`` (batches of 1024 on the validation beats),
-        ``profile`` (batch-1 latency p50/p99 and throughput by batch size: :func:`beatflow.engine.base.profile_engine`),
+        ``profile`` (batch-1 latency p50/p99 and throughput by batch size: :func:`beatflow.engine.validate.profile_engine`),
         ``key``, ``path`` (the cached engine file), ``build_s`` (export+build+validation, or
         load+validation on a hit), ``batch_profile``, ``versions``.
 
@@ -667,76 +644,3 @@ def load_engine(path: Union[str, os.PathLike], *, threads: Optional[int] = None,
     options = _runtime_options(meta["backend"], dev, threads or 1, profile, meta["precision"])
     return _load(meta["backend"], path, options, meta["sha256"])
 
-
-# ----------------------------------------------------------------------------------------------
-# cache maintenance and the CLI
-# ----------------------------------------------------------------------------------------------
-
-def _ours(p: Path) -> bool:
-    return bool(_ENTRY_RE.match(p.name)) or p.name.startswith(_TMP_PREFIX)
-
-
-def list_cache(path=None) -> list[dict]:
-    """Sidecars of the entries in the cache folder (unreadable ones as ``{"file": name, "error": ...}``)."""
-    folder = cache_dir(path)
-    out = []
-    if not folder.is_dir():
-        return out
-    for p in sorted(folder.glob("*.json")):
-        if not _ENTRY_RE.match(p.name):
-            continue
-        try:
-            meta = json.loads(p.read_text())
-            meta["file"] = p.name
-        except (OSError, ValueError) as e:
-            meta = {"file": p.name, "error": e.__class__.__name__}
-        out.append(meta)
-    return out
-
-
-def clean_cache(path=None) -> list[Path]:
-    """Remove every engine, sidecar and leftover temporary file from the cache folder.
-
-    Files that do not look like cache entries are left alone (the folder may have been pointed
-    somewhere else by mistake). Returns the removed paths.
-    """
-    folder = cache_dir(path)
-    removed: list[Path] = []
-    if not folder.is_dir():
-        return removed
-    for p in sorted(folder.iterdir()):
-        if not _ours(p):
-            continue
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-        removed.append(p)
-    return removed
-
-
-def engine_command(args) -> int:
-    """``beatflow engine clean|list`` (its arguments: :func:`beatflow.engine.options.register`)."""
-    folder = cache_dir(args.cache_dir)
-    if args.engine_command == "clean":
-        sizes = {}
-        for p in (folder.iterdir() if folder.is_dir() else []):
-            if _ours(p) and p.is_file():
-                sizes[p] = p.stat().st_size
-        removed = clean_cache(folder)
-        for p in removed:
-            print(f"removed {p}")
-        total = sum(sizes.get(p, 0) for p in removed)
-        print(f"engine cache {folder}: removed {len(removed)} file(s), {total / 1e6:.1f} MB")
-        return 0
-    entries = list_cache(folder)
-    if not entries:
-        print(f"engine cache {folder}: empty")
-    for e in entries:
-        if "error" in e:
-            print(f"{e['file']}  (unreadable: {e['error']})")
-            continue
-        v = e.get("validation", {})
-        print(f"{e['engine_file']}  {e['backend']} {e['precision']} on {e['device_name']}  profile {e['batch_profile']}  "
-              f"max abs err {v.get('max_abs_err', float('nan')):.1e}  {e.get('size', 0) / 1e3:.0f} kB  {e.get('created', '')}")
-    return 0

@@ -5,7 +5,8 @@ fusible scorer compiles, but loading it crashes the process (segmentation fault 
 ``aoti_load_package``, also in a fresh process); the cuDNN-form package loads, but it is ~25 kernels
 and its first load in a process took 38 s. ``torch.compile`` of the fused form gives a few Triton
 kernels (H200, batch 8192: 216 µs, ~38 M beats/s in fp32), compiles in ~15 s once per process and
-machine, and reuses Inductor's on-disk caches afterwards.
+machine, and reuses Inductor's on-disk caches afterwards (whether it can run:
+:func:`beatflow.engine.options.compiled_available`).
 
 The engine file is the scorer's weights (``torch.save`` of the state dict and the width), so the
 engine cache works as for the other backends (key: weights hash, precision, device, versions); the
@@ -27,25 +28,27 @@ from typing import Optional
 
 import torch
 
-from beatflow.gpu import arena as capture_arena
-from beatflow.engine.base import _TORCH_DTYPES, PathLike, Scorer, check_precision, cuda_device_index
 from beatflow.engine.aoti import AotInductorEngine
+from beatflow.engine.base import (
+    TORCH_DTYPES,
+    BatchProfile,
+    PathLike,
+    array_kind,
+    as_cuda_tensor,
+    check_matrix,
+    from_cuda_tensor,
+)
+from beatflow.engine.options import check_precision
 from beatflow.errors import DeviceError
-from beatflow.model.vae import capture_graph, native_allocator
+from beatflow.gpu import arena as capture_arena
+from beatflow.model.graphs import capture_graph, native_allocator
+from beatflow.model.vae import Scorer
 
-__all__ = ["CompiledEngine", "compiled_available", "native_allocator"]
+__all__ = ["CompiledEngine"]
 
 #: batch sizes the engine compiles a static graph for (up to its max batch)
 BUCKETS = (1, 32, 256, 2048, 8192)
 
-
-def compiled_available(device: str = "cuda") -> bool:
-    """CUDA torch with Triton (what Inductor generates GPU kernels with)."""
-    if cuda_device_index(device) is None or not torch.cuda.is_available():
-        return False
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
 
 
 class _GraphedBuckets:
@@ -135,7 +138,7 @@ class CompiledEngine(AotInductorEngine):
         super().__init__(path, device=device, precision=precision, max_batch=max_batch)
         if self.device_index is None:
             raise DeviceError("the compiled engine runs on a CUDA device")
-        if precision not in _TORCH_DTYPES:
+        if precision not in TORCH_DTYPES:
             raise ValueError(f"compiled engine: precision {precision!r} not supported (fp32, fp16, bf16)")
         # graphs by default where PyTorch allocates with its own allocator, or from RMM with a capture
         # arena in front (beatflow.gpu.arena; without it, capturing the compiled scorer under RMM's
@@ -162,7 +165,7 @@ class CompiledEngine(AotInductorEngine):
                     blob = torch.load(self.path, map_location="cpu", weights_only=True)
                     vae = LightVAE(int(blob["width"]))
                     vae.load_state_dict(blob["state_dict"])
-                    module = FusedScorer(vae.to(self.torch_device), _TORCH_DTYPES[self.precision]).eval()
+                    module = FusedScorer(vae.to(self.torch_device), TORCH_DTYPES[self.precision]).eval()
                     # one static graph per batch bucket (dynamic shapes made slower kernels: 5.5 M
                     # beats/s at 8192 against 38 M static); every engine in a process recompiles the
                     # same forward, so allow more than dynamo's default 8 variants
@@ -178,8 +181,6 @@ class CompiledEngine(AotInductorEngine):
     def build(cls, scorer: Scorer, path: PathLike, *, device: str = "cuda", precision: str = "fp32",
               batch_profile=(1, 1024, 8192), cudagraphs: Optional[bool] = None, **_ignored) -> "CompiledEngine":
         """Save the scorer's weights to ``path`` and compile (warm) for the profile's batches."""
-        from beatflow.engine.base import BatchProfile
-
         check_precision(precision)
         profile = BatchProfile.coerce(batch_profile)
         torch.save({"width": int(scorer.width), "state_dict": scorer.vae.state_dict()}, os.fspath(path))
@@ -201,11 +202,9 @@ class CompiledEngine(AotInductorEngine):
     def infer(self, beats, batch_size: int = 8192):
         """Score ``(n, D)`` beats on the device: chunks of the largest bucket, the last one padded
         with zero rows to the next bucket (device copies only); results stay on the device."""
-        from beatflow.engine.base import _check_matrix, array_kind, as_cuda_tensor, from_cuda_tensor
-
         kind = array_kind(beats)
         x = as_cuda_tensor(beats, self.torch_device)
-        _check_matrix(x.shape)
+        check_matrix(x.shape)
         n, step = x.shape[0], max(1, min(int(batch_size), self.max_batch))
         buckets = [b for b in self._bucket_list if b <= step] or [step]
         model = self.model

@@ -1,15 +1,28 @@
-"""The engine options of a run, without PyTorch: precisions, devices, backends, the engine cache's
-folder, and the ``beatflow engine`` command's arguments.
+"""The engine options of a run, without PyTorch: precisions, devices, backends and where they run, the
+engine cache's folder and entries' names, and the ``beatflow engine clean|list`` command.
 
 The command line and the flow's process check a run's ``--engine``/``--precision``/``--device`` with
 :func:`resolve_backend` before anything starts; importing :mod:`beatflow.engine.cache` for that would
 import PyTorch into them (0.9 s of a ``beatflow run`` command's start on 2 cores, for a process that
-trains and scores nothing: the workers do). :mod:`beatflow.engine.base` and :mod:`beatflow.engine.cache`
-take these from here.
+trains and scores nothing: the workers do). The backends' availability probes import what they probe
+(PyTorch, TensorRT, ONNX Runtime) when called, on a GPU only where they must. The engine modules take
+these from here; this module imports none of them.
+
+**"auto" devices.** :func:`normalize_device` resolves ``auto`` by asking PyTorch (``torch.cuda.is_available()``),
+not as :func:`beatflow.device.resolve_device` does (CuPy sees a CUDA device): every engine backend computes
+through PyTorch's CUDA runtime (the ``compiled``, ``aoti`` and ``tensorrt`` engines need CUDA torch; ONNX
+Runtime's CUDA engine binds torch tensors), never through CuPy, which is the pipeline's array library. The
+two agree wherever both libraries see the GPU (a ``beatflow[gpu]`` install); they differ with CuPy beside a
+CPU-only PyTorch (the pipeline's ``auto`` is the GPU, an engine's the CPU: the only device it can run on)
+and with CUDA PyTorch without CuPy (the reverse). The flow resolves its device once
+(:func:`~beatflow.device.resolve_device`) and hands the engine ``cpu`` or ``gpu``, never ``auto``.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Optional, Union
 
@@ -65,6 +78,51 @@ def normalize_device(device: Union[str, int, None]) -> str:
     return "cpu" if idx is None else f"cuda:{idx}"
 
 
+# ----------------------------------------------------------------------------------------------
+# backends: which run here
+# ----------------------------------------------------------------------------------------------
+
+def aoti_available(device: str = "cuda") -> bool:
+    """Whether AOTInductor can compile for ``device`` here (CUDA torch for a GPU; a C++ compiler
+    for the CPU)."""
+    try:
+        import torch
+        from torch import _inductor  # noqa: F401
+    except Exception:  # pragma: no cover - broken install
+        return False
+    if cuda_device_index(device) is not None:
+        return torch.cuda.is_available()
+    return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++") is not None
+
+
+def compiled_available(device: str = "cuda") -> bool:
+    """CUDA torch with Triton (what Inductor generates GPU kernels with)."""
+    if cuda_device_index(device) is None:
+        return False
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def tensorrt_available() -> bool:
+    """Whether ``tensorrt`` is importable and torch sees a CUDA device."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt") is None:
+        return False
+    try:
+        import tensorrt  # noqa: F401
+    except Exception:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _ort_has_cuda() -> bool:
     try:
         import onnxruntime as ort
@@ -90,14 +148,7 @@ def available_backends(device: str = "cpu") -> list[str]:
     """Backends usable on ``device``, in ``auto`` preference order."""
     dev = normalize_device(device)
     if dev == "cpu":
-        from beatflow.engine.aoti import aoti_available
-
         return ["onnxruntime"] + (["aoti"] if aoti_available("cpu") else [])
-    from beatflow.engine.aoti import aoti_available
-    from beatflow.engine.tensorrt import tensorrt_available
-
-    from beatflow.engine.compiled import compiled_available
-
     have = {"tensorrt": tensorrt_available(), "compiled": compiled_available(dev), "aoti": aoti_available(dev),
             "onnxruntime": _ort_has_cuda()}
     return [b for b in GPU_ORDER if have[b]]
@@ -138,6 +189,61 @@ def resolve_backend(backend: str, precision: str, device: str) -> str:
     return backend
 
 
+# ----------------------------------------------------------------------------------------------
+# the cache folder's entries, and the CLI
+# ----------------------------------------------------------------------------------------------
+
+#: an entry's file is ``<backend>-<precision>-<key>.<extension>`` (``beatflow.engine.cache``), its sidecar ``….json``
+EXTENSIONS = {"onnxruntime": "onnx", "compiled": "pt", "aoti": "pt2", "tensorrt": "plan"}
+_KEY_LEN = 24
+_ENTRY_RE = re.compile(r"^(%s)-(%s)-([0-9a-f]{%d})\.(%s|json)$"
+                       % ("|".join(BACKENDS), "|".join(PRECISIONS), _KEY_LEN, "|".join(EXTENSIONS.values())))
+_TMP_PREFIX = ".tmp-"
+
+
+def _ours(p: Path) -> bool:
+    return bool(_ENTRY_RE.match(p.name)) or p.name.startswith(_TMP_PREFIX)
+
+
+def list_cache(path=None) -> list[dict]:
+    """Sidecars of the entries in the cache folder (unreadable ones as ``{"file": name, "error": ...}``)."""
+    folder = cache_dir(path)
+    out = []
+    if not folder.is_dir():
+        return out
+    for p in sorted(folder.glob("*.json")):
+        if not _ENTRY_RE.match(p.name):
+            continue
+        try:
+            meta = json.loads(p.read_text())
+            meta["file"] = p.name
+        except (OSError, ValueError) as e:
+            meta = {"file": p.name, "error": e.__class__.__name__}
+        out.append(meta)
+    return out
+
+
+def clean_cache(path=None) -> list[Path]:
+    """Remove every engine, sidecar and leftover temporary file from the cache folder.
+
+    Files that do not look like cache entries are left alone (the folder may have been pointed
+    somewhere else by mistake). Returns the removed paths.
+    """
+    folder = cache_dir(path)
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for p in sorted(folder.iterdir()):
+        if not _ours(p):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
 def register(sub) -> dict:
     """Add ``beatflow engine clean|list [--cache-dir DIR]`` to the CLI's subparsers."""
     p = sub.add_parser("engine", help="inference engine cache: clean, list")
@@ -145,10 +251,31 @@ def register(sub) -> dict:
     for name, text in (("clean", "remove all cached engines"), ("list", "list cached engines")):
         c = esub.add_parser(name, help=text)
         c.add_argument("--cache-dir", help=f"cache folder (default $BEATFLOW_CACHE_DIR or {DEFAULT_CACHE_DIR})")
-    return {"engine": _cmd_engine}
+    return {"engine": engine_command}
 
 
-def _cmd_engine(args) -> int:
-    from beatflow.engine.cache import engine_command  # (the cache's entries: PyTorch's engines)
-
-    return engine_command(args)
+def engine_command(args) -> int:
+    """``beatflow engine clean|list`` (its arguments: :func:`register`)."""
+    folder = cache_dir(args.cache_dir)
+    if args.engine_command == "clean":
+        sizes = {}
+        for p in (folder.iterdir() if folder.is_dir() else []):
+            if _ours(p) and p.is_file():
+                sizes[p] = p.stat().st_size
+        removed = clean_cache(folder)
+        for p in removed:
+            print(f"removed {p}")
+        total = sum(sizes.get(p, 0) for p in removed)
+        print(f"engine cache {folder}: removed {len(removed)} file(s), {total / 1e6:.1f} MB")
+        return 0
+    entries = list_cache(folder)
+    if not entries:
+        print(f"engine cache {folder}: empty")
+    for e in entries:
+        if "error" in e:
+            print(f"{e['file']}  (unreadable: {e['error']})")
+            continue
+        v = e.get("validation", {})
+        print(f"{e['engine_file']}  {e['backend']} {e['precision']} on {e['device_name']}  profile {e['batch_profile']}  "
+              f"max abs err {v.get('max_abs_err', float('nan')):.1e}  {e.get('size', 0) / 1e3:.0f} kB  {e.get('created', '')}")
+    return 0

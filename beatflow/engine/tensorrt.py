@@ -1,6 +1,7 @@
 """TensorRT backend: an engine built from the ONNX export with a min/opt/max batch profile.
 
-Built only where ``tensorrt`` is importable and a CUDA device is present (import-safe anywhere).
+Built only where ``tensorrt`` is importable and a CUDA device is present
+(:func:`beatflow.engine.options.tensorrt_available`; import-safe anywhere).
 The network is created *strongly typed* from an ONNX graph that carries its precision (fp32, or
 the :class:`~beatflow.engine.base.PrecisionScorer` graph with explicit casts for fp16/bf16), so TensorRT
 computes in exactly the types of the graph; TF32 is turned off so fp32 stays fp32.
@@ -12,7 +13,6 @@ host unless the input is NumPy.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
 import threading
@@ -21,36 +21,22 @@ from typing import Optional
 import torch
 
 from beatflow.engine.base import (
-    INPUT_NAME,
-    LATENT_DIM,
-    OUTPUT_NAMES,
     BatchProfile,
     Engine,
     EngineValidationError,
     PathLike,
-    Scorer,
-    _check_matrix,
     array_kind,
     as_cuda_tensor,
-    check_precision,
-    cuda_device_index,
-    export_onnx,
+    check_matrix,
     from_cuda_tensor,
 )
+from beatflow.engine.onnx import INPUT_NAME, OUTPUT_NAMES, export_onnx
+from beatflow.engine.options import check_precision, cuda_device_index
 from beatflow.errors import DeviceError
+from beatflow.model.vae import LATENT_DIM, Scorer
 
-__all__ = ["TensorRtEngine", "tensorrt_available"]
+__all__ = ["TensorRtEngine", "build_plan"]
 
-
-def tensorrt_available() -> bool:
-    """Whether ``tensorrt`` is importable and torch sees a CUDA device."""
-    if importlib.util.find_spec("tensorrt") is None:
-        return False
-    try:
-        import tensorrt  # noqa: F401
-    except Exception:
-        return False
-    return torch.cuda.is_available()
 
 
 def _logger():
@@ -206,7 +192,7 @@ class TensorRtEngine(Engine):
         kind = array_kind(beats)
         dev = self.torch_device
         x = as_cuda_tensor(beats, dev)
-        _check_matrix(x.shape)
+        check_matrix(x.shape)
         n = x.shape[0]
         score = torch.empty(n, dtype=torch.float32, device=dev)
         mu = torch.empty((n, LATENT_DIM), dtype=torch.float32, device=dev)

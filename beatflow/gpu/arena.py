@@ -4,7 +4,7 @@ Under RMM's stream-ordered pool (``CudaAsyncMemoryResource``) an allocation made
 capture becomes a node of the graph: its address is reserved but not mapped until the graph runs.
 PyTorch's own kernels do not mind, but a kernel launcher that asks the driver about its pointer
 arguments (Triton's, under ``torch.compile``) gets ``CUDA driver error: invalid argument``, so a
-compiled step could not be captured in the workers (session 7, H200).
+compiled step could not be captured in the workers (H200, ``bench/results/gpu.md``).
 
 :class:`CaptureArena` is an RMM resource put in front of the current one. Outside a capture it
 forwards every allocation; inside :meth:`CaptureArena.capture` the allocations come from an *arena*:

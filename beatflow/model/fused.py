@@ -12,7 +12,7 @@ Nothing here is a new model: :class:`FusedScorer` and :func:`fused_forward` comp
 (shared, not copied), up to float rounding; ``tests/test_fused.py`` checks both against the
 ``nn.Module`` versions on random weights and inputs. Used by the ``compiled`` engine on GPUs
 (:mod:`beatflow.engine.compiled`) and for compiled training steps
-(``beatflow.model.vae.train_vae(compile=True)``).
+(``beatflow.model.train.train_vae(compile=True)``).
 """
 from __future__ import annotations
 

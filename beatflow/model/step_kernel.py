@@ -2,19 +2,19 @@
 
 Why a kernel of its own: the step is tiny (about 25 k multiply-adds a row through convolutions of 1 to
 8 channels) and, even compiled by Inductor and replayed from a CUDA graph, it was 76 kernels and
-290-370 µs a step on an H200 (``bench/gpu_train_kernels.py``, session 15), most of it launch gaps and
+290-370 µs a step on an H200 (``bench/results/training.md``), most of it launch gaps and
 small reductions, while its memory traffic is tens of microseconds. Here a warp computes one row's
 whole forward pass (its activations in shared memory, the lanes along the row), its loss, and its
 backward pass, and writes that row's gradient of every parameter (and its loss) into a row of ``g``.
 Summing ``g`` over the rows (``torch.sum``: a fixed order, so the weights are the same run after
 run) gives the batch's gradient; a fused Adam updates the parameters. A step is four kernels (the
 noise, this one, the sum, Adam), 156 µs of GPU time on an H100, of which this kernel 142 µs; 10 epochs
-of the 20 h stream train in 0.15 s against 0.28 s for the compiled bf16 steps (session 28).
+of the 20 h stream train in 0.15 s against 0.28 s for the compiled bf16 steps (``bench/results/training.md``).
 
 The arithmetic is the model's (:class:`beatflow.model.vae.LightVAE`, :func:`beatflow.model.vae.vae_loss`) in
 float32: ``tests/test_train_kernel.py`` checks each row's gradient and loss against PyTorch's autograd
 of the ``nn.Module`` on random weights and inputs (on the CPU under ``NUMBA_ENABLE_CUDASIM=1``, and on
-a GPU). It knows nothing of the flow: :func:`beatflow.model.vae.train_vae` uses it through
+a GPU). It knows nothing of the flow: :func:`beatflow.model.train.train_vae` uses it through
 :class:`KernelStep`.
 
 Layout: ``p`` is every parameter flattened in ``LightVAE.parameters()`` order (:func:`param_layout`);
@@ -67,11 +67,11 @@ def warp_sums(shuffles: bool = False):
     global cuda
     from numba import cuda as numba_cuda
 
-    from beatflow.gpu import kernels as K
+    from beatflow.gpu import runtime as K
     cuda = numba_cuda
-    K._build()
+    K.numba_cuda()
     sim = K.simulator_active()
-    shfl_xor = _sim_shfl_xor if sim else K._shfl_xor
+    shfl_xor = _sim_shfl_xor if sim else K.warp_intrinsics()["_shfl_xor"]
     FULL = 0xFFFFFFFF
     if sim and not shuffles:
         wsum, tsum = _sim_wsum, _sim_tsum
@@ -120,7 +120,7 @@ def step_sums(sums: str | None = None) -> str:
     ``$BEATFLOW_STEP_SUMS``, else transposed. Both give the same bits (tested under the simulator's shuffles and
     on the GPU); the transposed sums took 10 epochs of the flow's rows in 83.5 ms of GPU time against the
     butterflies' 113.4 ms (H200; 83.4 against 115.5 ms, H100), and trained the flow to the same losses to the
-    bit (``bench/RESULTS.md``, session 34)."""
+    bit (``bench/results/training.md``)."""
     import os
 
     got = sums or os.environ.get("BEATFLOW_STEP_SUMS") or "transposed"
@@ -143,16 +143,16 @@ def _build_step_kernel(width: int, sums: str, shuffles: bool = False):
     from numba import cuda as numba_cuda
     from numba import float32
 
-    from beatflow.gpu import kernels as K
+    from beatflow.gpu import runtime as K
     cuda = numba_cuda  # (a module global: the simulator swaps it in the kernels' globals per launch)
 
-    K._build()  # the warp shuffles and barriers on a GPU
+    K.numba_cuda()
     sim = K.simulator_active()
     if sim:
-        K._sim_lock_shared_arrays()
+        K.lock_shared_arrays()
         syncwarp = _sim_syncwarp
     else:
-        syncwarp = K._syncwarp
+        syncwarp = K.warp_intrinsics()["_syncwarp"]  # the warp shuffles and barriers on a GPU
     W = int(width)
     if W <= 0 or W % 8:
         raise ValueError(f"LightVAE width must be a positive multiple of 8, got {W}")
@@ -263,7 +263,7 @@ def _build_step_kernel(width: int, sums: str, shuffles: bool = False):
                         tot = wsum(acc[j])
                         if lane == j % WARP:
                             g[b, (ow + j) if j < n else (ob + j - n)] = tot
-        else:  # a butterfly each: the loop as it was before the transposed sums (the default until session 34)
+        else:  # a butterfly each (the loop without the transposed sums)
             for j in range(nj):
                 tot = wsum(acc[j])
                 if lane == j % WARP:
@@ -567,7 +567,7 @@ def row_grads(x, eps, params, width: int | None = None, sums: str | None = None,
                                                    np.ascontiguousarray(params, np.float32), g))
     blocks, threads = launch_config(kernel, x.shape[0])
     from beatflow.device import switch_interval
-    from beatflow.gpu.kernels import simulator_active
+    from beatflow.gpu.sim import simulator_active
 
     # (the simulator's lanes are threads: with the default 5 ms each barrier waits for the GIL)
     with switch_interval(2e-4 if simulator_active() else None):
@@ -603,7 +603,7 @@ def warp_totals(values):
     from numba import cuda
 
     from beatflow.device import switch_interval
-    from beatflow.gpu.kernels import simulator_active
+    from beatflow.gpu.sim import simulator_active
 
     vals = np.ascontiguousarray(values, np.float32)
     if vals.shape != (WARP, WARP):
@@ -617,7 +617,7 @@ def warp_totals(values):
 
 def kernel_available() -> bool:
     """Whether the step kernel can run on a GPU here (Numba's CUDA target on a CUDA device, not the simulator)."""
-    from beatflow.gpu.kernels import simulator_active
+    from beatflow.gpu.sim import simulator_active
 
     try:
         from numba import cuda as numba_cuda
@@ -629,7 +629,7 @@ def kernel_available() -> bool:
 
 class KernelStep:
     """``loss = step(xb)``: a training step's forward, loss and backward by the step kernel, for
-    :func:`beatflow.model.vae.train_vae` (``kernel``). The model's parameters become views of one flat
+    :func:`beatflow.model.train.train_vae` (``kernel``). The model's parameters become views of one flat
     float32 vector (what the kernel reads) and their ``.grad`` views of another, which each call fills
     with the batch's gradient (the rows' sum); the optimizer's step follows. The returned loss (the
     batch's total) is a device scalar the next call overwrites. Each call draws the batch's noise

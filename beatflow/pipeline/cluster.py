@@ -11,6 +11,7 @@ import logging
 import os
 
 from distributed.diagnostics.plugin import WorkerPlugin
+from prefect_dask import DaskTaskRunner
 
 from beatflow.errors import DeviceError, InputError
 
@@ -127,9 +128,10 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def parse_pool_size(value) -> float | int | str:
+def parse_pool_size(value) -> float | int:
     """An RMM pool size as dask-cuda takes it: ``"80%"`` or ``0.8`` → ``0.8`` (fraction of the GPU),
-    ``"20GB"`` stays a string, ``1e9`` → bytes.
+    ``"20GB"`` or ``1e9`` → bytes (Dask's units: the workers' memory set-up, :mod:`beatflow.device`, then
+    reads a number, without Dask).
 
     Raises
     ------
@@ -142,14 +144,14 @@ def parse_pool_size(value) -> float | int | str:
     percent = text.endswith("%")
     try:
         v = float(text[:-1]) / 100.0 if percent else float(text)
-    except ValueError:  # a size with a unit ("40GB"): dask-cuda reads it as it is
+    except ValueError:  # a size with a unit ("40GB")
         try:
             v = dask.utils.parse_bytes(text)
         except ValueError:
             raise InputError(f"--rmm-pool-size: cannot read {value!r} (e.g. 80%, 0.8 or 40GB)") from None
         if v <= 0:
             raise InputError(f"--rmm-pool-size must be positive, got {value!r}")
-        return text
+        return int(v)
     if not v > 0:
         raise InputError(f"--rmm-pool-size must be positive, got {value!r}")
     if percent and v > 1.0:
@@ -161,7 +163,8 @@ def parse_pool_size(value) -> float | int | str:
 #: gain nothing since the stages' partition work runs as plain Dask tasks (with Prefect task runs per
 #: partition, 4 threads overlapped their bookkeeping); and what a worker prepares once per thread (the
 #: CUDA graphs of training and of the compiled engine are captured per thread) made the second and
-#: third runs on a standing 4-thread worker pay it again (17.9 and 6.1 s against 4.1 s, H200 session 10)
+#: third runs on a standing 4-thread worker pay it again (17.9 and 6.1 s against 4.1 s on the H200:
+#: ``bench/results/gpu.md``)
 GPU_WORKER_THREADS = 1
 
 #: what each worker of the flow's own cluster preloads (:mod:`beatflow.pipeline.worker_preload`: its exit, which the
@@ -194,8 +197,6 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
         RMM's ``CudaAsyncMemoryResource``, ``rmm_pool_size`` reserved up front), in which PyTorch can
         capture CUDA graphs (whole training steps); ``pool``, RMM's own ``PoolMemoryResource``.
     """
-    from prefect_dask import DaskTaskRunner
-
     logging.getLogger("distributed").setLevel(logging.WARNING)  # the scheduler runs in this process
     if scheduler:
         return DaskTaskRunner(address=scheduler)
@@ -316,6 +317,28 @@ def prepare_gpu_workers(pool_size=None, allocator: str = "async") -> dict:
     return client.run(gpu_memory_state)
 
 
+def prepare_cluster(device: str, workers: int | None, rmm_pool_size=None, rmm_allocator: str = "async"
+                    ) -> tuple[int, dict]:
+    """The flow's cluster made ready for a run: ``(workers, gpu_workers)``, the number of workers
+    (``workers``, or with None, as many as a cluster given by ``--scheduler`` has) and, on the GPU, each
+    worker's memory state (:func:`prepare_gpu_workers`: one RMM pool for CuPy, Numba and PyTorch).
+
+    Raises
+    ------
+    DeviceError
+        No worker starts (:func:`wait_for_workers`), or a worker has no usable GPU.
+    """
+    from beatflow.device import import_in_background
+
+    if device == "gpu":  # the Dask client here meets CuPy arrays' types (`beatflow run` started this before)
+        import_in_background("cupy")
+    wait_for_workers(1)  # a cluster whose workers cannot start is an error, not a hang
+    if workers is None:
+        client = flow_client()
+        workers = max(1, len(client.scheduler_info().get("workers", {}))) if client is not None else 1
+    return workers, (prepare_gpu_workers(rmm_pool_size, rmm_allocator) if device == "gpu" else {})
+
+
 def home_worker(client) -> str | None:
     """The cluster's home worker: the first by address (None without a client or workers).
 
@@ -356,14 +379,19 @@ def flow_client():
     """The Dask client of the current flow run's task runner (None outside a Dask-run flow).
 
     ``distributed.get_client()`` is not enough: the flow body runs in its own thread, where the
-    runner's client is not the default one.
+    runner's client is not the default one. Nor is prefect-dask's ``get_dask_client``, made for a
+    task that runs on a worker: in the flow body it opens a new ``Client`` to the scheduler on each
+    call (30 ms a call with an in-process cluster; the runner's own client here: microseconds), and
+    the futures made through it are cancelled when it closes, while the partitions' futures must live
+    from stage to stage; in a Prefect task run in the flow's process (the stages) it raises
+    ``ValueError: No global client found`` (``tests/test_cluster.py`` checks both).
     """
     try:
         from prefect.context import FlowRunContext
 
         ctx = FlowRunContext.get()
         runner = getattr(ctx, "task_runner", None)
-        if hasattr(type(runner), "client"):  # a DaskTaskRunner: its client (made on first use)
+        if isinstance(runner, DaskTaskRunner):  # its client (made on first use)
             return runner.client
         from distributed import get_client
 

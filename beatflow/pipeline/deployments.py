@@ -5,11 +5,14 @@ GPU LocalCUDACluster) is chosen here, from the parameters a user sets in the Pre
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from prefect import flow
 
 from beatflow.device import resolve_device
-from beatflow.pipeline.flow import ecg_anomaly_flow
 from beatflow.pipeline.cluster import make_task_runner
+from beatflow.pipeline.flow import ecg_anomaly_flow
 
 
 @flow(name="train-and-score", log_prints=True)
@@ -27,17 +30,36 @@ def train_and_score(input: str | None = None, device: str = "auto", workers: int
         lead=lead, column=column, confirm_lead=confirm_lead, confirm_column=confirm_column)
 
 
+def bench_script(name: str = "pipeline_bench.py") -> Path:
+    """``bench/<name>`` of the checkout the deployment runs from (bench/ is not installed): the folder
+    ``prefect.yaml``'s pull step sets (``$BEATFLOW_HOME``), the working directory, or the checkout
+    that holds this module (an editable install, or ``PYTHONPATH``).
+
+    Raises
+    ------
+    FileNotFoundError
+        None of them has it.
+    """
+    here = Path(__file__).resolve().parents[2]
+    tried = [Path(p) for p in (os.environ.get("BEATFLOW_HOME"), os.getcwd()) if p] + [here]
+    for root in tried:
+        script = root / "bench" / name
+        if script.is_file():
+            return script.resolve()
+    raise FileNotFoundError(f"bench/{name} not found in {', '.join(str(r) for r in tried)} (a checkout of "
+                            "beatflow; set BEATFLOW_HOME to it)")
+
+
 @flow(name="benchmark", log_prints=True)
 def benchmark(hours: float = 20.0) -> str:
     """Run bench/pipeline_bench.py and keep its table as a markdown artifact."""
     import subprocess
     import sys
-    from pathlib import Path
 
     from prefect.artifacts import create_markdown_artifact
 
-    root = Path(__file__).resolve().parents[2]  # (the checkout: bench/ is not installed)
-    r = subprocess.run([sys.executable, str(root / "bench" / "pipeline_bench.py"), "--hours", str(hours)],
-                       capture_output=True, text=True, cwd=root, check=True)
+    script = bench_script()
+    r = subprocess.run([sys.executable, str(script), "--hours", str(hours)], capture_output=True, text=True,
+                       cwd=script.parents[1], check=True)
     create_markdown_artifact(r.stdout, key="beatflow-benchmark", description="pipeline benchmark")
     return r.stdout

@@ -3,46 +3,48 @@
 Each stage is a Prefect task; the partitions' work of a stage is mapped over the Dask workers
 (``beatflow.pipeline.stages``) and each partition's arrays stay in its worker (futures). The flow itself only
 sees small results and writes the outputs, into a temporary folder renamed at the end, so a failed
-run leaves no partial output.
+run leaves no partial output (:mod:`beatflow.pipeline.outputs`).
+
+The flow builds its options once (:class:`~beatflow.pipeline.options.RunOptions`); each stage is a function
+here (:func:`_load`, :func:`_segment`, :func:`_embed`, :func:`_train`, :func:`_build_engine`, :func:`_score`,
+:func:`_report`) that hands its small results to the next; what the outputs say (``summary.json``, the
+report's data) is built by :mod:`beatflow.report.data`.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import socket
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
-from datetime import datetime
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
-import pandas as pd
 from prefect import flow, get_run_logger
 
-from beatflow.device import import_in_background, transfer_stats
-from beatflow.embed.beats import MODEL_INPUT
-from beatflow.errors import InputError
-from beatflow.terminal import done_interrupt, front_sigterm, on_interrupt
-from beatflow.report.pool import FigurePool, figure_pool
-from beatflow.score.metrics import match_truth, truth_check
-from beatflow.params import DEFAULT_FS, TRAIN_FRACTION, SegmentParams, compile_pays
 from beatflow.detect.leads import SecondLeadParams
-from beatflow.embed.partitions import assemble_halos, plan_beats, second_lead_gathered
-from beatflow.io.sources import open_second_lead, open_source
-from beatflow.score.rule import anomaly_table, robust_threshold, top_order, write_anomaly_table
+from beatflow.device import transfer_stats
+from beatflow.embed.partitions import BeatPlan, assemble_halos, plan_beats, second_lead_gathered
+from beatflow.errors import InputError
+from beatflow.io.sources import Source, open_second_lead, open_source
+from beatflow.params import DEFAULT_FS, TRAIN_FRACTION, SegmentParams, SegmentSamples, compile_pays
 from beatflow.pipeline import stages as T
 from beatflow.pipeline.caching import cached, code_version, input_digest, token
-from beatflow.pipeline.cluster import flow_client, prepare_gpu_workers, run_on_workers, wait_for_workers
+from beatflow.pipeline.cluster import prepare_cluster, run_on_workers
+from beatflow.pipeline.options import RunOptions
+from beatflow.pipeline.outputs import default_out_dir, run_folder, write_in_background
+from beatflow.report import data as R
+from beatflow.report.data import N_COLUMNS, N_TOP
+from beatflow.report.figures import EARLY_FIGURES, FIGURES
+from beatflow.report.pool import FigurePool, figure_pool
+from beatflow.score.metrics import match_truth, truth_check
+from beatflow.score.rule import MODEL_INPUT, anomaly_table, robust_threshold, top_order, write_anomaly_table
+from beatflow.terminal import front_sigterm
 
-N_COLUMNS = 4000  # pixel columns of the whole-stream picture
-N_TOP = 12
-
-
-def default_out_dir() -> Path:
-    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+#: the report's figures drawn as soon as the scores are known (``beatflow.report.figures.FIGURES``)
+LATE_FIGURES = ("stream", "scores", "latent", "latent_truth")
 
 
 class _Stopwatch:
@@ -61,37 +63,6 @@ class _Stopwatch:
 
     def total(self) -> dict:
         return {**self.times, "total": round(time.perf_counter() - self.t0, self.digits)}
-
-
-_OWNER = ".owner"  # "<host> <pid>" of the run writing a .partial folder
-
-
-def remove_stale_partials(final: Path) -> list[Path]:
-    """Remove the ``.partial`` folders that killed runs left next to ``final``.
-
-    A run writes into ``.<name>.<random>.partial`` and renames it at the end; a run killed with
-    SIGKILL cannot clean up. A folder is stale when its owner file names this host and a process
-    that no longer exists (folders of other hosts, or without an owner file, are left alone).
-    """
-    host, out = socket.gethostname(), []
-    for d in final.parent.glob(f".{final.name}.*.partial"):
-        try:
-            owner_host, pid = (d / _OWNER).read_text().split()
-            pid = int(pid)
-        except (OSError, ValueError):
-            continue
-        if owner_host != host or pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-            continue  # still running
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # another user's live process
-        shutil.rmtree(d, ignore_errors=True)
-        out.append(d)
-    return out
 
 
 @flow(name="beatflow", log_prints=True)
@@ -150,105 +121,140 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
         ``--scheduler``, is set up by :class:`beatflow.pipeline.cluster.GPUMemorySetup`.
     """
     front_sigterm()  # (a command's SIGTERM before Prefect's handler: beatflow.terminal)
+    opts = RunOptions(input=input, column=column, fs=fs, lead=lead, confirm_lead=confirm_lead,
+                      confirm_column=confirm_column, hours=hours, seed=seed, out=out, device=device, workers=workers,
+                      partitions=partitions, epochs=epochs, batch_size=batch_size, store=store, cache=cache,
+                      engine_backend=engine_backend, precision=precision, train_precision=train_precision,
+                      train_compile=train_compile, rmm_pool_size=rmm_pool_size, rmm_allocator=rmm_allocator)
     log = get_run_logger()
     sw = _Stopwatch()
-    final = Path(out) if out else default_out_dir()
-    if final.exists() and any(final.iterdir()):
-        raise InputError(f"{final}: output folder exists and is not empty")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    for stale in remove_stale_partials(final):
-        log.info("removed %s, left by a run that was killed", stale)
-    work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
-    (work / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
-    on_interrupt(work, lambda: shutil.rmtree(work, ignore_errors=True))  # (a command stopped by force)
-    try:
-        summary = _run(log, sw, work, input, column, fs, lead, hours, seed, device, workers, partitions,
-                       epochs, batch_size, cache, engine_backend, precision, train_precision, train_compile,
-                       rmm_pool_size, rmm_allocator, confirm=(confirm_lead, confirm_column))
-        if store:
+    final = Path(opts.out) if opts.out else default_out_dir()
+    with run_folder(final, log) as work:  # (renamed to `final` at the end; removed if the run fails)
+        summary = _run_stages(_Run(opts, log, sw, work, figure_pool()))
+        if opts.store:
             from beatflow.io.store import Store
 
             meta = json.loads((work / "model.json").read_text())
-            summary["model_id"] = Store(store).register_model(work / "model.pt", meta)
-            log.info("model registered in %s as %s", store, summary["model_id"])
-        if final.exists():
-            final.rmdir()
-        (work / _OWNER).unlink(missing_ok=True)
-        _join_writes(work)
-        os.replace(work, final)
-    except BaseException as e:
-        _join_writes(work)  # (a write still going would leave a file in the folder removed here)
-        shutil.rmtree(work, ignore_errors=True)
-        if isinstance(e, Exception):  # an interrupt keeps the undo: a worker may still write here
-            done_interrupt(work)  # until the command has stopped it (beatflow.terminal.Interrupts)
-        raise
-    done_interrupt(work)
+            summary["model_id"] = Store(opts.store).register_model(work / "model.pt", meta)
+            log.info("model registered in %s as %s", opts.store, summary["model_id"])
     log.info("outputs in %s", final)
     summary["out"] = str(final)
     return summary
 
 
-_WRITES: dict[str, list] = {}  # the background writes of each run's work folder
+# --- the stages of one run, each handing its small results to the next ---
+
+@dataclass
+class _Run:
+    """What the stages of one run share: its options, log, clocks, work folder and figure processes."""
+
+    opts: RunOptions
+    log: Any
+    sw: _Stopwatch
+    work: Path
+    figures: FigurePool
+    threads: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+    workers: int = 1  # the cluster's workers (:func:`beatflow.pipeline.cluster.prepare_cluster`)
+    gpu_workers: dict = field(default_factory=dict)  # each GPU worker's memory state
+    run_id: Any = None  # the Prefect flow run's id (the workers count their transfers per run)
+    detail: dict = field(default_factory=dict)  # summary.json's timings_detail_s
+    drawn: dict = field(default_factory=dict)  # the report's figures started (futures), in order
 
 
-def _write_in_background(work: Path, fn, *args):
-    """``fn(*args)``, a write into ``work``, in a thread of its own while the flow goes on (a future);
-    :func:`_join_writes` waits for it before the folder is moved or removed."""
-    writing = ThreadPoolExecutor(1, thread_name_prefix="beatflow-write")
-    future = writing.submit(fn, *args)
-    writing.shutdown(wait=False)
-    _WRITES.setdefault(str(work), []).append(future)
-    return future
+@dataclass
+class _Loaded:
+    """The load stage's result: the input and its partitions (futures, on the workers) with their halos."""
+
+    source: Source
+    second: Source | None  # the second lead's source (``confirm_lead``/``confirm_column``)
+    fs: float
+    s: SegmentSamples
+    q: Any  # the second lead's rules in samples (None with one lead)
+    specs: list
+    parts: list
+    lengths: list
+    lefts: list
+    rights: list
+    firsts: list
+    second_parts: tuple | None  # the second lead's (parts, lefts, rights)
+    n_samples: dict  # samples per recording
+    total: int
+    rec_offset: dict  # each recording's first sample on the stream's time axis
+    overview: list  # futures of the partitions' columns of the whole-stream picture
+    truth_path: str | None  # the synthetic ECG's truth
+    base_token: str | None  # the cache key of the input and its reading
 
 
-def _join_writes(work: Path) -> None:
-    """Wait for the background writes into ``work`` (their errors are the flow's to raise)."""
-    for future in _WRITES.pop(str(work), []):
-        wait([future])
+@dataclass
+class _Segmented:
+    """The segmentation stage's result: the beats of every recording."""
+
+    peaks: list
+    plan: BeatPlan
+    kb: np.ndarray  # beat numbers of the kept beats, in the order of the rows
+    pruned: float
+    episodes: Any  # the flutter episodes' table (rhythm_episodes.csv)
+    second_lead: dict | None  # what the second lead changed (summary.json)
 
 
-def _run(*args, **kwargs) -> dict:
-    """:func:`_run_flow` with the report's figure processes (:func:`figure_pool`)."""
-    return _run_flow(figure_pool(), *args, **kwargs)
+@dataclass
+class _Scored:
+    """The scoring stage's result: the scores, the table and the report's fields that they decide."""
+
+    threshold: float
+    flagged_mask: np.ndarray
+    flagged: int
+    top_list: list
+    view: dict
+    top: Any  # the anomaly table's top rows (the UI's artifact)
+    truth: dict | None
+    score_workers: int
+    written: Any  # the anomaly table's background write (a future)
 
 
-def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed, device, workers, partitions,
-              epochs, batch_size, cache=None, engine_backend="auto", precision="fp32", train_precision="auto",
-              train_compile=None, rmm_pool_size=None, rmm_allocator="async", confirm=(None, None)) -> dict:
-    threads = max(1, os.cpu_count() or 1)
-    if device == "gpu":  # the Dask client here meets CuPy arrays' types (`beatflow run` started this before)
-        import_in_background("cupy")
-    truth_path = None
-    wait_for_workers(1)  # a cluster whose workers cannot start is an error, not a hang
-    if workers is None:  # a cluster given by --scheduler: as many as it has
-        client = flow_client()
-        workers = max(1, len(client.scheduler_info().get("workers", {}))) if client is not None else 1
-    # every GPU worker allocates from one RMM pool for CuPy, Numba and PyTorch (set up if it was not)
-    gpu_workers = prepare_gpu_workers(rmm_pool_size, rmm_allocator) if device == "gpu" else {}
+def _run_stages(run: _Run) -> dict:
+    """The stages, one after the other: ``summary.json``'s content (the outputs are in ``run.work``)."""
+    run.workers, run.gpu_workers = prepare_cluster(run.opts.device, run.opts.workers, run.opts.rmm_pool_size,
+                                                   run.opts.rmm_allocator)
+    loaded = _load(run)
+    seg = _segment(run, loaded)
+    embedded = _embed(run, loaded, seg)
+    trained, matching = _train(run, loaded, seg, embedded)
+    engine = _build_engine(run, trained)
+    scored = _score(run, loaded, seg, embedded, trained, engine, matching)
+    return _report(run, loaded, seg, trained, engine, scored)
+
+
+def _load(run: _Run) -> _Loaded:
+    """The input (the synthetic ECG made first where none is given) read onto the workers, each
+    partition on one, where it stays; the small halos exchanged; the whole-stream picture started."""
+    o, log = run.opts, run.log
+    input, truth_path = o.input, None
     if input is None:
         # in the flow's process (a copy from the cache of generated recordings on a warm run): as a
         # task on a worker it cost the round trips of a remote Prefect task run too
-        input, truth_path = T.synthesize(hours, fs or DEFAULT_FS, seed, str(work))
-        sw.lap("synthesize")
-    source = open_source(input, column=column, fs=fs, lead=lead)
-    second = open_second_lead(source, input, fs, lead=lead, column=column, confirm_lead=confirm[0],
-                              confirm_column=confirm[1])
+        input, truth_path = T.synthesize(o.hours, o.fs or DEFAULT_FS, o.seed, str(run.work))
+        run.sw.lap("synthesize")
+    source = open_source(input, column=o.column, fs=o.fs, lead=o.lead)
+    second = open_second_lead(source, input, o.fs, lead=o.lead, column=o.column, confirm_lead=o.confirm_lead,
+                              confirm_column=o.confirm_column)
     fs = source.fs
     s = SegmentParams().samples(fs)
     q = SecondLeadParams().samples(fs) if second is not None else None
     base_token = None
-    if cache:
-        digest = (token("synthetic", hours, fs, seed, code_version()) if truth_path
+    if o.cache:
+        digest = (token("synthetic", o.hours, fs, o.seed, code_version()) if truth_path
                   else input_digest(input))
-        base_token = token(digest, column, fs, lead, s, code_version(), *((confirm, q) if second is not None else ()))
-        log.info("cache: %s (input %s)", cache, digest[:12])
-    specs = source.plan(partitions or 2 * max(1, workers))
+        base_token = token(digest, o.column, fs, o.lead, s, code_version(),
+                           *((o.confirm, q) if second is not None else ()))
+        log.info("cache: %s (input %s)", o.cache, digest[:12])
+    specs = source.plan(o.partitions or 2 * max(1, run.workers))
     log.info("%s: %d recording(s), %d partitions, fs %g Hz", source.path, len(source.recordings), len(specs), fs)
 
-    # load (each partition on one worker, where it stays) and exchange the small halos
     from prefect.runtime import flow_run
 
-    parts, edges, load_detail = T.load(source, specs, device, s.halo, flow_run.id)
+    run.run_id = flow_run.id
+    parts, edges, load_detail = T.load(source, specs, o.device, s.halo, run.run_id)
     lengths = [e[0] for e in edges]
     n_samples = {}
     for sp, n in zip(specs, lengths):
@@ -260,45 +266,54 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     lefts, rights, firsts = assemble_halos(specs, lengths, [e[1] for e in edges], [e[2] for e in edges], s.halo)
     second_parts = None
     if second is not None:  # the second lead's partitions, on the first's workers, with the same halos
-        parts2, edges2, load_detail2 = T.load(second, specs, device, s.halo, flow_run.id, beside=parts)
+        parts2, edges2, load_detail2 = T.load(second, specs, o.device, s.halo, run.run_id, beside=parts)
         load_detail = {"first_lead": load_detail, "second_lead": load_detail2}
         if [e[0] for e in edges2] != lengths:
             raise InputError(f"{source.path}: the second lead's partitions differ in length from the first's")
         second_parts = (parts2, *assemble_halos(specs, lengths, [e[1] for e in edges2], [e[2] for e in edges2],
                                                 s.halo)[:2])
+    run.detail["load"] = load_detail
     rec_offset, acc = {}, 0
     for r in range(len(source.recordings)):
         rec_offset[r] = acc
         acc += n_samples.get(r, 0)
     # the whole-stream picture (per pixel column) is computed while the rest goes on
-    overview_futures = T.map_partitions(T.stream_overview, parts,
-                                        [rec_offset[sp.recording] + firsts[k] for k, sp in enumerate(specs)],
-                                        name="stream-overview", total=total, ncols=N_COLUMNS)
-    sw.lap("load")
+    overview = T.map_partitions(T.stream_overview, parts,
+                                [rec_offset[sp.recording] + firsts[k] for k, sp in enumerate(specs)],
+                                name="stream-overview", total=total, ncols=N_COLUMNS)
+    run.sw.lap("load")
+    return _Loaded(source, second, fs, s, q, specs, parts, lengths, lefts, rights, firsts, second_parts, n_samples,
+                   total, rec_offset, overview, truth_path, base_token)
 
-    # segmentation
-    seg_token = (token(base_token, "segment", [(sp.recording, firsts[k], lengths[k]) for k, sp in enumerate(specs)])
-                 if cache else None)
-    segmented = cached(T.segment, cache)(parts, lefts, rights, firsts, s, cache_token=seg_token, second=second_parts,
-                                         n_totals=[n_samples[sp.recording] for sp in specs], q=q)
+
+def _segment(run: _Run, ld: _Loaded) -> _Segmented:
+    """The peaks of every partition (checked by the second lead where there is one), the beats they make
+    and the flutter episodes (``rhythm_episodes.csv``); the beat lengths' figure started."""
+    o, log, s, specs = run.opts, run.log, ld.s, ld.specs
+    seg_token = (token(ld.base_token, "segment", [(sp.recording, ld.firsts[k], ld.lengths[k])
+                                                  for k, sp in enumerate(specs)]) if o.cache else None)
+    n_totals = [ld.n_samples[sp.recording] for sp in specs]
+    segmented = cached(T.segment, o.cache)(ld.parts, ld.lefts, ld.rights, ld.firsts, s, cache_token=seg_token,
+                                           second=ld.second_parts, n_totals=n_totals, q=ld.q)
     peaks = [r[0] for r in segmented]
     second_lead = None
-    if second is not None:  # rules 2 and 3 compare each peak with its neighbours: over the gathered peaks
-        peaks, dropped, moved = second_lead_gathered(specs, peaks, [r[2] for r in segmented], q, s)
-        second_lead = {"lead": confirm[0], "column": confirm[1], "params": SecondLeadParams().to_dict(),
+    if ld.second is not None:  # rules 2 and 3 compare each peak with its neighbours: over the gathered peaks
+        peaks, dropped, moved = second_lead_gathered(specs, peaks, [r[2] for r in segmented], ld.q, s)
+        second_lead = {"lead": o.confirm_lead, "column": o.confirm_column, "params": SecondLeadParams().to_dict(),
                        "doubtful_peaks_dropped": dropped, "peaks_moved": moved}
         log.info("second lead %s: %d doubtful peak(s) dropped (no QRS on the second lead), %d moved to the "
-                 "second lead's QRS", confirm[0] if confirm[0] is not None else confirm[1], dropped, moved)
-    plan = plan_beats(specs, firsts, n_samples, peaks, s)
-    episodes = _flutter_episodes(specs, [r[1] for r in segmented], source, fs)
-    episodes.to_csv(work / "rhythm_episodes.csv", index=False)
+                 "second lead's QRS", o.confirm_lead if o.confirm_lead is not None else o.confirm_column, dropped,
+                 moved)
+    plan = plan_beats(specs, ld.firsts, ld.n_samples, peaks, s)
+    episodes = R.flutter_episodes(specs, [r[1] for r in segmented], ld.source, ld.fs)
+    episodes.to_csv(run.work / "rhythm_episodes.csv", index=False)
     if len(episodes):
         log.warning("ventricular flutter/fibrillation: %d episode(s), %.1f s in all (rhythm_episodes.csv); "
                     "their waves are not counted as beats", len(episodes), float(episodes["duration_s"].sum()))
     if plan.n_detected == 0:
-        raise InputError(f"{source.path}: no heartbeats found (flat line or no QRS-like peaks)")
+        raise InputError(f"{ld.source.path}: no heartbeats found (flat line or no QRS-like peaks)")
     if plan.n_kept < 64:
-        raise InputError(f"{source.path}: only {plan.n_kept} beats of plausible length "
+        raise InputError(f"{ld.source.path}: only {plan.n_kept} beats of plausible length "
                          f"(at least {s.lower} samples): too few to learn from")
     pruned = 1.0 - plan.n_kept / plan.n_detected
     kb = np.flatnonzero(plan.kept)  # beat numbers of kept beats, in the same order as the rows
@@ -306,71 +321,95 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
              plan.n_detected, plan.n_kept, 100 * pruned)
     # the beat lengths' figure needs nothing more: drawn now, so that its process is free by the time
     # the figures of the trained model and of the scores come (nine figures, up to eight processes)
-    counts, edges_ = _length_histogram(plan, s)
-    early = figures.draw(SimpleNamespace(fs=fs, length_hist_counts=counts, length_hist_edges=edges_,
-                                         length_bounds=(s.lower, s.upper)), ("lengths",))
-    sw.lap("segment")
+    counts, edges = R.length_histogram(plan, s)
+    run.drawn.update(run.figures.draw(SimpleNamespace(fs=ld.fs, length_hist_counts=counts, length_hist_edges=edges,
+                                                      length_bounds=(s.lower, s.upper)), ("lengths",)))
+    run.sw.lap("segment")
+    return _Segmented(peaks, plan, kb, pruned, episodes, second_lead)
 
-    # pruning / embedding: each partition's kept beats become rows, on the partition's worker
-    kept = [plan.kept_of(k) for k in range(len(specs))]
-    embedded = T.embed(parts, lefts, rights, firsts, [k[0] for k in kept], [k[1] for k in kept], s)
-    sw.lap("embed")
 
-    # training: once, on one worker, on the gathered matrix
-    train_token = (token(base_token, "train", plan.start[plan.kept].tobytes(), plan.length[plan.kept].tobytes(),
-                         epochs, batch_size, seed, MODEL_INPUT, train_precision) if cache else None)
-    model_folder = str(Path(cache).resolve() / "models" / train_token) if cache else str(work)
-    compile_steps = (compile_pays(device, int(plan.n_kept * TRAIN_FRACTION), epochs) if train_compile is None
-                     else bool(train_compile))
+def _embed(run: _Run, ld: _Loaded, seg: _Segmented) -> list:
+    """Pruning / embedding: each partition's kept beats become rows, on the partition's worker (futures)."""
+    kept = [seg.plan.kept_of(k) for k in range(len(ld.specs))]
+    embedded = T.embed(ld.parts, ld.lefts, ld.rights, ld.firsts, [k[0] for k in kept], [k[1] for k in kept], ld.s)
+    run.sw.lap("embed")
+    return embedded
+
+
+def _train(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list) -> tuple[dict, Any]:
+    """Training, once, on the home worker, on the gathered rows (from the cache where it ran before); the
+    report's early figures started. Returns the training's result and, for the synthetic ECG, the job
+    matching its truth to the beats (a future of the figure processes)."""
+    o, plan = run.opts, seg.plan
+    train_token = (token(ld.base_token, "train", plan.start[plan.kept].tobytes(), plan.length[plan.kept].tobytes(),
+                         o.epochs, o.batch_size, o.seed, MODEL_INPUT, o.train_precision) if o.cache else None)
+    model_folder = str(Path(o.cache).resolve() / "models" / train_token) if o.cache else str(run.work)
+    compile_steps = (compile_pays(o.device, int(plan.n_kept * TRAIN_FRACTION), o.epochs) if o.train_compile is None
+                     else bool(o.train_compile))
     # while the cluster trains, the matching of the beats to the synthetic truth (the part of its
     # check that needs no scores) runs in an idle figure process, not in a thread of this one, whose
     # GIL the stages need (on the H200 a thread here made the embedding stage 4x slower); only light
     # modules there: a job that made a process import Prefect cost seconds
     matching = None
-    if truth_path:
-        matching = figures.submit(match_truth, truth_path, np.concatenate(peaks), plan.peak[kb], fs)
+    if ld.truth_path:
+        matching = run.figures.submit(match_truth, ld.truth_path, np.concatenate(seg.peaks), plan.peak[seg.kb], ld.fs)
     t_submit = time.time()
     # on the home worker, the same every run: its compiled steps and graphs stay warm
-    trained = cached(T.train_model, cache)(embedded, model_folder, epochs, batch_size, seed, threads,
-                                           [sp.recording for sp in specs], train_precision=train_precision,
-                                           compile=compile_steps, cache_token=train_token)
+    trained = cached(T.train_model, o.cache)(embedded, model_folder, o.epochs, o.batch_size, o.seed, run.threads,
+                                             [sp.recording for sp in ld.specs], train_precision=o.train_precision,
+                                             compile=compile_steps, cache_token=train_token)
     over = _task_overhead(t_submit, trained)  # (empty for a result from the cache: its phases are an earlier run's)
     queued = ({"epoch_gpu_ms": trained["epoch_gpu_ms"], "queue_s": trained.get("queue_s")}
               if trained.get("epoch_gpu_ms") else {})  # (the GPU's queued epochs: where their time went)
-    detail = {"load": load_detail, "train": {**over, **(trained.get("phases_s") or {}), **queued} if over else {}}
-    if cache:  # the cached model lives in the cache; the run's outputs get a copy
+    run.detail["train"] = {**over, **(trained.get("phases_s") or {}), **queued} if over else {}
+    if o.cache:  # the cached model lives in the cache; the run's outputs get a copy
         for name in ("model.pt", "model.json", "validation_beats.npy"):
-            shutil.copy(Path(model_folder) / name, work / name)
-        trained = {**trained, "model": str(work / "model.pt"), "validation": str(work / "validation_beats.npy")}
-    log.info("training: train loss %s, test loss %.5f", ", ".join(f"{v:.4f}" for v in trained["train_loss"]),
-             trained["test_loss"])
-    sw.lap("train")
-    # the report's figures that need nothing more are drawn here, in the flow's process, while the
-    # workers build the engine and score (the report task then renders only the rest)
-    early.update(_draw_early_figures(figures, fs, trained))
+            shutil.copy(Path(model_folder) / name, run.work / name)
+        trained = {**trained, "model": str(run.work / "model.pt"), "validation": str(run.work / "validation_beats.npy")}
+    run.log.info("training: train loss %s, test loss %.5f", ", ".join(f"{v:.4f}" for v in trained["train_loss"]),
+                 trained["test_loss"])
+    run.sw.lap("train")
+    # the report's early figures but the beat lengths' (drawn after segmentation) need nothing more: drawn
+    # now, in the figure processes, while the workers build the engine and score
+    early = SimpleNamespace(fs=ld.fs, aligned_beats=np.asarray(trained["sample_rows"]),
+                            train_loss=trained["train_loss"], test_loss=trained["test_loss"])
+    run.drawn.update(run.figures.draw(early, [name for name in EARLY_FIGURES if name != "lengths"]))
+    return trained, matching
 
+
+def _build_engine(run: _Run, trained: dict) -> dict:
+    """The validated inference engine (on the home worker); the run keeps a copy."""
+    o = run.opts
     t_submit = time.time()
-    engine = T.build_engine(trained["model"], trained["validation"], threads, device, engine_backend, precision)
-    detail["engine"] = {**_task_overhead(t_submit, engine), **(engine.get("phases_s") or {})}
-    shutil.copy(engine["path"], work / ("engine" + Path(engine["path"]).suffix))  # the run keeps its engine
-    sw.lap("engine")
+    engine = T.build_engine(trained["model"], trained["validation"], run.threads, o.device, o.engine_backend,
+                            o.precision)
+    run.detail["engine"] = {**_task_overhead(t_submit, engine), **(engine.get("phases_s") or {})}
+    shutil.copy(engine["path"], run.work / ("engine" + Path(engine["path"]).suffix))  # the run keeps its engine
+    run.sw.lap("engine")
+    return engine
 
-    # scoring goes back out to the partitions' workers; offsets of recordings on one time axis
+
+def _score(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list, trained: dict, engine: dict,
+           matching) -> _Scored:
+    """Scoring, back out on the partitions' workers; the threshold, the anomaly table (written in the
+    background), the truth's check, and the report's figures that the scores decide started."""
+    log, figures, plan, kb, fs = run.log, run.figures, seg.plan, seg.kb, ld.fs
     ph = _Stopwatch(4)
     dominant = np.asarray(trained["dominant"], np.float32)
     # (each partition also cuts the signal around its own top beats: those of the report's top anomalies are among them)
-    bounds = [plan.kept & (plan.owner == k) for k in range(len(specs))]
-    context = (parts, lefts, rights, firsts, [plan.start[m] for m in bounds], [plan.length[m] for m in bounds])
+    bounds = [plan.kept & (plan.owner == k) for k in range(len(ld.specs))]
+    context = (ld.parts, ld.lefts, ld.rights, ld.firsts, [plan.start[m] for m in bounds],
+               [plan.length[m] for m in bounds])
     scored, score_workers = T.score(embedded, engine["path"], trained["scale"],
-                                    [dominant[sp.recording] for sp in specs], at=parts, context=context, top=N_TOP,
-                                    pad=int(fs))
+                                    [dominant[sp.recording] for sp in ld.specs], at=ld.parts, context=context,
+                                    top=N_TOP, pad=int(fs))
     scores = np.concatenate([sc[0] for sc in scored]) if scored else np.zeros(0, np.float32)
     mu = np.concatenate([sc[1] for sc in scored]) if scored else np.zeros((0, 2), np.float32)
     ctx = {k: sc[2] for k, sc in enumerate(scored)}
     ph.lap("engine")  # the partitions' rows through the engine, on their workers
     threshold = robust_threshold(scores, recording=plan.recording[kb])  # (the spread within recordings)
     flagged_mask = scores > threshold
-    names = [r.name for r in source.recordings]
+    names = [r.name for r in ld.source.recordings]
     matched = FigurePool.result(matching) if matching is not None else None  # (the truth's beats matched to ours)
     # the check against the synthetic truth (its ROC-AUCs), in a figure process while this one goes on
     checking = figures.submit(truth_check, matched, scores) if matched is not None else None
@@ -378,14 +417,14 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
     # (their context came with the scores; on the H100 host theirs was the longest drawing, 0.12-0.21 s),
     # then the stream, the scores and the latent space's two; the table, the truth's scores and the
     # summary are made while they are drawn
-    per_kept = _truth_per_kept(matched, len(kb))
+    per_kept = R.truth_per_kept(matched, len(kb))
     top_rows = top_order(scores, N_TOP)  # (the anomaly table's ranks 1..N_TOP, in order)
-    top_list = _top_list(names, fs, plan, top_rows, scores, ctx, kb, per_kept)
-    late = figures.draw(SimpleNamespace(fs=fs, top=top_list), ("top", "top_right"))  # (its halves, side by side)
+    top_list = R.top_list(names, fs, plan, top_rows, scores, ctx, kb, per_kept)
+    run.drawn.update(figures.draw(SimpleNamespace(fs=fs, top=top_list), ("top", "top_right")))  # (its halves)
     ph.lap("context")
-    view = _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged_mask, T.gather(overview_futures),
-                        per_kept, kb, rec_offset, names)
-    late.update(figures.draw(SimpleNamespace(**view), LATE_FIGURES))
+    view = R.scored_view(fs, ld.total, plan, trained, scores, mu, threshold, flagged_mask, T.gather(ld.overview),
+                         per_kept, kb, ld.rec_offset, names)
+    run.drawn.update(figures.draw(SimpleNamespace(**view), LATE_FIGURES))
     ph.lap("figures_started")
     table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
                           threshold, names)
@@ -396,124 +435,66 @@ def _run_flow(figures, log, sw, work: Path, input, column, fs, lead, hours, seed
         log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
         ph.lap("truth")
     # the table's file written in a thread (pyarrow lets go of the interpreter) while the report is made
-    written = _write_in_background(work, write_anomaly_table, table, work / "anomalies.parquet")
-    meta = json.loads((work / "model.json").read_text())
+    written = write_in_background(run.work, write_anomaly_table, table, run.work / "anomalies.parquet")
+    meta = json.loads((run.work / "model.json").read_text())
     meta.update(threshold=threshold, fs=fs)
-    (work / "model.json").write_text(json.dumps(meta, indent=1))
+    (run.work / "model.json").write_text(json.dumps(meta, indent=1))
     flagged = int(flagged_mask.sum())
     log.info("scoring: %d of %d beats flagged (threshold %.4g)", flagged, len(table), threshold)
     ph.lap("table")
-    detail["score"], ph = ph.times, _Stopwatch(4)
-    sw.lap("score")
+    run.detail["score"] = ph.times
+    run.sw.lap("score")
+    return _Scored(threshold, flagged_mask, flagged, top_list, view, top, truth, score_workers, written)
 
-    # report: the summary, the figures that are left, the page
-    summary = _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers,
-                       specs, truth, episodes)
-    summary["per_recording"] = _per_recording(source, fs, n_samples, plan.recording[kb], flagged_mask)
-    if second_lead is not None:
-        summary["second_lead"] = second_lead
-    summary["workers_scoring"] = score_workers
-    if gpu_workers:
-        summary["gpu_workers"] = gpu_workers
-    if truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end
-        summary["input"] = f"synthetic ECG ({hours:g} h, seed {seed}): input.npy, truth.npz"
-    summary["timings_s"] = dict(sw.times)  # the report's table: the stages up to this one (summary.json: all)
-    data = _report_data(source, fs, s, plan, trained, top_list, summary, truth, view)
-    from beatflow.report.figures import FIGURES
 
-    last = figures.draw(data, [name for name in FIGURES if name not in early and name not in late])  # the rest
+def _report(run: _Run, ld: _Loaded, seg: _Segmented, trained: dict, engine: dict, sc: _Scored) -> dict:
+    """The report: the summary, the figures that are left, the page; then ``summary.json`` and the UI's
+    artifacts. Returns the summary."""
+    o, ph = run.opts, _Stopwatch(4)
+    summary = R.run_summary(ld.source, ld.fs, ld.total, seg.plan, seg.pruned, trained, engine, sc.flagged,
+                            sc.threshold, o.device, run.workers, ld.specs, sc.truth, seg.episodes)
+    summary["per_recording"] = R.per_recording(ld.source, ld.fs, ld.n_samples, seg.plan.recording[seg.kb],
+                                               sc.flagged_mask)
+    if seg.second_lead is not None:
+        summary["second_lead"] = seg.second_lead
+    summary["workers_scoring"] = sc.score_workers
+    if run.gpu_workers:
+        summary["gpu_workers"] = run.gpu_workers
+    if ld.truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end
+        summary["input"] = f"synthetic ECG ({o.hours:g} h, seed {o.seed}): input.npy, truth.npz"
+    summary["timings_s"] = dict(run.sw.times)  # the report's table: the stages up to this one (summary.json: all)
+    data = R.report_data(ld.source, ld.s, seg.plan, trained, sc.top_list, summary, sc.truth, sc.view)
+    run.drawn.update(run.figures.draw(data, [name for name in FIGURES if name not in run.drawn]))  # the rest
     ph.lap("data")
     # while the figures are drawn: this run's transfer counts from the workers (their device work is done);
     # the top anomalies' artifact, an API call for the UI only, in the background (settled at the flow's end:
     # once the figures drew in 70 ms or less, its 10-50 ms here would have been the report's wait)
-    stats = run_on_workers(transfer_stats, flow_run.id)  # (workers may serve many runs)
-    T.api_call_later(_publish_top, top)
+    stats = run_on_workers(transfer_stats, run.run_id)  # (workers may serve many runs)
+    T.api_call_later(_publish_top, sc.top)
     ph.lap("stats_artifact")
-    futures = {**early, **late, **last}
-    drawn = figures.collect(futures)
+    drawn = run.figures.collect(run.drawn)
     ph.lap("figures_wait")
-    written.result()  # (its error, if it failed)
-    detail["figures"] = FigurePool.timings(futures)
-    T.write_report(str(work / "report.html"), data, drawn)
+    sc.written.result()  # (its error, if it failed)
+    run.detail["figures"] = FigurePool.timings(run.drawn)
+    T.write_report(str(run.work / "report.html"), data, drawn)
     ph.lap("write")
-    detail["report"] = ph.times
-    sw.lap("report")
+    run.detail["report"] = ph.times
+    run.sw.lap("report")
 
     summary["workers_reporting"] = len(stats)
-    summary["transfers"] = {
-        "d2h_bytes": int(sum(v.get("d2h_bytes", 0) for v in stats.values())),
-        "stream_bytes": int(total * 4),
-        "rmm_pool_bytes_per_worker": [v["rmm_pool_bytes"] for v in stats.values() if "rmm_pool_bytes" in v],
-        "rmm_peak_bytes_per_worker": [v["rmm_peak_bytes"] for v in stats.values() if "rmm_peak_bytes" in v],
-        "numba_memory_manager_per_worker": [v["numba_memory_manager"] for v in stats.values()
-                                            if "numba_memory_manager" in v],
-    }
-    summary["timings_s"] = sw.total()
-    summary["timings_detail_s"] = detail
-    (work / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary["transfers"] = R.transfer_summary(stats, ld.total)
+    summary["timings_s"] = run.sw.total()
+    summary["timings_detail_s"] = run.detail
+    (run.work / "summary.json").write_text(json.dumps(summary, indent=2))
     for name in ("validation_beats.npy",):
-        (work / name).unlink(missing_ok=True)
+        (run.work / name).unlink(missing_ok=True)
     _publish_summary(summary)
     # the training's progress artifact is updated in the background by the process that trained: a worker
     # (or this process, under another task runner)
     unsettled = [T.settle_api_calls(), *run_on_workers(T.settle_api_calls).values()]
     for line in (line for lines in unsettled for line in lines):
-        log.warning("a Prefect UI update failed: %s", line)
+        run.log.warning("a Prefect UI update failed: %s", line)
     return summary
-
-
-def _flutter_episodes(specs, per_partition, source, fs: float) -> pd.DataFrame:
-    """The ventricular flutter/fibrillation episodes of every recording (partitions' ranges joined),
-    as a table: recording, start_s, end_s, duration_s (rhythm_episodes.csv)."""
-    from beatflow.detect.rhythm import merge_spans
-
-    rows = []
-    for rec in sorted({sp.recording for sp in specs}):
-        spans = merge_spans([per_partition[k] for k, sp in enumerate(specs) if sp.recording == rec])
-        for a, b in spans:
-            rows.append((source.recordings[rec].name, a / fs, b / fs, (b - a) / fs))
-    return pd.DataFrame(rows, columns=["recording", "start_s", "end_s", "duration_s"])
-
-
-def _summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers, specs,
-             truth, episodes) -> dict:
-    prof = engine.get("profile") or {}
-    out = {
-        "input": source.path, "recordings": [r.name for r in source.recordings], "samples": int(total),
-        "fs": fs, "hours": total / fs / 3600, "partitions": len(specs), "beats_detected": plan.n_detected,
-        "beats_kept": plan.n_kept, "pruned_fraction": pruned, "train_loss": trained["train_loss"],
-        "test_loss": trained["test_loss"], "train_seconds": trained["seconds"], "anomalies_flagged": flagged,
-        "flutter_episodes": {"count": int(len(episodes)), "seconds": float(episodes["duration_s"].sum())},
-        "training": {"precision": trained.get("precision", "fp32"), "compiled": trained.get("compiled", False),
-                     "cuda_graphs": trained.get("cuda_graphs", False),
-                     "graphs_kept": trained.get("graphs_kept", False), "kernel": trained.get("kernel", False),
-                     "epoch_graph": trained.get("epoch_graph", False)},
-        "threshold": threshold, "device": device, "workers": workers,
-        "engine": {**{k: engine[k] for k in ("backend", "precision", "cache", "max_abs_err", "throughput_beats_per_s")},
-                   "latency_batch1_us": prof.get("latency_batch1_us"),
-                   "throughput_by_batch": {str(b): v for b, v in (prof.get("throughput_beats_per_s") or {}).items()},
-                   "clock": prof.get("clock"), "profile_measured": prof.get("measured")},
-    }
-    if truth is not None:
-        out["truth"] = dict(truth)
-    return out
-
-
-def _per_recording(source, fs, n_samples: dict, recording, flagged) -> list[dict]:
-    """Per recording of the input: its name, hours (``n_samples``: its length as read), kept beats and
-    flagged beats (``recording``: each kept beat's recording number; ``flagged``: whether it is flagged).
-    (Counted on the numbers: the table's names as strings took 18 ms for 97 k beats.)"""
-    n = len(source.recordings)
-    recording = np.asarray(recording, np.int64)
-    beats = np.bincount(recording, minlength=n)
-    hits = np.bincount(recording[np.asarray(flagged, bool)], minlength=n)
-    return [{"recording": r.name, "hours": n_samples.get(k, 0) / fs / 3600.0, "beats": int(beats[k]),
-             "flagged": int(hits[k])} for k, r in enumerate(source.recordings)]
-
-
-def _length_histogram(plan, s):
-    """The report's histogram of beat lengths: (counts, edges), bins of 4 samples."""
-    return np.histogram(plan.length, bins=np.arange(0, 3 * s.upper + 8, 4))
 
 
 def _task_overhead(t_submit: float, result: dict) -> dict:
@@ -528,110 +509,15 @@ def _task_overhead(t_submit: float, result: dict) -> dict:
             "return": round(now - span[1], 4)}
 
 
-def _draw_early_figures(figures: FigurePool, fs, trained) -> dict:
-    """Futures of the report's early figures (``beatflow.report.figures.EARLY_FIGURES``) but the beat lengths'
-    (drawn after segmentation): they need only what is known once the model is trained, and are drawn
-    while the workers build the engine and score."""
-    from beatflow.report.figures import EARLY_FIGURES
-
-    d = SimpleNamespace(fs=fs, aligned_beats=np.asarray(trained["sample_rows"]), train_loss=trained["train_loss"],
-                        test_loss=trained["test_loss"])
-    return figures.draw(d, [name for name in EARLY_FIGURES if name != "lengths"])
-
-
-#: the report's figures drawn as soon as the scores are known (``beatflow.report.figures.FIGURES``)
-LATE_FIGURES = ("stream", "scores", "latent", "latent_truth")
-
-
-def _truth_per_kept(matched, n_kept: int):
-    """The truth label of every kept beat (0 normal, 1 PVC, 2 artifact; an unmatched beat 0), or None
-    without a truth (``matched``: :func:`beatflow.score.metrics.match_truth`'s result)."""
-    if matched is None:
-        return None
-    m, labels = matched["matched"], matched["labels"]
-    per_kept = np.zeros(n_kept, np.int64)
-    per_kept[m[m >= 0]] = labels[m >= 0]
-    return per_kept
-
-
-def _scored_view(fs, total, plan, trained, scores, mu, threshold, flagged, overview, per_kept, kb, rec_offset,
-                 names=()) -> dict:
-    """The report's fields that the scores decide (what :data:`LATE_FIGURES` draw: the stream's picture
-    with the flagged beats' times, every score, and a sample of at most 20 000 test beats' latent means
-    with their scores and truth labels; ``per_kept``: :func:`_truth_per_kept`)."""
-    from beatflow.report.figures import combine_minmax
-
-    smin, smax = combine_minmax(overview, N_COLUMNS)
-    test_idx = np.asarray(trained["test_index"])
-    rng = np.random.default_rng(0)
-    sub = np.sort(rng.choice(test_idx, size=min(20000, len(test_idx)), replace=False))
-    truth_labels = per_kept[sub] if per_kept is not None else None
-    fb = kb[np.asarray(flagged, bool)]  # the flagged beats, on the time axis of all recordings
-    offsets = np.asarray([rec_offset[r] for r in range(len(rec_offset))], dtype=np.int64)
-    times = (plan.start[fb].astype(np.int64) + offsets[plan.recording[fb]]) / fs
-    return dict(fs=fs, total_samples=int(total), stream_min=smin, stream_max=smax, latent_mu=mu[sub],
-                latent_score=scores[sub], threshold=threshold, score_all=scores, anomaly_times_s=times,
-                truth_labels=truth_labels, recording_names=list(names),
-                recording_starts_s=(offsets / fs).tolist())
-
-
-def _top_list(names, fs, plan, rows, scores, ctx, kb, per_kept) -> list[dict]:
-    """The report's top anomalies: kept rows ``rows`` (the highest ``scores`` first), each with the signal
-    around it from its partition's snippets ``ctx`` (the partition's own top beats': the one that starts
-    ``fs`` samples before the beat) and, with a truth, its label."""
-    out = []
-    for i in np.asarray(rows, np.int64):
-        b = int(kb[i])
-        start = int(plan.start[b])
-        pieces = ctx[int(plan.owner[b])]
-        piece = min(pieces, key=lambda p: abs(p[0] - (start - int(fs))))
-        label = None
-        if per_kept is not None:
-            label = {0: "normal", 1: "pvc", 2: "artifact"}[int(per_kept[i])]
-        out.append({"beat": b, "start": start, "time_s": start / fs, "length": int(plan.length[b]),
-                    "score": float(np.float32(scores[i])), "context": piece[1], "context_start": int(piece[0]),
-                    "label": (f"{names[int(plan.recording[b])]} " if len(names) > 1 else "") + (label or "")})
-    return out
-
-
-def _report_data(source, fs, s, plan, trained, top_list, summary, truth, view: dict):
-    from beatflow.report.figures import ReportData
-
-    counts, edges_ = _length_histogram(plan, s)
-    return ReportData(
-        title=f"beatflow: {Path(source.path).name if truth is None else 'synthetic ECG'}", summary=summary,
-        length_hist_counts=counts, length_hist_edges=edges_, length_bounds=(s.lower, s.upper),
-        aligned_beats=trained["sample_rows"], train_loss=trained["train_loss"], test_loss=trained["test_loss"],
-        top=top_list, **view)
-
-
 def _publish_top(top) -> None:
     """The Prefect UI's table of the top anomalies (an artifact)."""
     from prefect.artifacts import create_table_artifact
 
-    rows = [{k: (round(float(v), 4) if isinstance(v, float) else (v if isinstance(v, (int, str, bool)) else str(v)))
-             for k, v in r.items()} for r in top[["rank", "beat", "recording", "start", "time_s", "length", "score"]]
-            .astype({"recording": str}).to_dict("records")]
-    create_table_artifact(rows, key="beatflow-top-anomalies", description="most anomalous beats")
+    create_table_artifact(R.top_table_rows(top), key="beatflow-top-anomalies", description="most anomalous beats")
 
 
 def _publish_summary(summary: dict) -> None:
     """The Prefect UI's summary of the run (a markdown artifact)."""
     from prefect.artifacts import create_markdown_artifact
 
-    lines = ["# beatflow run", "", "| | |", "|---|---|"]
-    for k in ("samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss",
-              "anomalies_flagged", "device", "workers"):
-        v = summary[k]
-        lines.append(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
-    e = summary["engine"]
-    lines.append(f"| engine | {e['backend']} ({e['precision']}), max abs err {e['max_abs_err']:.2e} |")
-    vf = summary.get("flutter_episodes") or {}
-    if vf.get("count"):
-        lines.append(f"| ventricular flutter/fibrillation | {vf['count']} episode(s), {vf['seconds']:.1f} s "
-                     "(rhythm_episodes.csv) |")
-    if "truth" in summary:
-        t = summary["truth"]
-        lines.append(f"| truth | Se {t['se']:.4f}, PPV {t['ppv']:.4f}, ROC-AUC {t['auc']:.4f} |")
-    lines.append(f"| total time | {summary['timings_s']['total']:.1f} s |")
-    create_markdown_artifact("\n".join(lines), key="beatflow-summary", description="beatflow run summary")
+    create_markdown_artifact(R.summary_markdown(summary), key="beatflow-summary", description="beatflow run summary")

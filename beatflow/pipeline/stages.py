@@ -162,7 +162,7 @@ def embed_partition(core, left, right, first: int, start, length, s: SegmentSamp
 
 def stream_overview(core, offset: int, total: int, ncols: int):
     """Per-pixel-column min/max of a partition for the whole-stream picture."""
-    from beatflow.report.figures import column_minmax
+    from beatflow.report.envelope import column_minmax
 
     return column_minmax(core, offset, total, ncols)
 
@@ -337,96 +337,21 @@ def score(embedded: list, engine_path: str, scale: float, dominants: list, at: l
 def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: int, threads: int,
               recordings: list[int] | None = None, n_rows_sample: int = 40, train_precision: str = "auto",
               compile: bool = False, topic: str | None = None) -> dict:
-    """Gather the beat matrix (once), scale it, subtract each recording's dominant beat, train the
-    LightVAE on those residuals; save weights and a validation set. A plain function, run on the
-    cluster's home worker by :func:`train_model`; each epoch is also sent as a Dask event on
+    """The flow's training (:func:`beatflow.model.train.fit_beats`: the partitions' rows gathered once, made
+    the model's input, the LightVAE trained on them, its files written to ``folder``). A plain function,
+    run on the cluster's home worker by :func:`train_model`; each epoch is also sent as a Dask event on
     ``topic`` (the flow's process logs it and moves the progress artifact).
 
-    ``recordings[k]`` is the recording of partition ``k`` (default: all one recording).
-    Returns small things only: paths, losses, the test split, the dominant beats (one row per
-    recording), a few rows for the report, the epochs' ``(epoch, loss, seconds)``.
+    ``recordings[k]`` is the recording of partition ``k`` (default: all one recording). Returns small
+    things only (see ``fit_beats``), and the task's wall-clock span.
     """
     t_start = time.time()
-    marks = [time.perf_counter()]
-    import torch
+    from beatflow.model.train import fit_beats
 
-    from beatflow.embed.beats import MODEL_INPUT, dominant_beat, residual_rows
-    from beatflow.model.vae import save_model, train_vae, training_kernel, training_precision
-
-    torch.set_num_threads(max(1, threads))
-    rows = [r for r, _ in embedded]
-    xp = namespace(_device_of(rows[0])) if rows else np
-    beats = xp.concatenate(rows)
-    p2p = xp.concatenate([p for _, p in embedded])
-    scale = float(to_host(xp.median(p2p))) or 1.0
-    beats /= scale
-    n = int(beats.shape[0])
-    raw_rows = None
-    if n:  # a few rows for the report, before they become residuals
-        pick = np.sort(np.random.default_rng(seed).choice(n, size=min(n_rows_sample, n), replace=False))
-        raw_rows = to_host(beats[xp.asarray(pick)]) * scale
-    # each recording's dominant beat, from its own rows (its partitions are consecutive); the VAE
-    # sees the differences from it
-    recordings = list(recordings) if recordings is not None else [0] * len(rows)
-    ends = np.cumsum([int(r.shape[0]) for r in rows])
-    starts = ends - [int(r.shape[0]) for r in rows]
-    dominant = np.zeros((max(recordings, default=0) + 1, int(beats.shape[1])), np.float32)
-    for r in sorted(set(recordings)):
-        ks = [k for k, q in enumerate(recordings) if q == r]
-        if ks != list(range(ks[0], ks[-1] + 1)):
-            raise ValueError("a recording's partitions must be consecutive")
-        lo, hi = int(starts[ks[0]]), int(ends[ks[-1]])
-        dom = dominant_beat(beats[lo:hi])
-        dominant[r] = to_host(dom)
-        beats[lo:hi] = residual_rows(beats[lo:hi], dom)
-    marks.append(time.perf_counter())  # the matrix gathered, scaled, made residuals
-    emit = _event_sender(topic)
-    done: list = []
-
-    def on_epoch(epoch: int, loss: float, elapsed: float) -> None:
-        done.append((int(epoch), float(loss), float(elapsed)))
-        emit(done[-1])
-
-    device = "cuda" if _device_of(beats) == "gpu" else "cpu"
-    if device == "cuda":  # compiled steps captured in graphs under RMM need it (the load task installed it
-        from beatflow.gpu.arena import install  # on the workers that loaded partitions)
-
-        install()
-    data = torch.from_dlpack(beats) if device == "cuda" else torch.from_numpy(to_host(beats))
-    # on a GPU, "auto" (and fp32) train with the step kernel where it can run: one kernel a step in fp32
-    # was faster than the compiled bf16 steps (bench/gpu_train_step_kernel.py); bf16 stays an option
-    kernel = device == "cuda" and train_precision in ("auto", "fp32") and training_kernel(None, device)
-    precision = "fp32" if kernel else training_precision(train_precision, device)
-    with device_memory(f"training on {n:,} beats", int(beats.nbytes), device == "cuda"):
-        res = train_vae(data, epochs=epochs, batch_size=batch_size, seed=seed, device=device, on_epoch=on_epoch,
-                        precision=precision, compile=compile, cudagraphs=None, keep_graphs=True, kernel=kernel)
-    marks.append(time.perf_counter())
-    os.makedirs(folder, exist_ok=True)
-    model_path = os.path.join(folder, "model.pt")
-    save_model(res.model, model_path)
-    rng = np.random.default_rng(seed)
-    val_idx = np.sort(rng.choice(res.test_index, size=min(4096, len(res.test_index)), replace=False))
-    val_path = os.path.join(folder, "validation_beats.npy")
-    np.save(val_path, to_host(beats[xp.asarray(val_idx)]))
-    with open(os.path.join(folder, "model.json"), "w") as f:
-        json.dump({"scale": scale, "width": int(beats.shape[1]), "epochs": epochs, "batch_size": batch_size,
-                   "seed": seed, "train_loss": res.train_loss, "test_loss": res.test_loss,
-                   "input": MODEL_INPUT, "precision": precision, "compiled": res.compiled,
-                   "cuda_graphs": res.cudagraphs, "kernel": res.kernel}, f, indent=1)
-    return {
-        "model": model_path, "validation": val_path, "scale": scale, "train_loss": res.train_loss,
-        "test_loss": res.test_loss, "test_index": res.test_index, "seconds": res.seconds,
-        "sample_rows": raw_rows, "rows": int(beats.shape[0]), "dominant": dominant, "precision": precision,
-        "compiled": res.compiled, "cuda_graphs": res.cudagraphs, "graphs_kept": res.graphs_kept, "kernel": res.kernel,
-        "epoch_graph": res.epoch_graph,
-        "epochs_done": done,
-        "epoch_gpu_ms": res.epoch_gpu_ms, "queue_s": res.queue_s,
-        # where the task's time went: the matrix's set-up, train_vae's parts, saving the outputs
-        "phases_s": {"rows": round(marks[1] - marks[0], 4), **{f"train_{k}": v for k, v in res.phases.items()},
-                     "train_other": round(marks[2] - marks[1] - sum(res.phases.values()), 4),
-                     "save": round(time.perf_counter() - marks[2], 4)},
-        "task_span": (t_start, time.time()),
-    }
+    out = fit_beats(embedded, folder, epochs=epochs, batch_size=batch_size, seed=seed, threads=threads,
+                    recordings=recordings, n_rows_sample=n_rows_sample, train_precision=train_precision,
+                    compile=compile, on_epoch=_event_sender(topic))
+    return {**out, "task_span": (t_start, time.time())}
 
 
 @partition_task(name="train-vae")
@@ -566,24 +491,22 @@ def score_partition(embedded, dominant=None, core=None, left=None, right=None, f
     """Anomaly score and latent mean of each kept beat of a partition, through the built engine; with
     ``top``, also the signal around the partition's ``top`` highest-scoring beats.
 
-    The engine's input is each row scaled, minus the dominant beat of the partition's recording
-    (as in training). With a GPU engine the rows stay on the device (handed over by pointer); only
-    the scores and latent means come back to the host.
+    The engine's input is :func:`beatflow.score.rule.model_input` of the rows, as in training: each row
+    divided by the model's ``scale``, minus ``dominant``, the dominant beat of the partition's recording
+    (the training's; None: the partition's own). With a GPU engine the rows stay on the device (handed
+    over by pointer); only the scores and latent means come back to the host.
 
     The snippets (:func:`beatflow.embed.partitions.top_windows` of the rows' ``start`` and ``length``,
     widened by ``pad`` samples; cut from ``core`` and its halos) hold those of the whole stream's top
     beats that this partition owns. Cut here, the report's top anomalies need no second round trip
     to the partitions after the scores (a Prefect task and a Dask map: 0.066 s of a warm GPU run).
     """
-    from beatflow.embed.beats import residual_rows
+    from beatflow.score.rule import model_input
 
     rows, _ = embedded
     engine = _engine(engine_path)
     with device_memory(f"scoring {rows.shape[0]:,} beats", int(rows.nbytes), engine.on_gpu):
-        x = rows / rows.dtype.type(scale) if engine.on_gpu else to_host(rows) / np.float32(scale)
-        if dominant is not None:
-            x = residual_rows(x, dominant)
-        score, mu = engine.infer(x)
+        score, mu = engine.infer(model_input(rows if engine.on_gpu else to_host(rows), scale, dominant))
     score, mu = to_host(score), to_host(mu)
     if not top or core is None:
         return score, mu
@@ -594,7 +517,7 @@ def score_partition(embedded, dominant=None, core=None, left=None, right=None, f
 def write_report(path: str, data, figures: dict | None = None) -> str:
     """Render ``report.html`` (self-contained) from the small results (``figures``: PNGs already
     rendered while the flow went on, see ``beatflow.report.figures.render_figures``)."""
-    from beatflow.report.figures import write_report as render
+    from beatflow.report.html import write_report as render
 
     render(path, data, figures)
     return path

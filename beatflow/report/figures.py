@@ -1,187 +1,40 @@
-"""Self-contained HTML report for a beatflow run.
+"""The report's figures: Matplotlib (Agg, no pyplot global state), each a function of the parts of
+:class:`ReportData` it reads that gives a base64 PNG (:mod:`beatflow.report.png`).
 
-Two parts:
+:data:`FIGURES` names them; :func:`render_figures` draws some (the figure processes of
+:mod:`beatflow.report.pool` do, while the flow goes on); the page is :mod:`beatflow.report.html`'s.
 
-* :func:`column_minmax` / :func:`combine_minmax` -- datashader-style per-pixel
-  min/max aggregation of a long 1-D stream that is split into partitions
-  (NumPy or CuPy arrays).  Each partition reduces to a tiny per-column result;
-  combining the partial results of *any* partitioning gives exactly the
-  one-partition result.
-* :class:`ReportData` / :func:`write_report` -- one HTML file with inline
-  base64 PNG figures (matplotlib, Agg, no pyplot global state), inline CSS,
-  no external resources.
-
-This module deliberately imports neither prefect nor dask.
+This module imports neither prefect nor dask, and no Matplotlib until a figure is drawn.
 """
 
 from __future__ import annotations
 
-import base64
 import functools
-import html
 import math
-import os
-import struct
-import zlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
-from beatflow.device import namespace_of, to_host
+from beatflow.report.png import figure_png
 
 __all__ = [
-    "column_minmax",
-    "combine_minmax",
-    "column_bounds",
     "ReportData",
-    "write_report",
-    "render_report_html",
+    "FIGURES",
+    "EARLY_FIGURES",
+    "fmt_hms",
+    "fmt_num",
+    "render_figures",
+    "render_figures_timed",
+    "warm_up",
 ]
-
-
-# --------------------------------------------------------------------------
-# Part 1: per-pixel min/max aggregation
-# --------------------------------------------------------------------------
-
-
-def _xp(x):
-    """Array namespace of ``x`` (the one decision lives in :mod:`beatflow.device`)."""
-    return namespace_of(x)
-
-
-def _to_numpy(a) -> np.ndarray:
-    return to_host(a)
-
-
-def _col_of(g: int, total: int, ncols: int) -> int:
-    """Column containing global sample ``g`` (0 <= g < total).
-
-    Column c covers [floor(c*total/ncols), floor((c+1)*total/ncols)); the
-    containing column is the largest c with floor(c*total/ncols) <= g, i.e.
-    c = floor(((g+1)*ncols - 1) / total).  Exact integer arithmetic.
-    """
-    return ((g + 1) * ncols - 1) // total
-
-
-def column_bounds(total: int, ncols: int) -> np.ndarray:
-    """Global sample boundaries (ncols+1,) of the pixel columns (int64)."""
-    c = np.arange(ncols + 1, dtype=np.int64)
-    return (c * np.int64(total)) // np.int64(ncols)
-
-
-def _segment_minmax(xp, x, starts, ends, method: str):
-    """min/max of x[starts[i]:ends[i]] for contiguous, non-empty, sorted segments
-    that tile x[starts[0]:ends[-1]].  Returns device arrays."""
-    if method == "reduceat":
-        try:
-            if np.issubdtype(x.dtype, np.floating):
-                mins = xp.fmin.reduceat(x, starts)
-                maxs = xp.fmax.reduceat(x, starts)
-            else:
-                mins = xp.minimum.reduceat(x, starts)
-                maxs = xp.maximum.reduceat(x, starts)
-            return mins, maxs
-        except Exception:  # noqa: BLE001 - e.g. a CuPy without (f)min.reduceat: use the padded gather
-            pass
-    # Padded gather: every segment is read as a row of length Lmax; indices past
-    # the segment end are clamped to its last element (repeats do not change
-    # min/max), so no fill value / dtype juggling is needed.
-    lengths = ends - starts
-    lmax = int(lengths.max())
-    idx = starts[:, None] + xp.arange(lmax, dtype=starts.dtype)[None, :]
-    idx = xp.minimum(idx, (ends - 1)[:, None])
-    g = x[idx]
-    if np.issubdtype(g.dtype, np.floating):
-        nan = xp.isnan(g)
-        allnan = nan.all(axis=1)
-        mins = xp.where(nan, xp.inf, g).min(axis=1)
-        maxs = xp.where(nan, -xp.inf, g).max(axis=1)
-        mins = xp.where(allnan, xp.nan, mins)
-        maxs = xp.where(allnan, xp.nan, maxs)
-    else:
-        mins = g.min(axis=1)
-        maxs = g.max(axis=1)
-    return mins, maxs
-
-
-def column_minmax(x, start: int, total: int, ncols: int, *, _method: str = "reduceat"):
-    """Per-pixel-column min/max of one partition of a long stream.
-
-    ``x`` is one partition (NumPy or CuPy 1-D array) covering global samples
-    ``[start, start+len(x))`` of a stream of ``total`` samples; the stream maps
-    onto ``ncols`` pixel columns, column ``c`` covering global samples
-    ``[floor(c*total/ncols), floor((c+1)*total/ncols))``.
-
-    Returns ``(first_col, mins, maxs)``: ``mins``/``maxs`` are NumPy float32
-    arrays for columns ``first_col .. first_col+len(mins)-1`` touched by this
-    partition (partial columns included).  Columns that contain no samples at
-    all (possible when ``ncols > total``) are NaN.  NaN samples are ignored.
-    All per-sample work happens in the array namespace of ``x``; only the small
-    per-column result is transferred to the host.
-    """
-    start = int(start)
-    total = int(total)
-    ncols = int(ncols)
-    if total <= 0 or ncols <= 0:
-        raise ValueError("total and ncols must be positive")
-    xp = _xp(x)
-    x = xp.asarray(x).reshape(-1)
-    n = int(x.shape[0])
-    if n == 0:
-        empty = np.empty(0, dtype=np.float32)
-        return 0, empty, empty.copy()
-    if start < 0 or start + n > total:
-        raise ValueError(f"partition [{start}, {start + n}) outside stream [0, {total})")
-    first = _col_of(start, total, ncols)
-    last = _col_of(start + n - 1, total, ncols)
-    # Boundaries of columns first..last (host side, tiny), in local coordinates.
-    c = np.arange(first, last + 2, dtype=np.int64)
-    b = (c * np.int64(total)) // np.int64(ncols) - start
-    lo = np.clip(b[:-1], 0, n)
-    hi = np.clip(b[1:], 0, n)
-    nonempty = hi > lo
-    mins = np.full(last - first + 1, np.nan, dtype=np.float32)
-    maxs = mins.copy()
-    starts_h = lo[nonempty]
-    ends_h = hi[nonempty]
-    starts = xp.asarray(starts_h)
-    ends = xp.asarray(ends_h)
-    dmin, dmax = _segment_minmax(xp, x, starts, ends, _method)
-    mins[nonempty] = _to_numpy(dmin).astype(np.float32)
-    maxs[nonempty] = _to_numpy(dmax).astype(np.float32)
-    return first, mins, maxs
-
-
-def combine_minmax(parts: Iterable[tuple[int, Any, Any]], ncols: int) -> tuple[np.ndarray, np.ndarray]:
-    """Combine per-partition ``(first_col, mins, maxs)`` into full-length
-    ``(mins, maxs)`` of ``ncols`` float32 values (NaN where no data); partial
-    columns shared by neighbouring partitions are merged with min/max."""
-    ncols = int(ncols)
-    mins = np.full(ncols, np.nan, dtype=np.float32)
-    maxs = np.full(ncols, np.nan, dtype=np.float32)
-    for first, pmin, pmax in parts:
-        pmin = np.asarray(_to_numpy(pmin), dtype=np.float32).reshape(-1)
-        pmax = np.asarray(_to_numpy(pmax), dtype=np.float32).reshape(-1)
-        if pmin.size == 0:
-            continue
-        first = int(first)
-        sl = slice(first, first + pmin.size)
-        if first < 0 or first + pmin.size > ncols:
-            raise ValueError(f"part columns [{first}, {first + pmin.size}) outside [0, {ncols})")
-        np.fmin(mins[sl], pmin, out=mins[sl])
-        np.fmax(maxs[sl], pmax, out=maxs[sl])
-    return mins, maxs
-
-
-# --------------------------------------------------------------------------
-# Part 2: the report
-# --------------------------------------------------------------------------
 
 
 @dataclass
 class ReportData:
+    """What the report shows: the run's summary and the small arrays its figures are drawn from."""
+
     title: str
     summary: dict
     fs: float
@@ -210,7 +63,7 @@ _DPI = 100
 #: Matplotlib settings the figures are drawn with (:func:`_with_rc`): glyphs drawn as their outlines,
 #: not fitted to the pixel grid first. FreeType's hinting of each glyph was a fifth of the top anomalies'
 #: figure (52 texts) and a tenth of the stream's; at 100 dpi the text looks the same to the eye
-#: (``bench/RESULTS.md``, session 33).
+#: (``bench/results/report.md``).
 _RC = {"text.hinting": "no_hinting"}
 _LABEL_NAMES = {0: "normal", 1: "PVC", 2: "artifact"}
 _LABEL_COLOURS = {0: "#9e9e9e", 1: "#e6550d", 2: "#6a51a3"}
@@ -218,7 +71,8 @@ _ENVELOPE = "#1f5fa6"
 _FLAG = "#d62728"
 
 
-def _fmt_hms(seconds: float, with_seconds: bool = True) -> str:
+def fmt_hms(seconds: float, with_seconds: bool = True) -> str:
+    """``seconds`` as h:mm:ss (rounded), or h:mm (cut) without ``with_seconds``; "–" for None or NaN."""
     if seconds is None or not np.isfinite(seconds):
         return "–"
     s = int(round(float(seconds))) if with_seconds else int(float(seconds))
@@ -227,7 +81,9 @@ def _fmt_hms(seconds: float, with_seconds: bool = True) -> str:
     return f"{h}:{m:02d}:{sec:02d}" if with_seconds else f"{h}:{m:02d}"
 
 
-def _fmt_num(v: Any, digits: int = 4) -> str:
+def fmt_num(v: Any, digits: int = 4) -> str:
+    """``v`` for the report's text: integers with thousands separators, floats to ``digits`` significant
+    digits (very large or small ones in e-notation), "–" for None, anything else as ``str``."""
     if v is None:
         return "–"
     if isinstance(v, (bool, np.bool_)):
@@ -242,42 +98,6 @@ def _fmt_num(v: Any, digits: int = 4) -> str:
             return f"{v:.{digits - 1}e}"
         return f"{v:.{digits}g}"
     return str(v)
-
-
-def _png(fig, up: bool = True) -> str:
-    """``fig`` drawn by Agg and written as an RGB PNG (:func:`_png_bytes`, ``up``), base64."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
-
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    return base64.b64encode(_png_bytes(np.asarray(canvas.buffer_rgba()), up)).decode("ascii")
-
-
-def _png_chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def _png_bytes(rgba: np.ndarray, up: bool = True) -> bytes:
-    """An opaque RGBA image (``(h, w, 4)`` uint8) as an RGB PNG: every row by PNG's "Up" filter (its
-    difference from the row above, in NumPy; ``up``, else unfiltered), zlib at level 1.
-
-    The figures are opaque (a white face), so the alpha Matplotlib's ``savefig`` writes carries nothing.
-    Pillow (level 1, RGB) chose a filter for each row by trying all five: its encoding took 18, 12 and 10 ms
-    (the top anomalies', the latent space's and the stream's figures) where this takes 8, 6 and 4, for
-    files of about the same size (2 cores; ``bench/RESULTS.md``, session 33). Lines and fills compress better
-    by "Up"; the latent figures' scattered pixels do not: unfiltered, they are smaller and 3-4 ms faster."""
-    h, w = rgba.shape[:2]
-    rows = np.empty((h, 1 + 3 * w), np.uint8)
-    rows[:, 0] = 2 if up else 0  # ("Up": above the first row PNG takes zeros)
-    out = rows[:, 1:].reshape(h, w, 3)
-    if up:
-        out[0] = rgba[0, :, :3]
-        np.subtract(rgba[1:, :, :3], rgba[:-1, :, :3], out=out[1:])  # (uint8: modulo 256, as PNG's filter)
-    else:
-        out[:] = rgba[:, :, :3]
-    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)  # 8 bits a sample, RGB, deflate, filtered, not interlaced
-    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header)
-            + _png_chunk(b"IDAT", zlib.compress(rows.data, 1)) + _png_chunk(b"IEND", b""))
 
 
 def _new_fig(w: float, h: float, margins: tuple = (0.75, 0.2, 0.35, 0.55), **space):
@@ -302,7 +122,7 @@ def _title(ax, text: str, fontsize: float = 10) -> None:
 def _hours_formatter():
     from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
 
-    return FuncFormatter(lambda v, _pos: _fmt_hms(v * 3600.0, with_seconds=v * 3600 < 600) if v >= 0 else "")
+    return FuncFormatter(lambda v, _pos: fmt_hms(v * 3600.0, with_seconds=v * 3600 < 600) if v >= 0 else "")
 
 
 def _no_data(ax, msg: str = "no data") -> None:
@@ -486,7 +306,7 @@ def _fig_stream(d: ReportData) -> str:
     _drawn_ticks(rug, "x")
     for s in ("top", "right", "left"):
         rug.spines[s].set_visible(False)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def _fig_lengths(d: ReportData) -> str:
@@ -512,7 +332,7 @@ def _fig_lengths(d: ReportData) -> str:
     ax.set_xlabel("beat length (samples)", fontsize=9)
     ax.set_ylabel("beats", fontsize=9)
     _style(ax)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def _fig_aligned(d: ReportData) -> str:
@@ -531,7 +351,7 @@ def _fig_aligned(d: ReportData) -> str:
         _no_data(ax)
     ax.set_ylabel("amplitude", fontsize=9)
     _style(ax)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def _fig_training(d: ReportData) -> str:
@@ -562,7 +382,7 @@ def _fig_training(d: ReportData) -> str:
     ax.set_xlabel("epoch", fontsize=9)
     ax.set_ylabel("loss", fontsize=9)
     _style(ax)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def _fig_scores(d: ReportData) -> str:
@@ -584,7 +404,7 @@ def _fig_scores(d: ReportData) -> str:
     ax.set_xlabel("anomaly score", fontsize=9)
     ax.set_ylabel("beats (log)", fontsize=9)
     _style(ax)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def _pixel_max(x, y, value, xlim, ylim, shape) -> np.ndarray:
@@ -728,7 +548,7 @@ def _fig_latent(d: ReportData) -> str:
     ax = fig.add_subplot()
     if f is None:
         _no_data(ax)
-        return _png(fig)
+        return figure_png(fig)
     sca = _latent_image(ax, f, f.sc, "viridis", *f.vrange)
     flagged = f.sc >= float(d.threshold)
     if flagged.any():
@@ -741,7 +561,7 @@ def _fig_latent(d: ReportData) -> str:
     cb.set_label("anomaly score", fontsize=9)
     _drawn_ticks(cb.ax, "y", right=True)
     _latent_axes_done(ax, f, f"latent means of {f.sc.size:,} test beats, coloured by score (largest per pixel)")
-    return _png(fig, up=False)  # (scattered pixels: smaller and faster unfiltered)
+    return figure_png(fig)
 
 
 def _fig_latent_truth(d: ReportData) -> str | None:
@@ -767,7 +587,7 @@ def _fig_latent_truth(d: ReportData) -> str | None:
         ax.scatter([], [], s=16, lw=0, color=colour, label=f"{_LABEL_NAMES.get(u, str(u))} ({int((labels == u).sum()):,})")
     ax.legend(fontsize=8, frameon=True, framealpha=0.8, loc="upper right")
     _latent_axes_done(ax, f, "same points, coloured by ground-truth label (rarest per pixel)")
-    return _png(fig, up=False)
+    return figure_png(fig)
 
 
 def _fig_top(d: ReportData, limit: int = 12, part: str | None = None) -> str | None:
@@ -779,10 +599,10 @@ def _fig_top(d: ReportData, limit: int = 12, part: str | None = None) -> str | N
     critical path.
 
     ``part`` ``"left"`` or ``"right"``: the columns of panels left or right of the middle (a figure each,
-    drawn at once in two processes and shown side by side: :func:`_top_pictures`), each the same pixels as
-    that side of the whole figure, split in the gap between two columns; ``"right"`` is None where there is
-    one column. With its four dozen texts, the whole figure was the longest of the report's to draw (Matplotlib
-    3.11 lays out and renders each glyph of a text on its own)."""
+    drawn at once in two processes and shown side by side by the page, :mod:`beatflow.report.html`), each
+    the same pixels as that side of the whole figure, split in the gap between two columns; ``"right"`` is
+    None where there is one column. With its four dozen texts, the whole figure was the longest of the
+    report's to draw (Matplotlib 3.11 lays out and renders each glyph of a text on its own)."""
     from matplotlib.collections import LineCollection, PolyCollection  # noqa: PLC0415
     from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
 
@@ -842,12 +662,12 @@ def _fig_top(d: ReportData, limit: int = 12, part: str | None = None) -> str | N
             length = int(a.get("length", 0))
             b0, b1 = float(px(0.0)), float(px(length / fs))
             shaded.append([(b0, y0), (b1, y0), (b1, y0 + 1), (b0, y0 + 1)])
-            ax.text(x0 + 0.99, y0 + 0.97, f"{_fmt_num(lo + pad, 3)} … {_fmt_num(hi - pad, 3)}", ha="right", va="top",
+            ax.text(x0 + 0.99, y0 + 0.97, f"{fmt_num(lo + pad, 3)} … {fmt_num(hi - pad, 3)}", ha="right", va="top",
                     fontsize=7, color="#5a6470")
         else:
             ax.text(x0 + 0.5, y0 + 0.5, "no data", ha="center", va="center", fontsize=8, color="#888")
         time_s = a.get("time_s", start / fs)
-        title = f"#{i + 1}  {_fmt_hms(time_s)}  score {_fmt_num(a.get('score'), 3)}"
+        title = f"#{i + 1}  {fmt_hms(time_s)}  score {fmt_num(a.get('score'), 3)}"
         if a.get("label"):
             title += f"  [{a['label']}]"
         ax.text(x0, y0 + 1 + 0.03, title, ha="left", va="bottom", fontsize=8.5)
@@ -861,230 +681,7 @@ def _fig_top(d: ReportData, limit: int = 12, part: str | None = None) -> str | N
     ax.add_collection(LineCollection(traces, colors="#222", linewidths=0.7))
     ax.set_xlim(*xlim)
     ax.set_ylim(-(nrow - 1) * (1 + gy) - 0.005, 1 + title_h)
-    return _png(fig)
-
-
-# ---- HTML ------------------------------------------------------------------
-
-_CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:0;background:#f4f5f7;color:#1d232b}
-main{max-width:1340px;margin:0 auto;padding:18px 24px 40px}
-h1{font-size:1.6em;margin:.2em 0 .1em}
-h2{font-size:1.15em;margin:1.6em 0 .5em;border-bottom:2px solid #d7dbe0;padding-bottom:.2em}
-h3{font-size:1em;margin:.2em 0 .4em}
-.sub{color:#5a6470;margin:0 0 1em;font-size:.9em}
-.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(150px,1fr));gap:10px}
-.card{background:#fff;border-radius:8px;padding:9px 12px;box-shadow:0 1px 2px rgba(0,0,0,.08)}
-.card .k{font-size:.75em;color:#5a6470;text-transform:uppercase;letter-spacing:.04em}
-.card .v{font-size:1.25em;font-weight:600;margin-top:2px;overflow-wrap:anywhere}
-.card.alert .v{color:#b3261e}
-.card.long .v{font-size:.95em;padding-top:.2em}
-.row{display:grid;grid-template-columns:1fr 1fr;gap:14px}
-.panel{background:#fff;border-radius:8px;padding:10px 12px;box-shadow:0 1px 2px rgba(0,0,0,.08);overflow-x:auto}
-.panel img{max-width:100%;height:auto;display:block;margin:0 auto}
-.split{display:flex;max-width:1300px;margin:0 auto}
-.split img{min-width:0;margin:0}
-.note{color:#5a6470;font-size:.85em;margin:.3em 0 0}
-table{border-collapse:collapse;font-size:.88em;background:#fff}
-th,td{padding:4px 10px;border-bottom:1px solid #e3e6ea;text-align:right;white-space:nowrap}
-th{background:#eef0f3;font-weight:600}
-td.l,th.l{text-align:left}
-.tables{display:flex;flex-wrap:wrap;gap:14px;align-items:flex-start;margin-top:12px}
-@media (max-width:900px){.row{grid-template-columns:1fr}}
-"""
-
-
-def _img(b64: str, alt: str) -> str:
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
-
-
-def _png_width(b64: str) -> int:
-    """The width in pixels of a base64 PNG (its header's)."""
-    return struct.unpack(">I", base64.b64decode(b64[:32])[16:20])[0]
-
-
-def _top_pictures(left: str, right: str | None, alt: str) -> str:
-    """The top anomalies' figure from its two parts (:func:`_fig_top`), side by side at their shares of
-    its width: one picture, at any page width."""
-    if right is None:
-        return _img(left, alt)
-    wl, wr = _png_width(left), _png_width(right)
-    return (f'<div class="split"><img alt="{html.escape(alt)}" style="width:{100 * wl / (wl + wr):.4f}%" '
-            f'src="data:image/png;base64,{left}"><img alt="" style="width:{100 * wr / (wl + wr):.4f}%" '
-            f'src="data:image/png;base64,{right}"></div>')
-
-
-def _card(key: str, value: str, alert: bool = False) -> str:
-    cls = "card alert" if alert else "card"
-    if len(value) > 10:
-        cls += " long"
-    return f'<div class="{cls}"><div class="k">{html.escape(key)}</div><div class="v">{html.escape(value)}</div></div>'
-
-
-def _summary_cards(d: ReportData) -> str:
-    s = d.summary or {}
-    fs = float(d.fs) if d.fs else float(s.get("fs") or 0)
-    samples = s.get("samples", d.total_samples)
-    dur = (float(samples) / fs) if fs else float("nan")
-    cards = [
-        _card("samples", _fmt_num(int(samples)) if samples is not None else "–"),
-        _card("duration (h:mm)", _fmt_hms(dur, with_seconds=False)),
-        _card("sampling rate", f"{_fmt_num(fs)} Hz" if fs else "–"),
-        _card("beats detected", _fmt_num(s.get("beats_detected"))),
-        _card("beats kept", _fmt_num(s.get("beats_kept"))),
-    ]
-    pf = s.get("pruned_fraction")
-    cards.append(_card("pruned", f"{100.0 * float(pf):.2f} %" if pf is not None else "–"))
-    cards.append(_card("anomalies flagged", _fmt_num(s.get("anomalies_flagged")), alert=True))
-    vf = s.get("flutter_episodes")
-    if isinstance(vf, dict):  # ventricular flutter/fibrillation: the waves are no beats (rhythm_episodes.csv)
-        n = int(vf.get("count") or 0)
-        cards.append(_card("VF / flutter episodes", f"{n} ({_fmt_hms(float(vf.get('seconds') or 0))})" if n else "none",
-                           alert=n > 0))
-    sl = s.get("second_lead")
-    if isinstance(sl, dict):  # a second lead checked the beats (beatflow.detect.leads)
-        which = f"lead {sl.get('lead')}" if sl.get("lead") is not None else f"column {sl.get('column')}"
-        cards.append(_card(f"second lead ({which})", f"{_fmt_num(sl.get('doubtful_peaks_dropped', 0))} dropped, "
-                           f"{_fmt_num(sl.get('peaks_moved', 0))} moved"))
-    cards.append(_card("test loss", _fmt_num(s.get("test_loss", d.test_loss))))
-    cards.append(_card("device", _fmt_num(s.get("device"))))
-    cards.append(_card("workers", _fmt_num(s.get("workers"))))
-    eng = s.get("engine") or {}
-    if isinstance(eng, dict):
-        cards.append(_card("engine backend", _fmt_num(eng.get("backend"))))
-        cards.append(_card("engine max |err|", _fmt_num(eng.get("max_abs_err"), 3)))
-    else:
-        cards.append(_card("engine", _fmt_num(eng)))
-    truth = s.get("truth")
-    if isinstance(truth, dict) and truth:
-        for k, name in (("se", "truth Se"), ("ppv", "truth PPV"), ("auc", "truth AUC")):
-            if truth.get(k) is not None:
-                cards.append(_card(name, f"{float(truth[k]):.3f}"))
-    return '<div class="cards">' + "".join(cards) + "</div>"
-
-
-_CONSUMED = {
-    "samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss", "anomalies_flagged",
-    "device", "workers", "engine", "timings_s", "truth", "flutter_episodes", "per_recording",
-}
-
-
-def _recordings_table(d: ReportData) -> str:
-    """Per recording (when there are several): hours, kept beats, flagged beats and their share."""
-    rows = (d.summary or {}).get("per_recording") or []
-    if len(rows) < 2:
-        return ""
-    body = []
-    for r in rows:
-        beats, flagged = int(r.get("beats") or 0), int(r.get("flagged") or 0)
-        cells = [str(r.get("recording")), _fmt_hms(3600.0 * float(r.get("hours") or 0.0)), f"{beats:,}",
-                 f"{flagged:,}", f"{100.0 * flagged / beats:.1f} %" if beats else "–"]
-        body.append("<tr>" + "".join(f'<td{" class=l" if j == 0 else ""}>{html.escape(c)}</td>'
-                                     for j, c in enumerate(cells)) + "</tr>")
-    head = ["recording", "duration", "beats", "flagged", "flagged share"]
-    return ("<table><thead><tr>" + "".join(f'<th{" class=l" if j == 0 else ""}>{h}</th>' for j, h in enumerate(head))
-            + "</tr></thead><tbody>" + "".join(body) + "</tbody></table>")
-
-
-def _timings_table(d: ReportData) -> str:
-    t = (d.summary or {}).get("timings_s") or {}
-    if not isinstance(t, dict) or not t:
-        return ""
-    rows = []
-    tot = 0.0
-    for k, v in t.items():
-        if k == "total":  # (the sum of the stages, shown as such)
-            continue
-        try:
-            fv = float(v)
-        except (TypeError, ValueError):
-            rows.append(f'<tr><td class="l">{html.escape(str(k))}</td><td>{html.escape(str(v))}</td><td></td></tr>')
-            continue
-        tot += fv
-        rows.append((k, fv))
-    out = []
-    for r in rows:
-        if isinstance(r, str):
-            out.append(r)
-        else:
-            k, fv = r
-            pct = f"{100.0 * fv / tot:.1f} %" if tot > 0 else ""
-            out.append(f'<tr><td class="l">{html.escape(str(k))}</td><td>{fv:.2f}</td><td>{pct}</td></tr>')
-    out.append(f'<tr><th class="l">sum</th><th>{tot:.2f}</th><th></th></tr>')
-    return (
-        '<table><thead><tr><th class="l">stage</th><th>seconds</th><th>share</th></tr></thead><tbody>'
-        + "".join(out) + "</tbody></table>"
-    )
-
-
-def _engine_table(d: ReportData) -> str:
-    """The inference engine: what it is, its error against PyTorch, batch-1 latency, throughput by batch."""
-    e = (d.summary or {}).get("engine")
-    if not isinstance(e, dict) or not e:
-        return ""
-    rows = [("backend", f"{e.get('backend', '–')} ({e.get('precision', '–')}), {e.get('cache', '–')}"),
-            ("max abs error vs PyTorch", _fmt_num(e.get("max_abs_err"), 3))]
-    lat = e.get("latency_batch1_us")
-    if isinstance(lat, dict):
-        rows.append(("latency, batch 1", f"p50 {float(lat['p50']):.0f} µs, p99 {float(lat['p99']):.0f} µs "
-                                          f"({e.get('clock') or 'timed'})"))
-    for b, v in (e.get("throughput_by_batch") or {}).items():
-        rows.append((f"throughput, batch {b}", f"{float(v):,.0f} beats/s"))
-    return ('<table><thead><tr><th class="l">engine</th><th class="l">value</th></tr></thead><tbody>'
-            + "".join(f'<tr><td class="l">{html.escape(k)}</td><td class="l">{html.escape(v)}</td></tr>' for k, v in rows)
-            + "</tbody></table>")
-
-
-def _other_table(d: ReportData) -> str:
-    s = d.summary or {}
-    rows = []
-    for k, v in s.items():
-        if k in _CONSUMED:
-            continue
-        if isinstance(v, dict):
-            v = ", ".join(f"{kk}={_fmt_num(vv)}" for kk, vv in v.items())
-        elif isinstance(v, (list, tuple)) and len(v) > 8:
-            v = f"[{len(v)} items]"
-        rows.append(f'<tr><td class="l">{html.escape(str(k))}</td><td class="l">{html.escape(_fmt_num(v))}</td></tr>')
-    if not rows:
-        return ""
-    return '<table><thead><tr><th class="l">setting</th><th class="l">value</th></tr></thead><tbody>' + "".join(rows) + "</tbody></table>"
-
-
-def _top_table(d: ReportData, limit: int = 50) -> str:
-    top = list(d.top or [])[:limit]
-    if not top:
-        return '<p class="note">No anomalies flagged.</p>'
-    has_label = any(a.get("label") for a in top)
-    head = ["rank", "beat", "start (sample)", "time", "length", "length (ms)", "score"] + (["label"] if has_label else [])
-    fs = float(d.fs) if d.fs else 0.0
-    rows = []
-    for i, a in enumerate(top):
-        length = a.get("length")
-        start = a.get("start")
-        time_s = a.get("time_s", (float(start) / fs) if (start is not None and fs) else None)
-        cells = [
-            str(i + 1),
-            _fmt_num(a.get("beat")),
-            _fmt_num(start),
-            _fmt_hms(time_s) if time_s is not None else "–",
-            _fmt_num(length),
-            f"{1e3 * float(length) / fs:.0f}" if (length is not None and fs) else "–",
-            _fmt_num(a.get("score"), 4),
-        ]
-        if has_label:
-            cells.append(str(a.get("label") or ""))
-        rows.append(
-            "<tr>" + "".join(f'<td{" class=l" if j == 7 else ""}>{html.escape(c)}</td>' for j, c in enumerate(cells))
-            + "</tr>"
-        )
-    return (
-        "<table><thead><tr>"
-        + "".join(f'<th{" class=l" if j == 7 else ""}>{html.escape(h)}</th>' for j, h in enumerate(head))
-        + "</tr></thead><tbody>"
-        + "".join(rows) + "</tbody></table>"
-    )
-
+    return figure_png(fig)
 
 def _with_rc(draw):
     """``draw`` under the figures' Matplotlib settings (:data:`_RC`; the process's own are left as they were)."""
@@ -1132,7 +729,7 @@ def warm_up() -> None:
     ax2.set_yscale("log")
     ax2.plot([0.0, 1.0], [1.0, 2.0])
     _title(ax2, "x")
-    _png(fig)
+    figure_png(fig)
 
 
 def render_figures(data, names=EARLY_FIGURES) -> dict:
@@ -1149,103 +746,3 @@ def render_figures_timed(data, names) -> tuple[dict, tuple[float, float]]:
 
     start = time.time()
     return render_figures(data, names), (start, time.time())
-
-
-def render_report_html(data: ReportData, figures: dict | None = None) -> str:
-    """Build the complete, self-contained HTML document as a string.
-
-    ``figures``: PNGs already rendered (:func:`render_figures`); the others are rendered here.
-    """
-    d = data
-    done = dict(figures or {})
-
-    def fig(name):
-        return done[name] if name in done else FIGURES[name](d)
-
-    title = html.escape(str(d.title))
-    fs = float(d.fs) if d.fs else 0.0
-    dur_s = float(d.total_samples) / fs if fs else float("nan")
-    n_flag = int(np.asarray(d.anomaly_times_s).size)
-    n_top = min(len(d.top or []), 12)
-    parts: list[str] = []
-    parts.append(
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        f"<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\"><title>{title}</title>"
-        f"<style>{_CSS}</style></head><body><main>"
-    )
-    parts.append(f"<h1>{title}</h1>")
-    parts.append(
-        f'<p class="sub">{_fmt_num(int(d.total_samples))} samples at {_fmt_num(fs)} Hz '
-        f"({html.escape(_fmt_hms(dur_s))}), {n_flag:,} beats flagged above score threshold "
-        f"{html.escape(_fmt_num(float(d.threshold)))}.</p>"
-    )
-    parts.append('<section id="summary"><h2>Summary</h2>')
-    parts.append(_summary_cards(d))
-    tt, ot, et = _timings_table(d), _other_table(d), _engine_table(d)
-    if tt or ot or et:
-        parts.append('<div class="tables">')
-        if tt:
-            parts.append(f'<div><h3>Per-stage timings</h3>{tt}</div>')
-        if et:
-            parts.append(f'<div><h3>Inference engine</h3>{et}</div>')
-        if ot:
-            parts.append(f"<div><h3>Other details</h3>{ot}</div>")
-        parts.append("</div>")
-    parts.append("</section>")
-
-    parts.append('<section id="stream"><h2>Whole stream</h2><div class="panel">')
-    parts.append(_img(fig("stream"), "min/max envelope of the whole recording with flagged beats"))
-    parts.append('<p class="note">The stream is cut into columns, each drawn from the minimum to the maximum of '
-                 "its samples; where columns are narrower than a pixel, values that few of them reach are pale. "
-                 "Red ticks below mark the start of every flagged beat.</p></div>")
-    rt = _recordings_table(d)
-    if rt:
-        parts.append(f'<div class="panel" style="margin-top:14px"><h3>Recordings</h3>{rt}</div>')
-    parts.append("</section>")
-
-    parts.append('<section id="beats"><h2>Beats</h2><div class="row">')
-    parts.append('<div class="panel"><h3>Beat-length histogram</h3>' + _img(fig("lengths"), "beat length histogram")
-                 + '<p class="note">Shaded band: the row length range; shorter beats are pruned, longer ones are cut to the row.</p></div>')
-    parts.append('<div class="panel"><h3>Aligned beats</h3>' + _img(fig("aligned"), "aligned beats overlay")
-                 + '<p class="note">Overlay of typical kept beats; a sharp common QRS means good alignment.</p></div>')
-    parts.append("</div></section>")
-
-    parts.append('<section id="model"><h2>Model</h2><div class="row">')
-    parts.append('<div class="panel"><h3>Training curve</h3>' + _img(fig("training"), "training curve") + "</div>")
-    parts.append('<div class="panel"><h3>Anomaly score distribution</h3>' + _img(fig("scores"), "score histogram")
-                 + '<p class="note">All kept beats; the red line is the flagging threshold.</p></div>')
-    parts.append("</div>")
-    by_label = fig("latent_truth")
-    parts.append('<div class="row" style="margin-top:14px">' if by_label is not None else '<div style="margin-top:14px">')
-    parts.append('<div class="panel"><h3>Latent space</h3>' + _img(fig("latent"), "latent space")
-                 + '<p class="note">Flagged beats (score ≥ threshold) are circled in red.</p></div>')
-    if by_label is not None:
-        parts.append('<div class="panel"><h3>Latent space by truth label</h3>'
-                     + _img(by_label, "latent space by truth label") + "</div>")
-    parts.append("</div>")
-    parts.append("</section>")
-
-    parts.append('<section id="anomalies"><h2>Top anomalies</h2>')
-    top_png = fig("top")
-    if top_png is not None:
-        parts.append(f'<div class="panel"><h3>Top {n_top} in context</h3>'
-                     + _top_pictures(top_png, fig("top_right"), "top anomalies")
-                     + '<p class="note">Shaded: the flagged beat. Titles: rank, time (h:mm:ss), score.</p></div>')
-    parts.append('<div class="panel" style="margin-top:14px"><h3>Table</h3>' + _top_table(d) + "</div>")
-    parts.append("</section>")
-    parts.append('<p class="note" style="margin-top:2em">Generated by beatflow. Self-contained file: no external resources.</p>')
-    parts.append("</main></body></html>\n")
-    return "".join(parts)
-
-
-def write_report(path, data: ReportData, figures: dict | None = None) -> None:
-    """Render ``data`` (with the ``figures`` already rendered) and write one self-contained HTML file
-    atomically."""
-    path = os.fspath(path)
-    doc = render_report_html(data, figures)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(doc)
-    os.replace(tmp, path)

@@ -10,7 +10,8 @@
   and WFDB ``processing.xqrs_detect``;
 * the LightVAE is trained without labels on the beats of the ``--train`` records only (10 epochs,
   batch 1024), then the beats of the ``--test`` records are scored (reconstruction error; the model
-  sees each beat minus its record's dominant beat, as in the pipeline); detected
+  sees each beat as the pipeline makes it, :func:`beatflow.score.rule.model_input`: divided by the
+  median peak-to-peak of the training beats, minus its record's dominant beat); detected
   beats matched to annotated ones carry the AAMI class of their annotation, and the score is ranked
   for V against N, S against N and F against N (ROC-AUC, PR-AUC), with PyOD IsolationForest and
   ECOD as baselines on the same beat matrices.
@@ -29,12 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
-from beatflow.embed.beats import beats_from_peaks, dominant_beat, embed, kept_mask, residual_rows, row_lengths
+from beatflow.embed import embed
+from beatflow.embed.beats import beats_from_peaks, kept_mask, row_lengths
 from beatflow.errors import InputError
 from beatflow.score.metrics import TOLERANCE_S, Detection, match_beats, pr_auc, roc_auc
 from beatflow.params import SegmentParams
-from beatflow.score.rule import robust_threshold
-from beatflow.detect.peaks import detect_peaks
+from beatflow.score.rule import dominant_beat, input_scale, model_input, robust_threshold
+from beatflow.detect import detect_peaks
 
 #: annotation symbols of beats (all of them are reference beats for detection)
 BEAT_SYMBOLS = "NLRBAaJSVrFejnE/fQ?"
@@ -238,7 +240,7 @@ def record_beats(rec: Record, params: SegmentParams | None = None, second_params
     t = time.perf_counter()
     peaks = np.asarray(detect_peaks(rec.signal, s))
     if rec.second is not None:
-        from beatflow.detect.leads import SecondLeadParams, second_lead_peaks
+        from beatflow.detect import SecondLeadParams, second_lead_peaks
 
         peaks = second_lead_peaks(rec.signal, rec.second, peaks, rec.fs, s, second_params or SecondLeadParams())[0]
     seconds = time.perf_counter() - t
@@ -261,32 +263,27 @@ def beat_labels(peaks, rec: Record) -> np.ndarray:
     return out
 
 
-def _scale(p2p) -> float:
-    s = float(np.median(p2p)) if len(p2p) else 1.0
-    return s if s > 0 else 1.0
-
-
 def model_inputs(beats: list[RecordBeats], scale: float | None = None, which: str = "rows") -> np.ndarray:
-    """The VAE's input for each record, concatenated, as the pipeline makes it: rows (``rows`` or
-    ``all_rows``) divided by the median peak-to-peak of the record's kept beats (or by ``scale``),
-    minus the record's dominant beat (:func:`beatflow.embed.beats.dominant_beat` of its scaled kept rows)."""
+    """The VAE's input for each record, concatenated (:func:`beatflow.score.rule.model_input`): rows
+    (``rows`` or ``all_rows``) divided by ``scale`` (None: the median peak-to-peak of the record's own
+    kept beats), minus the record's dominant beat (of its scaled kept rows)."""
     if not beats:
         raise InputError("no beats to evaluate")
     out = []
     for b in beats:
-        k = np.float32(_scale(b.p2p) if scale is None else scale)
-        out.append(residual_rows(getattr(b, which) / k, dominant_beat(b.rows / k)))
+        k = input_scale(b.p2p) if scale is None else scale
+        out.append(model_input(getattr(b, which), k, dominant_beat(b.rows, k)))
     return np.concatenate(out)
 
 
 def scaled_rows(beats: list[RecordBeats], how: str, which: str = "rows") -> tuple[np.ndarray, float]:
-    """:func:`model_inputs` with the scale of each record (``record``) or of all of ``beats``
-    (``pooled``, returned; NaN for ``record``)."""
+    """:func:`model_inputs` with the scale of all of ``beats`` (``pooled``, the flow's rule: returned), or of
+    each record (``record``; NaN returned)."""
     if not beats:
         raise InputError("no beats to evaluate")
     if how == "record":
         return model_inputs(beats, None, which), float("nan")
-    scale = _scale(np.concatenate([b.p2p for b in beats]))
+    scale = input_scale(np.concatenate([b.p2p for b in beats]))
     return model_inputs(beats, scale, which), scale
 
 
@@ -377,7 +374,7 @@ def check_disjoint(train: list[str], test: list[str]) -> None:
 
 
 def evaluate(train: list[Record], test: list[Record], *, epochs: int = 10, batch_size: int = 1024, seed: int = 0,
-             peers: bool = True, baselines: bool = True, scale: str = "record", params: SegmentParams | None = None,
+             peers: bool = True, baselines: bool = True, scale: str = "pooled", params: SegmentParams | None = None,
              cache: dict | None = None, log=None, second_params=None) -> dict:
     """Detection on the test records, and anomaly ranking by a LightVAE trained on the training records.
 
@@ -386,12 +383,13 @@ def evaluate(train: list[Record], test: list[Record], *, epochs: int = 10, batch
     train, test : lists of Record
         Disjoint by name.
     epochs, batch_size, seed
-        LightVAE training (:func:`beatflow.model.vae.train_vae`).
+        LightVAE training (:func:`beatflow.model.train.train_vae`).
     peers, baselines : bool
         Also run the peer detectors (NeuroKit2, XQRS) and the PyOD baselines (on the first lead).
-    scale : ``"record"`` or ``"pooled"``
-        Rows are divided by the median peak-to-peak of their own record (default: each record is a
-        stream, as in the pipeline), or by that of all training rows (test rows too).
+    scale : ``"pooled"`` or ``"record"``
+        Rows are divided by the median peak-to-peak of all training rows, test rows too (default: the
+        flow's rule, where a model has one scale, that of its training rows: :mod:`beatflow.score.rule`),
+        or by that of their own record (``record``: a study of the scale, not what the flow does).
     cache : dict, optional
         ``name -> RecordBeats`` reused across calls (cross-validation segments each record once).
     log : callable, optional
@@ -405,7 +403,8 @@ def evaluate(train: list[Record], test: list[Record], *, epochs: int = 10, batch
     """
     import torch
 
-    from beatflow.model.vae import score_beats, train_vae
+    from beatflow.model.train import train_vae
+    from beatflow.model.vae import score_beats
 
     log = log or (lambda *_: None)
     check_disjoint([r.name for r in train], [r.name for r in test])
@@ -522,8 +521,9 @@ def register(sub) -> dict:
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0, help="seed of the VAE training and of the baselines")
-    p.add_argument("--scale", choices=("record", "pooled"), default="record",
-                   help="divide beats by their record's median peak-to-peak (default) or by the training set's")
+    p.add_argument("--scale", choices=("pooled", "record"), default="pooled",
+                   help="divide beats by the training beats' median peak-to-peak (default, as the flow does) or by "
+                        "their own record's")
     p.add_argument("--max-seconds", type=float, help="use only the first seconds of each record (quick checks)")
     p.add_argument("--no-peers", action="store_true", help="skip NeuroKit2 and XQRS")
     p.add_argument("--no-baselines", action="store_true", help="skip the PyOD baselines")

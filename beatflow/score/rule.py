@@ -1,7 +1,84 @@
-"""Anomaly scores to a decision: a robust threshold and the anomaly table."""
+"""The model's input and its scores' decision: the model-input rule, a robust threshold and the anomaly table.
+
+**The model-input rule** (one for training, the flow's scoring, ``beatflow score`` and ``beatflow evaluate``):
+the VAE sees each beat row divided by the model's *scale*, minus the *dominant beat* of the row's recording.
+The scale is one number per model, :func:`input_scale` of its training rows (the median peak-to-peak of
+every training row, pooled over the recordings it trained on); rows scored later are divided by that same
+scale. The dominant beat is per recording: the elementwise median of that recording's scaled rows
+(:func:`dominant_beat`), the training's for the recordings it trained on, a new recording's own otherwise.
+:func:`model_input` applies the rule; :data:`MODEL_INPUT` names it in ``model.json``.
+"""
 from __future__ import annotations
 
 import numpy as np
+
+from beatflow.device import namespace_of, to_host
+
+#: what the VAE is trained on and scores (recorded in model.json)
+MODEL_INPUT = "beat rows / scale - dominant beat of their recording (elementwise median of its rows)"
+#: at most this many rows (evenly spaced) enter a stream's dominant beat
+DOMINANT_SAMPLE = 16384
+
+
+def input_scale(p2p) -> float:
+    """The model's scale: the median peak-to-peak amplitude of its training rows, pooled over their
+    recordings (1 where that is 0, or where there are no rows). ``p2p``: NumPy or CuPy."""
+    if not p2p.shape[0]:
+        return 1.0
+    s = float(to_host(namespace_of(p2p).median(p2p)))
+    return s if s > 0 else 1.0
+
+
+def scale_rows(rows, scale: float, out=None):
+    """``rows / scale`` in the rows' float type (NumPy or CuPy); into ``out`` when given (it may be ``rows``)."""
+    return namespace_of(rows).divide(rows, rows.dtype.type(scale), out=out)
+
+
+def dominant_beat(rows, scale: float | None = None):
+    """A stream's dominant beat: the elementwise median of its beat rows, scaled by ``scale`` when given
+    (the rows as they are otherwise: already scaled).
+
+    Most beats of a recording are that patient's normal beats, so the median row is their shape,
+    and a beat's difference from it (:func:`residual_rows`) is what makes it unusual *for this
+    patient*; the VAE is trained on and scores those differences, which makes its score comparable
+    across patients whose normal beats differ (bundle branch blocks, lead placement). Long streams
+    use at most :data:`DOMINANT_SAMPLE` evenly spaced rows (deterministic).
+
+    Parameters
+    ----------
+    rows : array (n, width), NumPy or CuPy
+    scale : float, optional
+
+    Returns
+    -------
+    array (width,) of ``rows.dtype`` (zeros when there are no rows)
+    """
+    xp = namespace_of(rows)
+    n = int(rows.shape[0])
+    if n == 0:
+        return xp.zeros(rows.shape[1], dtype=rows.dtype)
+    step = -(-n // DOMINANT_SAMPLE)
+    sample = rows[::step] if scale is None else scale_rows(rows[::step], scale)
+    return xp.median(sample, axis=0).astype(rows.dtype)
+
+
+def residual_rows(rows, dominant):
+    """The rows minus their stream's dominant beat (the VAE's input); a new array."""
+    xp = namespace_of(rows)
+    return rows - xp.asarray(dominant, dtype=rows.dtype)[None, :]
+
+
+def model_input(rows, scale: float, dominant=None, out=None):
+    """The VAE's input (the rule above): ``rows / scale - dominant``, NumPy or CuPy as ``rows``.
+
+    ``dominant``: the dominant beat of the rows' recording, already scaled (the training's); None: these
+    rows' own (:func:`dominant_beat` of the scaled rows: a whole recording's rows). ``out``: where to write
+    (it may be ``rows``: the rows replaced by their input), else a new array."""
+    x = scale_rows(rows, scale, out=out)
+    if dominant is None:
+        dominant = dominant_beat(x)
+    x -= namespace_of(x).asarray(dominant, dtype=x.dtype)[None, :]
+    return x
 
 #: a beat is flagged when log(score) exceeds median + K · 1.4826 · MAD of log(score)
 DEFAULT_MAD_K = 4.0
@@ -122,8 +199,8 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
                     params=None, second=None):
     """Segment, embed and score one whole recording with an already trained model.
 
-    As in training, the model sees each scaled row minus the recording's dominant beat
-    (:func:`beatflow.embed.beats.dominant_beat` of this recording's own rows).
+    The model sees each row as :func:`model_input` makes it: divided by the model's scale, minus this
+    recording's own dominant beat.
 
     Parameters
     ----------
@@ -147,10 +224,10 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
     InputError
         No beats, or a sampling rate that gives another row width than the model's.
     """
-    from beatflow.embed.beats import beat_rows, dominant_beat, residual_rows
+    from beatflow.embed import beat_rows
     from beatflow.errors import InputError
     from beatflow.params import SegmentParams
-    from beatflow.detect.peaks import detect_peaks
+    from beatflow.detect import detect_peaks
 
     s = (params or SegmentParams()).samples(fs)
     if s.width != width:
@@ -158,7 +235,7 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
                          f"the model was trained on {width}")
     peaks = detect_peaks(x, s)
     if second is not None:  # the second lead checks the beats (beatflow.detect.leads), as `beatflow run --confirm-lead`
-        from beatflow.detect.leads import second_lead_peaks
+        from beatflow.detect import second_lead_peaks
 
         if second.shape != x.shape:
             raise InputError(f"{name}: the second lead has {second.shape[0]} samples, the first {x.shape[0]}")
@@ -166,6 +243,5 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
     kb, peak, start, length, rows, _ = beat_rows(x, peaks, s, x.shape[0], baseline_samples=max(1, s.pre // 2))
     if kb.shape[0] == 0:
         raise InputError(f"{name}: no heartbeats found (flat line or no QRS-like peaks)")
-    rows = np.asarray(rows) / np.float32(scale)
-    score, _ = infer(residual_rows(rows, dominant_beat(rows)))  # the recording's own dominant beat
+    score, _ = infer(model_input(np.asarray(rows), scale))  # (the recording's own dominant beat)
     return anomaly_table(kb, np.zeros(kb.shape[0], np.int64), peak, start, length, score, fs, threshold, [name])
