@@ -242,6 +242,12 @@ def test_cli_bad_input_inside_the_flow(prefect_server, tmp_path, content, messag
     ("file", ["--out", "{d}/in.csv/sub/out"], "in.csv is a file, not a folder"),
     (None, ["--out", "/proc/beatflow-x/out"], "cannot create a folder in /proc"),
     ("full", ["--out", "{d}/full"], "full: output folder exists and is not empty"),
+    ("gzip", ["--input", "{d}/in.csv.gz"], "in.csv.gz: gzip-compressed; decompress it first (gunzip"),
+    ("gzip", ["--input", "{d}/in.csv"], "in.csv: gzip-compressed; decompress it first"),
+    ("parquet-text", ["--input", "{d}/in.parquet"], "column 'ecg' is not numeric (type "),
+    ("parquet-numtext", ["--input", "{d}/in.parquet"], "column 'ecg' holds numbers stored as text"),
+    ("wfdb-no-dat", ["--input", "{d}/rec"], "signal file r.dat is missing"),
+    ("wfdb-short", ["--input", "{d}/rec"], "the header needs 5000 samples"),
     (None, ["--device", "cpu", "--train-precision", "bf16"], "--train-precision bf16 is for GPUs"),
     (None, ["--device", "cpu", "--engine", "compiled"], "backend compiled does not do fp32 on the CPU"),
     (None, ["--device", "cpu", "--precision", "fp16"], "precision fp16 is for GPUs"),
@@ -258,6 +264,23 @@ def test_cli_bad_input_before_the_flow(tmp_path, setup, args, message):
     elif setup == "full":
         (tmp_path / "full").mkdir()
         (tmp_path / "full" / "mine.txt").write_text("keep me")
+    elif setup == "gzip":
+        import gzip
+
+        data = gzip.compress(b"heartbeats\n" + b"0.1\n" * 1000)
+        (tmp_path / "in.csv.gz").write_bytes(data)
+        (tmp_path / "in.csv").write_bytes(data)
+    elif setup in ("parquet-text", "parquet-numtext"):
+        values = ["0.12", "0.5"] * 100 if setup == "parquet-numtext" else ["a", "b"] * 100
+        pd.DataFrame({"ecg": values}).to_parquet(tmp_path / "in.parquet")
+    elif setup in ("wfdb-no-dat", "wfdb-short"):
+        import wfdb
+
+        (tmp_path / "rec").mkdir()
+        wfdb.wrsamp("r", fs=250, units=["mV"], sig_name=["I"], p_signal=np.zeros((5000, 1)), fmt=["16"],
+                    write_dir=str(tmp_path / "rec"))
+        dat = tmp_path / "rec" / "r.dat"
+        dat.unlink() if setup == "wfdb-no-dat" else dat.write_bytes(dat.read_bytes()[:1200])
     elif setup is not None:
         (tmp_path / "in.csv").write_text(setup)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))

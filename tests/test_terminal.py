@@ -147,3 +147,68 @@ def test_an_interrupted_score_puts_its_item_back_in_the_inbox(tmp_path, trained_
     assert not list((inbox / "processing").iterdir()) and not (inbox / "done").exists()
     time.sleep(0.3)
     assert _descendants_alive(started) == [] and [q.pid for q in _session_processes(p.pid)] == []
+
+
+def _evil_store(tmp_path, trained_store, kind):  # noqa: F811
+    """A store whose latest model is tampered with (its hash no longer matches) or matches its hash
+    but holds a pickle that would run code."""
+    import json
+    import shutil
+
+    import torch
+
+    from beatflow.store import Store
+
+    root = tmp_path / "store"
+    shutil.copytree(trained_store, root)
+    st = Store(root)
+    if kind == "tampered":
+        path, _ = st.latest_model()
+        path.write_bytes(path.read_bytes()[:-10] + b"0123456789")
+        return root, None
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"width": 64, "state_dict": Payload()}, evil)
+    meta = json.loads(next(st.models.glob("*/model.json")).read_text())
+    st.register_model(evil, meta)
+    return root, marker
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("tampered", "sha256 does not match the registry; not loaded"),
+    ("pickle", "the registered model does not load (torch.load(weights_only=True) refused it"),
+])
+def test_score_with_a_bad_model_is_one_line(prefect_server, trained_store, tmp_path, kind, message):  # noqa: F811
+    from conftest import run_cli
+
+    store, marker = _evil_store(tmp_path, trained_store, kind)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "a.csv").write_text("heartbeats\n" + "0.1\n" * 100)
+    r = run_cli(["score", "--inbox", inbox, "--store", store], prefect_server, timeout=300)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("beatflow: error: ") and message in r.stderr, r.stderr
+    assert sorted(p.name for p in inbox.iterdir()) == ["a.csv"]  # the inbox as it was
+    assert marker is None or not marker.exists()  # (the pickle's code never ran)
+
+
+def test_score_exits_1_with_a_count_when_items_failed(prefect_server, trained_store, tmp_path):  # noqa: F811
+    from beatflow.synth import synthesize_ecg
+    from conftest import run_cli
+
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    x = synthesize_ecg(hours=0.05, fs=250.0, seed=2).signal
+    (inbox / "good.csv").write_text("heartbeats\n" + "\n".join(f"{v:.5f}" for v in x) + "\n")
+    (inbox / "bad.csv").write_text("heartbeats\n0.1\noops\n")
+    r = run_cli(["score", "--inbox", inbox, "--store", trained_store], prefect_server, timeout=300)
+    assert r.returncode == 1
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and any(ln.startswith("failed") and "bad.csv" in ln for ln in lines) \
+        and any(ln.startswith("done") and "good.csv" in ln for ln in lines), r.stdout
+    assert r.stderr.count("\n") == 1 and "beatflow: 1 of 2 recording(s) failed (reasons in" in r.stderr, r.stderr
