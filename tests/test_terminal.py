@@ -157,7 +157,7 @@ def _evil_store(tmp_path, trained_store, kind):  # noqa: F811
 
     import torch
 
-    from beatflow.store import Store
+    from beatflow.io.store import Store
 
     root = tmp_path / "store"
     shutil.copytree(trained_store, root)
@@ -198,7 +198,7 @@ def test_score_with_a_bad_model_is_one_line(prefect_server, trained_store, tmp_p
 
 
 def test_score_exits_1_with_a_count_when_items_failed(prefect_server, trained_store, tmp_path):  # noqa: F811
-    from beatflow.synth import synthesize_ecg
+    from beatflow.io.synth import synthesize_ecg
     from conftest import run_cli
 
     inbox = tmp_path / "inbox"
