@@ -147,11 +147,20 @@ def test_gpu_memory_setup_without_a_gpu_is_a_device_error(monkeypatch):
 
 
 @pytest.mark.parametrize("value, total, want", [(0.5, 1000 * 256, 500 * 256), ("0.25", 1024, 256), (1000, 0, 768),
-                                                ("1kB", 0, 768), (3e9, 0, 3_000_000_000)])
+                                                (parse_pool_size("1kB"), 0, 768), (3e9, 0, 3_000_000_000)])
 def test_pool_bytes_are_aligned_for_rmm(value, total, want):
     from beatflow.device import _pool_bytes
 
     assert _pool_bytes(value, total) == want
+
+
+def test_a_pool_size_with_units_is_the_pipelines_to_read():
+    """Sizes with units are read where Dask is (:func:`parse_pool_size`); the device's set-up takes numbers."""
+    from beatflow.device import _pool_bytes
+    from beatflow.errors import DeviceError
+
+    with pytest.raises(DeviceError, match="RMM pool size '1kB': a share of the GPU"):
+        _pool_bytes("1kB", 0)
 
 
 @pytest.mark.skipif(not __import__("beatflow.device", fromlist=["x"]).cupy_available(), reason="needs a CUDA GPU")
