@@ -178,7 +178,7 @@ step_ownflow() {
     rm -rf "$out"
     local t1=$(date +%s)
     PREFECT_HOME=/tmp/prefect-home timeout "$(budget 20)" $PY -m beatflow.cli run --hours "${HOURS:-20}" \
-      --device "$dev" $extra --out "$out" > "$OUT/own-$dev/log.txt" 2>&1
+      --device "$dev" $extra --out "$out" -v > "$OUT/own-$dev/log.txt" 2>&1  # (-v: the flow's log, grepped below)
     echo "rc $? in $(( $(date +%s) - t1 )) s"
     grep -E "epoch|segmentation:|training:|scoring:|truth:|engine|error" "$OUT/own-$dev/log.txt" | cut -c1-220 | tail -12
     for f in summary.json report.html; do [ -f "$out/$f" ] && cp "$out/$f" "$OUT/own-$dev/"; done
