@@ -222,22 +222,44 @@ def run_cleanups() -> None:
             pass
 
 
-def kill_descendants() -> None:
-    """Kill every process this one started, and theirs (workers, the API server, figure processes)."""
+def adopt_orphans() -> None:
+    """Make this process the reaper of its descendants' orphans (Linux: ``PR_SET_CHILD_SUBREAPER``).
+
+    A process whose parent dies (a compile worker of a killed Dask worker, say) is otherwise handed to
+    init, out of :func:`kill_descendants`' sight; as this process's child it stays in it. Elsewhere,
+    or where the call is refused, nothing changes.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER = 36
+    except (OSError, AttributeError):
+        pass
+
+
+def kill_descendants(rounds: int = 5) -> None:
+    """Kill every process this one started, and theirs (workers, the API server, figure processes),
+    again until none is left: one being started meanwhile (a worker's compile process) is killed in
+    the next round."""
     try:
         import psutil
     except ImportError:  # (psutil comes with distributed)
         return
-    try:
-        children = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return
-    for p in children:
+    for _ in range(rounds):
         try:
-            p.kill()
+            children = psutil.Process().children(recursive=True)
         except psutil.Error:
-            pass
-    psutil.wait_procs(children, timeout=2)
+            return
+        if not children:
+            return
+        for p in children:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(children, timeout=1)
 
 
 class Interrupts:
@@ -256,6 +278,7 @@ class Interrupts:
     def __enter__(self) -> Interrupts:
         global _ACTIVE
         _ACTIVE = self
+        adopt_orphans()
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 self._previous[s] = signal.signal(s, self._handle)

@@ -170,7 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scale", choices=("record", "pooled"), default="record")
+    ap.add_argument("--scale", choices=("record", "pooled"), default="pooled",
+                    help="pooled: one scale for the model, as the flow has (default); record: each record its own")
     ap.add_argument("--no-paced", action="store_true", help="skip the paced-records run")
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--from-json", help="only print the report of a previous run's --json")
