@@ -344,6 +344,17 @@ def _csv_null_values() -> frozenset[str]:
     return frozenset(pcsv.ConvertOptions().null_values)
 
 
+def _choose_column(path: Path, names, column: str | None) -> str:
+    """The column to read of a CSV/Parquet file with ``names``: ``column``, or the only one."""
+    if column is None:
+        if len(names) != 1:
+            raise InputError(f"{path}: {len(names)} columns ({', '.join(names)}): choose one with --column")
+        return names[0]
+    if column not in names:
+        raise InputError(f"{path}: unknown column {column!r} (columns: {', '.join(names)})")
+    return column
+
+
 def _open_csv(path: Path, column: str | None, fs: float, head: bytes) -> CsvSource:
     if b"\x00" in head:
         if head.startswith((b"\xff\xfe", b"\xfe\xff")):
@@ -368,12 +379,7 @@ def _open_csv(path: Path, column: str | None, fs: float, head: bytes) -> CsvSour
         raise InputError(f"{path}: empty file")
     if not first:
         raise InputError(f"{path}: header only, no samples")
-    if column is None:
-        if len(names) != 1:
-            raise InputError(f"{path}: {len(names)} columns ({', '.join(names)}): choose one with --column")
-        column = names[0]
-    elif column not in names:
-        raise InputError(f"{path}: unknown column {column!r} (columns: {', '.join(names)})")
+    column = _choose_column(path, names, column)
     if _float_text(column) is not None:
         raise InputError(f"{path}: the first line must be a header naming the columns, got {text[:40]!r}")
     return CsvSource(str(path), (Recording(path.stem, fs, None),), column=column, names=tuple(names),
@@ -429,12 +435,7 @@ def _open_parquet(path: Path, column: str | None, fs: float, head: bytes) -> Par
     except Exception as e:
         raise InputError(f"{path}: not a readable Parquet file ({e})".splitlines()[0]) from None
     names = pf.schema_arrow.names
-    if column is None:
-        if len(names) != 1:
-            raise InputError(f"{path}: {len(names)} columns ({', '.join(names)}): choose one with --column")
-        column = names[0]
-    elif column not in names:
-        raise InputError(f"{path}: unknown column {column!r} (columns: {', '.join(names)})")
+    column = _choose_column(path, names, column)
     n = pf.metadata.num_rows
     if n == 0:
         raise InputError(f"{path}: no samples")
