@@ -172,6 +172,15 @@ class BeatPlan:
         return self.start[m], np.minimum(self.length[m], self.upper)
 
 
+def peaks_by_recording(specs: list[PartitionSpec], peaks: list) -> dict[int, np.ndarray]:
+    """Each recording's sorted peaks (host int64), from its partitions' (in order)."""
+    out = {}
+    for rec in sorted({sp.recording for sp in specs}):
+        out[rec] = np.concatenate([to_host(peaks[k]).astype(np.int64) for k, sp in enumerate(specs)
+                                   if sp.recording == rec])
+    return out
+
+
 def plan_beats(specs: list[PartitionSpec], firsts: list[int], n_samples: dict[int, int], peaks: list,
                s: SegmentSamples) -> BeatPlan:
     """Beats of every recording from the peaks of its partitions (in order); too short ones pruned."""

@@ -34,6 +34,7 @@ from beatflow.model.graphs import (
 )
 from beatflow.model.vae import LATENT_DIM, ArrayLike, LightVAE, as_float_tensor, save_model, vae_loss
 from beatflow.params import TRAIN_FRACTION
+from beatflow.score.classes import template
 from beatflow.score.rule import MODEL_INPUT, dominant_beat, input_scale, model_input, scale_rows
 
 __all__ = [
@@ -479,7 +480,8 @@ def _why(e: BaseException) -> str:
 
 def fit_beats(embedded: list, folder: str, *, epochs: int, batch_size: int, seed: int, threads: int,
               recordings: list[int] | None = None, n_rows_sample: int = 40, train_precision: str = "auto",
-              compile: bool = False, on_epoch: Optional[Callable[[tuple], None]] = None) -> dict:
+              compile: bool = False, on_epoch: Optional[Callable[[tuple], None]] = None,
+              beat_window: tuple[float, int] | None = None) -> dict:
     """Train the flow's LightVAE on the partitions' rows and write what a trained model leaves in ``folder``.
 
     The rows (``embedded``: each partition's ``(rows, p2p)``, NumPy or CuPy, one device) are gathered once,
@@ -495,8 +497,11 @@ def fit_beats(embedded: list, folder: str, *, epochs: int, batch_size: int, seed
     (:func:`model_record`) and ``validation_beats.npy`` (at most 4096 held-out inputs, for the engine's
     validation). ``on_epoch`` gets each epoch's ``(epoch, loss, seconds)`` as it ends.
 
-    Returns small things only: paths, losses, the test split, the dominant beats (one row per recording), a
-    few rows for the report, the epochs' ``(epoch, loss, seconds)``, where the time went.
+    With ``beat_window = (fs, pre)`` (the rate, and the samples before the peak in a row), each recording's
+    class template too (:func:`beatflow.score.classes.template`, of its scaled rows).
+
+    Returns small things only: paths, losses, the test split, the dominant beats (one row per recording), the
+    class templates (one row per recording, or None), a few rows for the report, the epochs' ``(epoch, loss, seconds)``, where the time went.
     """
     marks = [time.perf_counter()]
     torch.set_num_threads(max(1, threads))
@@ -515,6 +520,7 @@ def fit_beats(embedded: list, folder: str, *, epochs: int, batch_size: int, seed
     ends = np.cumsum([int(r.shape[0]) for r in rows])
     starts = ends - [int(r.shape[0]) for r in rows]
     dominant = np.zeros((max(recordings, default=0) + 1, int(beats.shape[1])), np.float32)
+    templates = np.zeros_like(dominant) if beat_window is not None else None
     for r in sorted(set(recordings)):
         ks = [k for k, q in enumerate(recordings) if q == r]
         if ks != list(range(ks[0], ks[-1] + 1)):
@@ -522,6 +528,8 @@ def fit_beats(embedded: list, folder: str, *, epochs: int, batch_size: int, seed
         lo, hi = int(starts[ks[0]]), int(ends[ks[-1]])
         dom = dominant_beat(beats[lo:hi], scale)
         dominant[r] = to_host(dom)
+        if templates is not None:  # (the rows' scale does not matter to the class rule: it correlates)
+            templates[r] = to_host(template(beats[lo:hi], *beat_window))
         model_input(beats[lo:hi], scale, dom, out=beats[lo:hi])
     marks.append(time.perf_counter())  # the matrix gathered, made the model's input
     done: list = []
@@ -558,7 +566,8 @@ def fit_beats(embedded: list, folder: str, *, epochs: int, batch_size: int, seed
     return {
         "model": model_path, "validation": val_path, "scale": scale, "train_loss": res.train_loss,
         "test_loss": res.test_loss, "test_index": res.test_index, "seconds": res.seconds,
-        "sample_rows": raw_rows, "rows": int(beats.shape[0]), "dominant": dominant, "precision": precision,
+        "sample_rows": raw_rows, "rows": int(beats.shape[0]), "dominant": dominant, "templates": templates,
+        "precision": precision,
         "compiled": res.compiled, "cuda_graphs": res.cudagraphs, "graphs_kept": res.graphs_kept, "kernel": res.kernel,
         "epoch_graph": res.epoch_graph,
         "epochs_done": done,

@@ -26,7 +26,8 @@ from prefect import flow, get_run_logger
 
 from beatflow.detect.leads import SecondLeadParams
 from beatflow.device import transfer_stats
-from beatflow.embed.partitions import BeatPlan, assemble_halos, plan_beats, second_lead_gathered
+from beatflow.embed.partitions import (BeatPlan, assemble_halos, peaks_by_recording, plan_beats,
+                                       second_lead_gathered)
 from beatflow.errors import InputError
 from beatflow.io.sources import Source, open_second_lead, open_source
 from beatflow.params import DEFAULT_FS, TRAIN_FRACTION, SegmentParams, SegmentSamples, compile_pays
@@ -39,6 +40,7 @@ from beatflow.report import data as R
 from beatflow.report.data import N_COLUMNS, N_TOP
 from beatflow.report.figures import EARLY_FIGURES, FIGURES
 from beatflow.report.pool import FigurePool, figure_pool
+from beatflow.score.classes import class_summary, classify
 from beatflow.score.metrics import match_truth, truth_check
 from beatflow.score.rule import MODEL_INPUT, anomaly_table, robust_threshold, top_order, write_anomaly_table
 from beatflow.terminal import front_sigterm
@@ -210,6 +212,7 @@ class _Scored:
     truth: dict | None
     score_workers: int
     written: Any  # the anomaly table's background write (a future)
+    classes: np.ndarray  # each kept beat's class (beatflow.score.classes)
 
 
 def _run_stages(run: _Run) -> dict:
@@ -357,7 +360,8 @@ def _train(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list) -> tuple[dic
     # on the home worker, the same every run: its compiled steps and graphs stay warm
     trained = cached(T.train_model, o.cache)(embedded, model_folder, o.epochs, o.batch_size, o.seed, run.threads,
                                              [sp.recording for sp in ld.specs], train_precision=o.train_precision,
-                                             compile=compile_steps, cache_token=train_token)
+                                             compile=compile_steps, cache_token=train_token,
+                                             beat_window=(ld.fs, ld.s.pre))
     over = _task_overhead(t_submit, trained)  # (empty for a result from the cache: its phases are an earlier run's)
     queued = ({"epoch_gpu_ms": trained["epoch_gpu_ms"], "queue_s": trained.get("queue_s")}
               if trained.get("epoch_gpu_ms") else {})  # (the GPU's queued epochs: where their time went)
@@ -400,13 +404,19 @@ def _score(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list, trained: dic
     bounds = [plan.kept & (plan.owner == k) for k in range(len(ld.specs))]
     context = (ld.parts, ld.lefts, ld.rights, ld.firsts, [plan.start[m] for m in bounds],
                [plan.length[m] for m in bounds])
+    templates = np.asarray(trained["templates"], np.float32)
     scored, score_workers = T.score(embedded, engine["path"], trained["scale"],
                                     [dominant[sp.recording] for sp in ld.specs], at=ld.parts, context=context,
-                                    top=N_TOP, pad=int(fs))
+                                    top=N_TOP, pad=int(fs), templates=[templates[sp.recording] for sp in ld.specs],
+                                    beat_window=(fs, ld.s.pre))
     scores = np.concatenate([sc[0] for sc in scored]) if scored else np.zeros(0, np.float32)
     mu = np.concatenate([sc[1] for sc in scored]) if scored else np.zeros((0, 2), np.float32)
-    ctx = {k: sc[2] for k, sc in enumerate(scored)}
+    deviation = np.concatenate([sc[2] for sc in scored]) if scored else np.zeros(0, np.float32)
+    ctx = {k: sc[3] for k, sc in enumerate(scored)}
     ph.lap("engine")  # the partitions' rows through the engine, on their workers
+    classes, timing = classify(peaks_by_recording(ld.specs, seg.peaks), plan.peak[kb], plan.recording[kb],
+                               deviation, fs)
+    ph.lap("classes")
     threshold = robust_threshold(scores, recording=plan.recording[kb])  # (the spread within recordings)
     flagged_mask = scores > threshold
     names = [r.name for r in ld.source.recordings]
@@ -427,7 +437,7 @@ def _score(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list, trained: dic
     run.drawn.update(figures.draw(SimpleNamespace(**view), LATE_FIGURES))
     ph.lap("figures_started")
     table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
-                          threshold, names)
+                          threshold, names, classes, timing)
     top = table.iloc[top_rows]  # (the rows the report's top anomalies are)
     truth = None
     if checking is not None:
@@ -441,10 +451,13 @@ def _score(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list, trained: dic
     (run.work / "model.json").write_text(json.dumps(meta, indent=1))
     flagged = int(flagged_mask.sum())
     log.info("scoring: %d of %d beats flagged (threshold %.4g)", flagged, len(table), threshold)
+    cls = class_summary(classes, plan.recording[kb])
+    log.info("classes: %s; V burden %.2f %%, S burden %.2f %%", ", ".join(f"{k} {v}" for k, v in cls["counts"].items()),
+             cls["v_burden_pct"], cls["s_burden_pct"])
     ph.lap("table")
     run.detail["score"] = ph.times
     run.sw.lap("score")
-    return _Scored(threshold, flagged_mask, flagged, top_list, view, top, truth, score_workers, written)
+    return _Scored(threshold, flagged_mask, flagged, top_list, view, top, truth, score_workers, written, classes)
 
 
 def _report(run: _Run, ld: _Loaded, seg: _Segmented, trained: dict, engine: dict, sc: _Scored) -> dict:
@@ -454,7 +467,8 @@ def _report(run: _Run, ld: _Loaded, seg: _Segmented, trained: dict, engine: dict
     summary = R.run_summary(ld.source, ld.fs, ld.total, seg.plan, seg.pruned, trained, engine, sc.flagged,
                             sc.threshold, o.device, run.workers, ld.specs, sc.truth, seg.episodes)
     summary["per_recording"] = R.per_recording(ld.source, ld.fs, ld.n_samples, seg.plan.recording[seg.kb],
-                                               sc.flagged_mask)
+                                               sc.flagged_mask, sc.classes)
+    summary["classes"] = class_summary(sc.classes, seg.plan.recording[seg.kb])
     if seg.second_lead is not None:
         summary["second_lead"] = seg.second_lead
     summary["workers_scoring"] = sc.score_workers

@@ -317,8 +317,11 @@ def embed(parts: list, lefts: list, rights: list, firsts: list, starts: list, le
 
 @partition_task(name="score")
 def score(embedded: list, engine_path: str, scale: float, dominants: list, at: list | None = None,
-          context: tuple | None = None, top: int = 0, pad: int = 0) -> tuple[list, int]:
-    """``(scores, latent means)`` of every partition's rows through the built engine (:func:`score_partition`),
+          context: tuple | None = None, top: int = 0, pad: int = 0, templates: list | None = None,
+          beat_window: tuple[float, int] | None = None) -> tuple[list, int]:
+    """``(scores, latent means, class deviations)`` of every partition's rows through the built engine
+    (:func:`score_partition`; the deviations from ``templates``, each partition's recording's, with
+    ``beat_window``, else None),
     each partition on the worker holding the future at its place in ``at`` (its partition: not the home worker,
     which training gave a copy of every partition's rows; :func:`map_partitions`); and how many workers scored.
 
@@ -326,8 +329,10 @@ def score(embedded: list, engine_path: str, scale: float, dominants: list, at: l
     halos, each kept row's start and length): each partition's result then also holds the signal around its
     ``top`` highest-scoring beats (``pad`` samples either side)."""
     extra = list(context) if context is not None and top else []
-    futures = map_partitions(score_partition, embedded, dominants, *extra, name="score-partition", at=at,
-                             engine_path=engine_path, scale=scale, top=top if extra else 0, pad=pad)
+    templates = templates if templates is not None else [None] * len(embedded)
+    futures = map_partitions(score_partition, embedded, dominants, templates, *extra, name="score-partition",
+                             at=at, engine_path=engine_path, scale=scale, top=top if extra else 0, pad=pad,
+                             beat_window=beat_window)
     out = gather(futures)
     n = len(_holders(futures))  # (the results stay where they were computed until released)
     get_run_logger().info("score: %d partitions on %d worker(s)", len(futures), n)
@@ -336,7 +341,7 @@ def score(embedded: list, engine_path: str, scale: float, dominants: list, at: l
 
 def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: int, threads: int,
               recordings: list[int] | None = None, n_rows_sample: int = 40, train_precision: str = "auto",
-              compile: bool = False, topic: str | None = None) -> dict:
+              compile: bool = False, topic: str | None = None, beat_window: tuple[float, int] | None = None) -> dict:
     """The flow's training (:func:`beatflow.model.train.fit_beats`: the partitions' rows gathered once, made
     the model's input, the LightVAE trained on them, its files written to ``folder``). A plain function,
     run on the cluster's home worker by :func:`train_model`; each epoch is also sent as a Dask event on
@@ -350,14 +355,15 @@ def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: i
 
     out = fit_beats(embedded, folder, epochs=epochs, batch_size=batch_size, seed=seed, threads=threads,
                     recordings=recordings, n_rows_sample=n_rows_sample, train_precision=train_precision,
-                    compile=compile, on_epoch=_event_sender(topic))
+                    compile=compile, on_epoch=_event_sender(topic), beat_window=beat_window)
     return {**out, "task_span": (t_start, time.time())}
 
 
 @partition_task(name="train-vae")
 def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: int, threads: int,
                 recordings: list[int] | None = None, n_rows_sample: int = 40, train_precision: str = "auto",
-                compile: bool = False, cache_token: str | None = None) -> dict:
+                compile: bool = False, cache_token: str | None = None,
+                beat_window: tuple[float, int] | None = None) -> dict:
     """Training (:func:`fit_model`) on the cluster's home worker, followed from the flow's process:
     each epoch logged and the progress artifact moved as the worker reports it (a Dask event). A
     Prefect task run on the worker itself cost ~0.2-0.3 s of API round trips before it started."""
@@ -384,7 +390,8 @@ def train_model(embedded: list, folder: str, epochs: int, batch_size: int, seed:
 
     topic = f"beatflow-train-{uuid.uuid4().hex[:12]}"
     out = _follow(topic, show, fit_model, embedded, folder, epochs, batch_size, seed, threads, recordings,
-                  n_rows_sample, train_precision, compile, topic=topic, name="train-vae", started=started)
+                  n_rows_sample, train_precision, compile, topic=topic, name="train-vae", started=started,
+                  beat_window=beat_window)
     for event in out.pop("epochs_done"):  # any the events did not bring before the result
         show(event)
     return out
@@ -486,10 +493,13 @@ def _engine(path: str):
     return load_engine(path, threads=1)
 
 
-def score_partition(embedded, dominant=None, core=None, left=None, right=None, first: int = 0, start=None,
-                    length=None, *, engine_path: str, scale: float, top: int = 0, pad: int = 0):
-    """Anomaly score and latent mean of each kept beat of a partition, through the built engine; with
-    ``top``, also the signal around the partition's ``top`` highest-scoring beats.
+def score_partition(embedded, dominant=None, tmpl=None, core=None, left=None, right=None, first: int = 0,
+                    start=None, length=None, *, engine_path: str, scale: float, top: int = 0, pad: int = 0,
+                    beat_window: tuple[float, int] | None = None):
+    """Anomaly score, latent mean and class deviation (:func:`beatflow.score.classes.morphology` from
+    ``tmpl``, the class template of the partition's recording, with ``beat_window = (fs, pre)``; else None)
+    of each kept beat of a partition, through the built engine; with ``top``, also the signal around the
+    partition's ``top`` highest-scoring beats.
 
     The engine's input is :func:`beatflow.score.rule.model_input` of the rows, as in training: each row
     divided by the model's ``scale``, minus ``dominant``, the dominant beat of the partition's recording
@@ -501,16 +511,20 @@ def score_partition(embedded, dominant=None, core=None, left=None, right=None, f
     beats that this partition owns. Cut here, the report's top anomalies need no second round trip
     to the partitions after the scores (a Prefect task and a Dask map: 0.066 s of a warm GPU run).
     """
+    from beatflow.score.classes import morphology
     from beatflow.score.rule import model_input
 
     rows, _ = embedded
     engine = _engine(engine_path)
     with device_memory(f"scoring {rows.shape[0]:,} beats", int(rows.nbytes), engine.on_gpu):
+        dev = (to_host(morphology(rows, tmpl, *beat_window)) if tmpl is not None and beat_window is not None
+               else None)  # (on the rows' device, before they become the model's input)
         score, mu = engine.infer(model_input(rows if engine.on_gpu else to_host(rows), scale, dominant))
     score, mu = to_host(score), to_host(mu)
     if not top or core is None:
-        return score, mu
-    return score, mu, partition_snippets(core, left, right, first, P.top_windows(score, start, length, top, pad))
+        return score, mu, dev
+    return score, mu, dev, partition_snippets(core, left, right, first,
+                                              P.top_windows(score, start, length, top, pad))
 
 
 @task(name="write-report", cache_policy=NO_CACHE, persist_result=False)

@@ -191,6 +191,25 @@ PEERS = {
 }
 
 
+#: the jitter that halves the JF-style score (Porr & Macfarlane, PLOS ONE 2024, take 10 ms)
+JF_HALF_JITTER_MS = 10.0
+
+
+def offsets_ms(peaks, rec: Record) -> np.ndarray:
+    """Detected minus reference time (ms) of each beat matched within 150 ms."""
+    ref, _ = rec.beats
+    _, m = match_beats(np.sort(np.asarray(peaks, np.int64)), ref, int(round(TOLERANCE_S * rec.fs)))
+    ok = m >= 0
+    return (np.sort(np.asarray(peaks, np.int64))[m[ok]] - ref[ok]) * 1000.0 / rec.fs
+
+
+def jf_score(f1: float, jitter_ms: float) -> float:
+    """A JF-style score in the manner of Porr & Macfarlane (PLOS ONE 2024): the F1 score times a jitter term
+    ``1 / (1 + jitter / 10 ms)`` (1 for no jitter, 1/2 at 10 ms). Their jitter comes from interval
+    differences on their own database; here ``jitter`` is :func:`offsets_ms`' median absolute value."""
+    return float(f1) / (1.0 + float(jitter_ms) / JF_HALF_JITTER_MS)
+
+
 def _det_dict(det: Detection) -> dict:
     return {"tp": det.tp, "fp": det.fp, "fn": det.fn, "se": det.se, "ppv": det.ppv, "f1": det.f1}
 
@@ -204,7 +223,10 @@ def detection_summary(peaks_of: dict, seconds_of: dict, records: list[Record]) -
         gross_vf = gross_vf + detection_of(peaks_of[rec.name], rec, exclude_vf=True)
         per[rec.name] = {**_det_dict(d), "s": seconds_of[rec.name]}
     total_s = float(sum(seconds_of[r.name] for r in records))
-    return {**_det_dict(gross), "s_per_record": total_s / max(1, len(records)), "s_total": total_s,
+    off = np.concatenate([offsets_ms(peaks_of[r.name], r) for r in records]) if records else np.zeros(0)
+    jitter = float(np.median(np.abs(off))) if len(off) else float("nan")
+    return {**_det_dict(gross), "jitter_ms": jitter, "offset_ms": float(np.median(off)) if len(off) else None,
+            "jf": jf_score(gross.f1, jitter), "s_per_record": total_s / max(1, len(records)), "s_total": total_s,
             "excluding_vf": _det_dict(gross_vf), "per_record": per}
 
 
@@ -285,6 +307,31 @@ def scaled_rows(beats: list[RecordBeats], how: str, which: str = "rows") -> tupl
         return model_inputs(beats, None, which), float("nan")
     scale = input_scale(np.concatenate([b.p2p for b in beats]))
     return model_inputs(beats, scale, which), scale
+
+
+def class_metrics(assigned, labels) -> dict:
+    """The gross AAMI per-class sensitivity and positive predictivity of the assigned classes (the de Chazal
+    protocol's): over the kept beats matched to a reference beat of an AAMI class, ``se`` = right / reference
+    beats of the class, ``ppv`` = right / beats assigned it, ``n`` = reference beats of the class, ``assigned``."""
+    assigned, labels = np.asarray(assigned), np.asarray(labels)
+    lab = np.isin(labels, list(AAMI_CLASSES))
+    out = {}
+    for c in ("N", "S", "V", "F", "Q"):
+        ref, got = (labels == c), (assigned == c) & lab
+        tp = int((ref & got).sum())
+        out[c] = {"se": tp / int(ref.sum()) if ref.any() else None, "ppv": tp / int(got.sum()) if got.any() else None,
+                  "n": int(ref.sum()), "assigned": int(got.sum())}
+    return out
+
+
+def record_classes(rec: Record, b: RecordBeats, params: SegmentParams | None = None) -> np.ndarray:
+    """The class of each kept beat of a record (:mod:`beatflow.score.classes`, against the record's own
+    template and rhythm, as the flow classes a recording)."""
+    from beatflow.score.classes import assign, morphology, rhythm, template
+
+    pre = (params or SegmentParams()).samples(rec.fs).pre
+    dev = morphology(b.rows, template(b.rows, rec.fs, pre), rec.fs, pre)
+    return assign(dev, rhythm(b.peaks, b.kept_peak, rec.fs))
 
 
 def anomaly_metrics(scores, labels) -> dict:
@@ -465,6 +512,8 @@ def evaluate(train: list[Record], test: list[Record], *, epochs: int = 10, batch
                          "score": "LightVAE reconstruction MSE of the beat minus its record's dominant beat",
                          "scale": scale, "beats_scored": int(len(x_test)),
                          "beats": "kept beats (as the pipeline scores them)"}
+    assigned = np.concatenate([record_classes(r, b, params) for r, b in zip(test, te)])
+    result["classes"] = class_metrics(assigned, labels)
     result["anomaly_all_beats"] = {**anomaly_metrics(scores_all, labels_all), "beats_scored": int(len(x_all)),
                                    "beats": "all detected beats, longer ones cut to the row"}
     result["training"] = {"beats": int(len(x_train)), "epochs": epochs, "batch_size": batch_size, "seed": seed,
@@ -582,7 +631,11 @@ def summary_text(res: dict) -> str:
     for name, d in rows:
         v = d["excluding_vf"]
         lines.append(f"  {name:<28} {_pct(d['se'])}  {_pct(d['ppv'])}  {_pct(d['f1'])}  {d['s_per_record']:8.3f}"
-                     f"       {_pct(v['se'])} {_pct(v['ppv'])}")
+                     f"       {_pct(v['se'])} {_pct(v['ppv'])}   jitter {d['jitter_ms']:.1f} ms, JF {_pct(d['jf'])}")
+    if "classes" in res:
+        lines.append("classes (gross, kept beats matched to an AAMI beat)   Se %    +P %   reference  assigned")
+        for c, m in res["classes"].items():
+            lines.append(f"  {c:<52} {_pct(m['se'])}  {_pct(m['ppv'])}   {m['n']:9d}  {m['assigned']:8d}")
     for title, key, bkey in (("kept beats", "anomaly", "baselines"),
                              ("all detected beats", "anomaly_all_beats", "baselines_all_beats")):
         if key not in res:

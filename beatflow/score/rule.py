@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from beatflow.device import namespace_of, to_host
+from beatflow.score.classes import CLASSES
 
 #: what the VAE is trained on and scores (recorded in model.json)
 MODEL_INPUT = "beat rows / scale - dominant beat of their recording (elementwise median of its rows)"
@@ -152,12 +153,14 @@ def top_order(score, n: int) -> np.ndarray:
     return rows[np.argsort(neg[rows], kind="stable")][:n]
 
 
-def anomaly_table(beat, recording, peak, start, length, score, fs: float, threshold: float, recording_names):
+def anomaly_table(beat, recording, peak, start, length, score, fs: float, threshold: float, recording_names,
+                  classes=None, timing: dict | None = None):
     """The per-beat table written to ``anomalies.parquet`` (one row per kept beat).
 
     Columns: ``beat`` (index among detected beats), ``recording``, ``start`` (sample in the
     recording), ``peak``, ``time_s``, ``length``, ``score``, ``flagged``, ``rank`` (1 = most
-    anomalous).
+    anomalous); with ``classes`` and ``timing`` (:func:`beatflow.score.classes.classify`) also ``class``
+    (N, S or V), ``rr_prev_s``, ``rr_next_s`` and ``prematurity``.
     """
     import pandas as pd
 
@@ -181,6 +184,11 @@ def anomaly_table(beat, recording, peak, start, length, score, fs: float, thresh
             "score": score,
             "flagged": score > threshold,
             "rank": rank.astype(np.int64),
+            **({} if classes is None else {
+                "class": pd.Categorical(np.asarray(classes, dtype=str), categories=list(CLASSES)),
+                "rr_prev_s": np.asarray(timing["rr_prev_s"], dtype=np.float32),
+                "rr_next_s": np.asarray(timing["rr_next_s"], dtype=np.float32),
+                "prematurity": np.asarray(timing["prematurity"], dtype=np.float32)}),
         }
     )
 
@@ -192,15 +200,16 @@ def write_anomaly_table(table, path) -> None:
     (beat, start, peak, time, rank) that was most of the writing: 35 ms of 97 k rows against 15 ms
     (pyarrow, 2 cores); the file reads back the same, the names still categorical.
     """
-    table.to_parquet(path, index=False, use_dictionary=["recording"])
+    table.to_parquet(path, index=False, use_dictionary=[c for c in ("recording", "class") if c in table])
 
 
 def score_recording(x, fs: float, infer, scale: float, threshold: float, width: int, name: str = "recording",
                     params=None, second=None):
-    """Segment, embed and score one whole recording with an already trained model.
+    """Segment, embed, score and class one whole recording with an already trained model.
 
     The model sees each row as :func:`model_input` makes it: divided by the model's scale, minus this
-    recording's own dominant beat.
+    recording's own dominant beat; the classes (:mod:`beatflow.score.classes`) judge each beat against this
+    recording's own template and rhythm.
 
     Parameters
     ----------
@@ -243,5 +252,11 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
     kb, peak, start, length, rows, _ = beat_rows(x, peaks, s, x.shape[0], baseline_samples=max(1, s.pre // 2))
     if kb.shape[0] == 0:
         raise InputError(f"{name}: no heartbeats found (flat line or no QRS-like peaks)")
-    score, _ = infer(model_input(np.asarray(rows), scale))  # (the recording's own dominant beat)
-    return anomaly_table(kb, np.zeros(kb.shape[0], np.int64), peak, start, length, score, fs, threshold, [name])
+    from beatflow.score.classes import classify, morphology, template
+
+    rows = np.asarray(rows)
+    dev = morphology(rows, template(rows, fs, s.pre), fs, s.pre)
+    classes, timing = classify({0: np.asarray(peaks)}, peak, np.zeros(len(peak), np.int64), dev, fs)
+    score, _ = infer(model_input(rows, scale))  # (the recording's own dominant beat)
+    return anomaly_table(kb, np.zeros(kb.shape[0], np.int64), peak, start, length, score, fs, threshold, [name],
+                         classes, timing)

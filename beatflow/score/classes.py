@@ -1,0 +1,254 @@
+"""Beat classes found without labels, as a Holter reader finds them: the AAMI EC57 classes N, S, V (F and Q
+are never assigned: see below), from each beat's shape against its recording's template and its timing
+against the local rhythm.
+
+**Morphology** (array code: NumPy or CuPy, on the partition's worker). A recording's *template*
+(:func:`template`) is the elementwise median of its beat rows after each row is aligned to the plain median
+(:func:`beatflow.score.rule.dominant_beat`) by the lag, within ``±max_lag_s``, that correlates its QRS window
+best: the detector's fiducial point moves by up to ±20 ms from beat to beat on MIT-BIH, which blurs an
+unaligned median and lowers every beat's correlation with it. A beat's *deviation*
+(:func:`morphology`) is one minus the best correlation of its QRS window (``-qrs_before_s`` to
+``+qrs_after_s`` around its peak) with the template's over those lags: 0 for the patient's usual QRS,
+about 0.3 to 1 for a ventricular beat. Correlation ignores amplitude, so the deviation needs no scale.
+
+**Rhythm** (:func:`rhythm`, on the host, from all detected peaks of a recording): the RR intervals before and
+after each beat, the *local RR* (the median of the ``local_beats`` intervals on either side, the beat's own
+two left out), *prematurity* ``1 - rr_prev / local RR``, the *pause* ``rr_next / local RR`` and the local
+*irregularity* (the median absolute difference of successive intervals over ``irregular_beats`` either side,
+over the local RR; atrial fibrillation is irregular throughout, and its beats are N for AAMI).
+
+**The rule** (:func:`assign`), per recording (the deviation is judged against that recording's own
+spread, the lower half of its log deviations, robust to up to half of its beats being abnormal):
+
+* **V**: a deviation above ``v_dev`` (a QRS unlike the patient's), or a deviation above ``v_min_dev`` that
+  lies ``v_z`` robust deviations above the recording's median *and* comes early or before a pause (``v_premature``,
+  ``v_pause``) or lies ``v_z_alone`` deviations out;
+* **S**: not V, premature by more than ``s_premature``, its QRS correlating above ``s_corr`` with the
+  template, in a regular local rhythm (irregularity below ``s_irregular``);
+* **N**: the rest. F (fusion) and Q (paced, unclassifiable) are never assigned: a fusion beat lies between
+  the patient's N and V shapes, and no rule here separates it from either (their beats are counted in the
+  evaluation under the class they are assigned).
+
+The thresholds were chosen by 5-fold cross-validation across the 22 non-paced MIT-BIH records of the shared
+set (patients, never beats, split), the rule chosen on each fold's training records being judged on its
+held-out records: ``bench/classes_study.py`` (the table, its command and the figures:
+``bench/results/accuracy.md``). The defaults are the choice of most folds.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from beatflow.device import namespace_of, to_host
+
+#: the classes, in the order of the report's tables
+CLASSES = ("N", "S", "V", "F", "Q")
+#: at most this many rows (evenly spaced) enter a template
+TEMPLATE_SAMPLE = 16384
+
+
+@dataclass(frozen=True)
+class ClassParams:
+    """The class rule's parameters (seconds unless noted); see the module's docstring."""
+
+    qrs_before_s: float = 0.05
+    qrs_after_s: float = 0.10
+    max_lag_s: float = 0.04
+    local_beats: int = 20
+    irregular_beats: int = 8
+    v_dev: float = 0.3
+    v_min_dev: float = 0.05
+    v_z: float = 3.0
+    v_z_alone: float = 8.0
+    v_premature: float = 0.05
+    v_pause: float = 1.1
+    s_premature: float = 0.15
+    s_irregular: float = 0.2
+    s_corr: float = 0.9
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def window(self, fs: float, pre: int) -> tuple[int, int, int]:
+        """The QRS window ``[a, b)`` in a row whose peak is at ``pre``, and the largest lag, in samples (the
+        window moved by any lag stays inside the row's first ``pre + qrs_after + lag`` samples)."""
+        lag = int(round(self.max_lag_s * fs))
+        a = max(lag, pre - int(round(self.qrs_before_s * fs)))
+        return a, pre + int(round(self.qrs_after_s * fs)), lag
+
+
+# --- morphology (array code) -------------------------------------------------------------------------
+
+def _best_lag(rows, ref, a: int, b: int, lag: int):
+    """For each row, the best correlation of ``rows[:, a+l:b+l]`` with ``ref[a:b]`` over ``|l| <= lag``, and
+    that ``l``."""
+    xp = namespace_of(rows)
+    d = ref[a:b].astype(xp.float32)
+    d = d - d.mean()
+    dn = xp.sqrt((d * d).sum()) + xp.float32(1e-12)
+    n = int(rows.shape[0])
+    best = xp.full(n, -2.0, dtype=xp.float32)
+    at = xp.zeros(n, dtype=xp.int32)
+    for l in range(-lag, lag + 1):
+        w = rows[:, a + l : b + l].astype(xp.float32)
+        w = w - w.mean(axis=1, keepdims=True)
+        c = (w @ d) / (xp.sqrt((w * w).sum(axis=1)) * dn + xp.float32(1e-12))
+        up = c > best
+        best = xp.where(up, c, best)
+        at = xp.where(up, xp.int32(l), at)
+    return best, at
+
+
+def template(rows, fs: float, pre: int, p: ClassParams = ClassParams()):
+    """A recording's template: the elementwise median of its rows (at most :data:`TEMPLATE_SAMPLE`, evenly
+    spaced), each shifted by its best lag against the plain median (see the module's docstring).
+
+    ``rows``: ``(n, width)``, NumPy or CuPy, any scale (the template has the rows' scale). Returns ``(width,)``
+    float32 in the rows' namespace (zeros for no rows)."""
+    xp = namespace_of(rows)
+    n, width = int(rows.shape[0]), int(rows.shape[1])
+    if n == 0:
+        return xp.zeros(width, dtype=xp.float32)
+    sample = rows[:: -(-n // TEMPLATE_SAMPLE)].astype(xp.float32)
+    plain = xp.median(sample, axis=0)
+    a, b, lag = p.window(fs, pre)
+    _, at = _best_lag(sample, plain, a, b, lag)
+    cols = xp.clip(xp.arange(width)[None, :] + at[:, None], 0, width - 1)
+    return xp.median(xp.take_along_axis(sample, cols, axis=1), axis=0).astype(xp.float32)
+
+
+def morphology(rows, tmpl, fs: float, pre: int, p: ClassParams = ClassParams()):
+    """Each row's deviation from the template (one minus its best aligned QRS correlation), float32 in the
+    rows' namespace."""
+    a, b, lag = p.window(fs, pre)
+    xp = namespace_of(rows)
+    best, _ = _best_lag(rows, xp.asarray(tmpl), a, b, lag)
+    return (1.0 - best).astype(xp.float32)
+
+
+# --- rhythm (host) -----------------------------------------------------------------------------------
+
+def _around(rr: np.ndarray, idx: np.ndarray, k: int) -> np.ndarray:
+    """For beat ``i`` (its peak at position ``idx[i]`` of the peaks), the intervals ``rr[idx-1-k .. idx+k]``
+    without ``rr[idx-1]`` and ``rr[idx]`` (its own two), NaN beyond the ends: ``(n, 2k)``."""
+    pad = np.concatenate([np.full(k + 1, np.nan), rr, np.full(k + 1, np.nan)])
+    offs = np.concatenate([np.arange(-k - 1, -1), np.arange(1, k + 1)])  # (rr[idx-1] is at offset -1)
+    return pad[(idx + k + 1)[:, None] + offs[None, :]]
+
+
+def rhythm(peaks, beat_peaks, fs: float, p: ClassParams = ClassParams()) -> dict:
+    """Timing of the beats at ``beat_peaks`` among a recording's sorted detected ``peaks`` (samples).
+
+    Returns float64 arrays (NaN where a neighbour is missing): ``rr_prev_s``, ``rr_next_s``, ``local_rr_s``,
+    ``prematurity``, ``pause``, ``irregularity`` (see the module's docstring)."""
+    pk = np.asarray(to_host(peaks), np.int64)
+    at = np.asarray(to_host(beat_peaks), np.int64)
+    rr = np.diff(pk) / float(fs)
+    idx = np.searchsorted(pk, at)
+    n = len(at)
+    prev = np.full(n, np.nan)
+    nxt = np.full(n, np.nan)
+    if len(rr):
+        has_prev, has_next = idx > 0, idx < len(pk) - 1
+        prev[has_prev] = rr[idx[has_prev] - 1]
+        nxt[has_next] = rr[idx[has_next]]
+    with np.errstate(all="ignore"):
+        import warnings
+
+        with warnings.catch_warnings():  # (all-NaN neighbourhoods of a recording of a few beats)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            local = np.nanmedian(_around(rr, idx, p.local_beats), axis=1) if n else np.zeros(0)
+            near = _around(rr, idx, p.irregular_beats)
+            irr = (np.nanmedian(np.abs(np.diff(near, axis=1)), axis=1) /
+                   np.nanmedian(near, axis=1)) if n else np.zeros(0)
+        prem = 1.0 - prev / local
+        pause = nxt / local
+    return {"rr_prev_s": prev, "rr_next_s": nxt, "local_rr_s": local, "prematurity": prem, "pause": pause,
+            "irregularity": irr}
+
+
+# --- the rule (host) ---------------------------------------------------------------------------------
+
+def _lower_half_z(v: np.ndarray) -> np.ndarray:
+    """``(v - median) / σ`` with σ from the lower half (median minus first quartile, over 0.6745)."""
+    if not len(v):
+        return v
+    med = np.median(v)
+    sd = (med - np.quantile(v, 0.25)) / 0.6745
+    return (v - med) / max(float(sd), 1e-6)
+
+
+def assign(deviation, timing: dict, recording=None, p: ClassParams = ClassParams()) -> np.ndarray:
+    """The class (``"N"``, ``"S"`` or ``"V"``) of each beat, from its deviation (:func:`morphology`) and timing
+    (:func:`rhythm`), the deviation judged within each recording (``recording``: each beat's; None: one)."""
+    dev = np.asarray(to_host(deviation), np.float64)
+    n = len(dev)
+    rec = np.zeros(n, np.int64) if recording is None else np.asarray(recording)
+    if rec.shape != dev.shape:
+        raise ValueError(f"{rec.size} recording labels for {n} beats")
+    z = np.empty(n)
+    logd = np.log(np.clip(dev, 1e-4, 2.0))
+    for r in np.unique(rec):
+        m = rec == r
+        z[m] = _lower_half_z(logd[m])
+    prem = np.nan_to_num(timing["prematurity"], nan=0.0)
+    pause = np.nan_to_num(timing["pause"], nan=1.0)
+    irr = np.nan_to_num(timing["irregularity"], nan=np.inf)
+    early = (prem > p.v_premature) | (pause > p.v_pause)
+    v = (dev > p.v_dev) | ((dev > p.v_min_dev) & (z > p.v_z) & (early | (z > p.v_z_alone)))
+    s = ~v & (prem > p.s_premature) & (1.0 - dev > p.s_corr) & (irr < p.s_irregular)
+    out = np.full(n, "N", dtype="<U1")
+    out[v] = "V"
+    out[s] = "S"
+    return out
+
+
+# --- what a Holter report counts ---------------------------------------------------------------------
+
+def runs(classes, cls: str, recording=None) -> dict:
+    """Runs of consecutive beats of class ``cls`` within each recording: ``isolated`` (1 beat), ``couplets``
+    (2), ``runs`` (3 or more: ventricular or supraventricular tachycardia), ``longest``."""
+    c = np.asarray(classes)
+    rec = np.zeros(len(c), np.int64) if recording is None else np.asarray(recording)
+    hit = c == cls
+    # a run ends where the class changes or the recording does
+    brk = np.ones(len(c) + 1, bool)
+    if len(c) > 1:
+        brk[1:-1] = (hit[1:] != hit[:-1]) | (rec[1:] != rec[:-1])
+    edges = np.flatnonzero(brk)
+    lengths = np.diff(edges)
+    starts = edges[:-1]
+    lengths = lengths[hit[starts]] if len(starts) else lengths[:0]
+    return {"isolated": int((lengths == 1).sum()), "couplets": int((lengths == 2).sum()),
+            "runs": int((lengths >= 3).sum()), "longest": int(lengths.max()) if len(lengths) else 0}
+
+
+def class_summary(classes, recording=None) -> dict:
+    """Counts per class, the V and S burden (% of the classed beats), and the V and S runs."""
+    c = np.asarray(classes)
+    n = len(c)
+    counts = {k: int((c == k).sum()) for k in CLASSES}
+    return {"counts": counts, "beats": n,
+            "v_burden_pct": 100.0 * counts["V"] / n if n else 0.0,
+            "s_burden_pct": 100.0 * counts["S"] / n if n else 0.0,
+            "v_runs": runs(c, "V", recording), "s_runs": runs(c, "S", recording)}
+
+
+def classify(peaks_of: dict, beat_peak, recording, deviation, fs: float, p: ClassParams = ClassParams()):
+    """The class and timing of each beat of a stream of recordings.
+
+    ``peaks_of``: each recording's sorted detected peaks (samples); ``beat_peak``, ``recording``,
+    ``deviation``: each classed beat's peak, recording and :func:`morphology` (its recording's beats in
+    peak order). Returns ``(classes, timing)``: :func:`assign`'s classes and :func:`rhythm`'s arrays, in
+    the beats' order."""
+    beat_peak = np.asarray(to_host(beat_peak), np.int64)
+    rec = np.asarray(to_host(recording), np.int64)
+    keys = ("rr_prev_s", "rr_next_s", "local_rr_s", "prematurity", "pause", "irregularity")
+    timing = {k: np.full(len(beat_peak), np.nan) for k in keys}
+    for r in np.unique(rec):
+        m = rec == r
+        t = rhythm(peaks_of[int(r)], beat_peak[m], fs, p)
+        for k in keys:
+            timing[k][m] = t[k]
+    return assign(deviation, timing, rec, p), timing

@@ -1,0 +1,110 @@
+"""The beat-class rule (:mod:`beatflow.score.classes`) chosen by cross-validation across patients.
+
+Every record is segmented and embedded as ``beatflow evaluate`` does it (:func:`beatflow.score.evaluate.record_beats`);
+each kept beat gets its deviation from its record's template and its timing; the AAMI label of the annotation
+matched to it is used only to judge. A grid of the rule's thresholds is searched on the training records of each
+of 5 folds (records, never beats, split) for the best ``min(Se, +P)`` of V plus that of S, and the choice is
+judged on the fold's held-out records. The table: the folds' choices, each fold's held-out figures, the pooled
+held-out figures (every record judged by a rule chosen without it), and the defaults' figures per record.
+
+    python bench/classes_study.py [--data ../shared/data/mitdb] [--folds 5] [--seed 0]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import print_header, print_table  # noqa: E402
+from beatflow.params import SegmentParams  # noqa: E402
+from beatflow.score.classes import ClassParams, assign, morphology, rhythm, template  # noqa: E402
+from beatflow.score.evaluate import PACED_RECORDS, list_records, load_record, record_beats  # noqa: E402
+
+#: the thresholds searched, with the values tried
+GRID = {"v_dev": (0.2, 0.25, 0.3, 0.4), "v_z": (2.0, 3.0, 4.0), "v_z_alone": (5.0, 8.0, 99.0),
+        "s_premature": (0.1, 0.15, 0.2), "s_irregular": (0.1, 0.2, 0.3), "s_corr": (0.85, 0.9, 0.95)}
+
+
+def features(stem: str) -> dict:
+    rec = load_record(stem)
+    b = record_beats(rec)
+    pre = SegmentParams().samples(rec.fs).pre
+    dev = morphology(b.rows, template(b.rows, rec.fs, pre), rec.fs, pre)
+    return {"name": rec.name, "label": b.label, "dev": np.asarray(dev), "timing": rhythm(b.peaks, b.kept_peak, rec.fs)}
+
+
+def counts(recs: list[dict], p: ClassParams) -> dict:
+    out = {c: [0, 0, 0] for c in "NSV"}  # tp, reference, assigned (among labelled beats)
+    for r in recs:
+        got = assign(r["dev"], r["timing"], None, p)
+        lab = r["label"] != ""
+        for c in out:
+            out[c][0] += int(((got == c) & (r["label"] == c)).sum())
+            out[c][1] += int((r["label"] == c).sum())
+            out[c][2] += int(((got == c) & lab).sum())
+    return out
+
+
+def se_ppv(c: list) -> tuple[float, float]:
+    return c[0] / max(1, c[1]), c[0] / max(1, c[2])
+
+
+def objective(cnt: dict) -> float:
+    return min(se_ppv(cnt["V"])) + min(se_ppv(cnt["S"]))
+
+
+def choose(recs: list[dict], grid: list[ClassParams]) -> ClassParams:
+    return max(grid, key=lambda p: objective(counts(recs, p)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "mitdb"))
+    ap.add_argument("--folds", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    print_header("bench/classes_study.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    stems = [s for s in list_records(a.data) if Path(s).name not in PACED_RECORDS]
+    recs = [features(s) for s in stems]
+    base = ClassParams()
+    grid = [replace(base, **dict(zip(GRID, v))) for v in itertools.product(*GRID.values())]
+    order = np.random.default_rng(a.seed).permutation(len(recs))
+    folds = [sorted(order[k :: a.folds]) for k in range(a.folds)]
+    rows, held, chosen = [], {c: [0, 0, 0] for c in "NSV"}, []
+    for k, test in enumerate(folds):
+        train = [recs[i] for i in range(len(recs)) if i not in test]
+        p = choose(train, grid)
+        chosen.append(tuple(getattr(p, g) for g in GRID))
+        cnt = counts([recs[i] for i in test], p)
+        for c in held:
+            held[c] = [x + y for x, y in zip(held[c], cnt[c])]
+        rows.append([k, " ".join(recs[i]["name"] for i in test), " ".join(f"{g}={getattr(p, g)}" for g in GRID),
+                     *(f"{100 * v:.1f}" for c in "VS" for v in se_ppv(cnt[c]))])
+    print_table(["fold", "held-out records", "chosen on the other folds", "V Se", "V +P", "S Se", "S +P"], rows)
+    print()
+    print_table(["pooled held-out", "V Se", "V +P", "S Se", "S +P", "N Se", "N +P"],
+                [["every record judged by a rule chosen without it",
+                  *(f"{100 * v:.1f}" for c in "VSN" for v in se_ppv(held[c]))]])
+    modal = Counter(chosen).most_common(1)[0]
+    print(f"\nthe choice of most folds ({modal[1]} of {len(folds)}): "
+          + ", ".join(f"{g}={v}" for g, v in zip(GRID, modal[0])))
+    print(f"the defaults (beatflow.score.classes.ClassParams): "
+          + ", ".join(f"{g}={getattr(base, g)}" for g in GRID))
+    per = []
+    for r in recs:
+        cnt = counts([r], base)
+        per.append([r["name"], *(f"{cnt[c][0]}/{cnt[c][1]}/{cnt[c][2]}" for c in "VS")])
+    print()
+    print_table(["record (defaults)", "V: right / reference / assigned", "S: right / reference / assigned"], per)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
