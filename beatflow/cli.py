@@ -303,6 +303,11 @@ def _run_logged(args, device: str, final, log) -> int:
               "device", "workers"):
         v = summary[k]
         t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    cl = summary.get("classes")
+    if cl:
+        t.add_row("classes", "  ".join(f"{k} {v}" for k, v in cl["counts"].items() if k in "NSV"))
+        t.add_row("V / S burden", f"{cl['v_burden_pct']:.2f} % / {cl['s_burden_pct']:.2f} %  (V couplets "
+                  f"{cl['v_runs']['couplets']}, V runs {cl['v_runs']['runs']})")
     e = summary["engine"]
     t.add_row("engine", f"{e['backend']} {e['precision']}, max abs err {e['max_abs_err']:.1e}")
     sl = summary.get("second_lead")

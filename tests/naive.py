@@ -372,3 +372,43 @@ def slow_in_child(value, seconds: float):
     if multiprocessing.parent_process() is not None:
         time.sleep(seconds)
     return value
+
+
+def best_aligned_corr(row, ref, a: int, b: int, lag: int) -> tuple[float, int]:
+    """Largest Pearson correlation of ``row[a+l:b+l]`` with ``ref[a:b]`` over ``-lag <= l <= lag``
+    (the first such ``l`` on ties), by ``np.corrcoef`` one lag at a time."""
+    best, at = -2.0, 0
+    for l in range(-lag, lag + 1):
+        w = np.asarray(row[a + l : b + l], np.float64)
+        d = np.asarray(ref[a:b], np.float64)
+        c = float(np.corrcoef(w, d)[0, 1]) if w.std() > 0 and d.std() > 0 else 0.0
+        if c > best + 1e-6:
+            best, at = c, l
+    return best, at
+
+
+def beat_timing(peaks, at, fs: float, k: int, m: int) -> list[dict]:
+    """Per beat at peak ``at[i]``: RR before/after, the median of the ``k`` intervals either side but its own
+    two, and the irregularity (median |successive difference| over median) of the ``m`` either side."""
+    peaks = [int(p) for p in peaks]
+    rr = [(peaks[j + 1] - peaks[j]) / fs for j in range(len(peaks) - 1)]
+    out = []
+    for p in at:
+        i = peaks.index(int(p))
+        prev = rr[i - 1] if i > 0 else math.nan
+        nxt = rr[i] if i < len(rr) else math.nan
+
+        def around(h):
+            idx = list(range(i - 1 - h, i - 1)) + list(range(i + 1, i + 1 + h))
+            return [rr[j] if 0 <= j < len(rr) else math.nan for j in idx]
+
+        near = around(k)
+        vals = [v for v in near if not math.isnan(v)]
+        local = float(np.median(vals)) if vals else math.nan
+        w = around(m)
+        diffs = [abs(w[j + 1] - w[j]) for j in range(len(w) - 1) if not (math.isnan(w[j]) or math.isnan(w[j + 1]))]
+        wv = [v for v in w if not math.isnan(v)]
+        irr = float(np.median(diffs)) / float(np.median(wv)) if diffs and wv else math.nan
+        out.append({"rr_prev_s": prev, "rr_next_s": nxt, "local_rr_s": local, "irregularity": irr,
+                    "prematurity": 1 - prev / local, "pause": nxt / local})
+    return out

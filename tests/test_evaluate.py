@@ -78,6 +78,11 @@ def test_metrics_json_structure(mitdb, tmp_path, capsys):
     for k in ("se", "ppv", "f1", "per_record", "s_per_record", "excluding_vf"):
         assert k in det
     assert set(det["per_record"]) == {"208"} and det["se"] > 0.99 and det["ppv"] > 0.99
+    assert 0 <= det["jitter_ms"] < 30 and 0 < det["jf"] <= det["f1"]
+    cls = res["classes"]  # the assigned classes against the annotations (de Chazal's gross Se and +P)
+    assert set(cls) == {"N", "S", "V", "F", "Q"}
+    assert cls["V"]["n"] == res["anomaly"]["counts"]["V"] and cls["V"]["se"] > 0.5 and cls["V"]["ppv"] > 0.5
+    assert cls["N"]["se"] > 0.9 and cls["F"]["assigned"] == 0 and cls["F"]["se"] in (0, None)
     for k in ("auc_v", "auc_s", "auc_f", "prauc_v", "counts"):
         assert k in res["anomaly"]
     assert res["anomaly"]["counts"]["V"] > 50 and 0.5 < res["anomaly"]["auc_v"] <= 1.0

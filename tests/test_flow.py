@@ -85,7 +85,14 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     assert all(t["draw"] > 0 and t["queued"] >= 0 for t in detail["figures"].values())
     table = pd.read_parquet(out / "anomalies.parquet")
     assert len(table) == saved["beats_kept"] and table["flagged"].sum() == saved["anomalies_flagged"]
-    assert list(table.columns) == ["beat", "recording", "start", "peak", "time_s", "length", "score", "flagged", "rank"]
+    assert list(table.columns) == ["beat", "recording", "start", "peak", "time_s", "length", "score", "flagged", "rank",
+                                   "class", "rr_prev_s", "rr_next_s", "prematurity"]
+    # every kept beat classed; the summary counts the table's classes, per recording too
+    assert set(table["class"].astype(str)) <= {"N", "S", "V"}
+    counts = table["class"].astype(str).value_counts().to_dict()
+    assert {k: v for k, v in saved["classes"]["counts"].items() if v} == counts
+    assert saved["per_recording"][0]["classes"] == saved["classes"]["counts"]
+    assert saved["classes"]["counts"]["V"] > 0 and 0 < saved["classes"]["v_burden_pct"] < 10
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64") >= 6
     assert "Inference engine" in html and "latency, batch 1" in html

@@ -42,7 +42,7 @@ from beatflow.report.figures import EARLY_FIGURES, FIGURES
 from beatflow.report.pool import FigurePool, figure_pool
 from beatflow.score.classes import class_summary, classify
 from beatflow.score.metrics import match_truth, truth_check
-from beatflow.score.rule import MODEL_INPUT, anomaly_table, robust_threshold, top_order, write_anomaly_table
+from beatflow.score.rule import MODEL_INPUT, anomaly_table, robust_threshold, write_anomaly_table
 from beatflow.terminal import front_sigterm
 
 #: the report's figures drawn as soon as the scores are known (``beatflow.report.figures.FIGURES``)
@@ -213,6 +213,7 @@ class _Scored:
     score_workers: int
     written: Any  # the anomaly table's background write (a future)
     classes: np.ndarray  # each kept beat's class (beatflow.score.classes)
+    beat_lists: dict  # the report's classes' panels (class_V, class_S, artifacts)
 
 
 def _run_stages(run: _Run) -> dict:
@@ -428,12 +429,28 @@ def _score(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list, trained: dic
     # then the stream, the scores and the latent space's two; the table, the truth's scores and the
     # summary are made while they are drawn
     per_kept = R.truth_per_kept(matched, len(kb))
-    top_rows = top_order(scores, N_TOP)  # (the anomaly table's ranks 1..N_TOP, in order)
-    top_list = R.top_list(names, fs, plan, top_rows, scores, ctx, kb, per_kept)
-    run.drawn.update(figures.draw(SimpleNamespace(fs=fs, top=top_list), ("top", "top_right")))  # (its halves)
+    # the report's beat lists: the anomaly list led by the V and S beats, the classes' panels and the
+    # artifacts'; the signal around the beats that the partitions' own top beats by score did not hold is
+    # cut in one more round over the partitions that own them
+    lists = R.class_lists(scores, classes, flagged_mask)
+    need = R.missing_context(plan, kb, np.concatenate(list(lists.values())), ctx, fs)
+    if need:
+        owners = sorted(need)
+        more = T.gather(T.map_partitions(T.partition_snippets, [ld.parts[k] for k in owners],
+                                         [ld.lefts[k] for k in owners], [ld.rights[k] for k in owners],
+                                         [ld.firsts[k] for k in owners], [need[k] for k in owners],
+                                         name="class-snippets", at=[ld.parts[k] for k in owners]))
+        for k, pieces in zip(owners, more):
+            ctx[k] = list(ctx[k]) + list(pieces)
+    top_rows = lists["top"]
+    beat_lists = {name: R.top_list(names, fs, plan, lists[key], scores, ctx, kb, per_kept, classes)
+                  for name, key in (("top", "top"), ("class_V", "V"), ("class_S", "S"), ("artifacts", "artifacts"))}
+    top_list = beat_lists["top"]
+    # (the classes' panels and the latent space by class are drawn with the report's other figures)
+    run.drawn.update(figures.draw(SimpleNamespace(fs=fs, top=top_list), ("top", "top_right")))
     ph.lap("context")
     view = R.scored_view(fs, ld.total, plan, trained, scores, mu, threshold, flagged_mask, T.gather(ld.overview),
-                         per_kept, kb, ld.rec_offset, names)
+                         per_kept, kb, ld.rec_offset, names, classes)
     run.drawn.update(figures.draw(SimpleNamespace(**view), LATE_FIGURES))
     ph.lap("figures_started")
     table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
@@ -457,7 +474,8 @@ def _score(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list, trained: dic
     ph.lap("table")
     run.detail["score"] = ph.times
     run.sw.lap("score")
-    return _Scored(threshold, flagged_mask, flagged, top_list, view, top, truth, score_workers, written, classes)
+    return _Scored(threshold, flagged_mask, flagged, top_list, view, top, truth, score_workers, written, classes,
+                   {k: v for k, v in beat_lists.items() if k != "top"})
 
 
 def _report(run: _Run, ld: _Loaded, seg: _Segmented, trained: dict, engine: dict, sc: _Scored) -> dict:
@@ -477,7 +495,8 @@ def _report(run: _Run, ld: _Loaded, seg: _Segmented, trained: dict, engine: dict
     if ld.truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end
         summary["input"] = f"synthetic ECG ({o.hours:g} h, seed {o.seed}): input.npy, truth.npz"
     summary["timings_s"] = dict(run.sw.times)  # the report's table: the stages up to this one (summary.json: all)
-    data = R.report_data(ld.source, ld.s, seg.plan, trained, sc.top_list, summary, sc.truth, sc.view)
+    data = R.report_data(ld.source, ld.s, seg.plan, trained, sc.top_list, summary, sc.truth,
+                         {**sc.view, **sc.beat_lists})
     run.drawn.update(run.figures.draw(data, [name for name in FIGURES if name not in run.drawn]))  # the rest
     ph.lap("data")
     # while the figures are drawn: this run's transfer counts from the workers (their device work is done);

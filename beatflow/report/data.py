@@ -98,7 +98,7 @@ def length_histogram(plan, s):
 
 
 def truth_per_kept(matched, n_kept: int):
-    """The truth label of every kept beat (0 normal, 1 PVC, 2 artifact; an unmatched beat 0), or None
+    """The truth label of every kept beat (:data:`TRUTH_NAMES`; an unmatched beat 0), or None
     without a truth (``matched``: :func:`beatflow.score.metrics.match_truth`'s result)."""
     if matched is None:
         return None
@@ -109,7 +109,7 @@ def truth_per_kept(matched, n_kept: int):
 
 
 def scored_view(fs, total, plan, trained, scores, mu, threshold, flagged, overview, per_kept, kb, rec_offset,
-                names=()) -> dict:
+                names=(), classes=None) -> dict:
     """The report's fields that the scores decide (what the flow's ``LATE_FIGURES`` draw: the stream's
     picture with the flagged beats' times, every score, and a sample of at most 20 000 test beats' latent
     means with their scores and truth labels; ``overview``: the partitions' column minima and maxima,
@@ -127,26 +127,75 @@ def scored_view(fs, total, plan, trained, scores, mu, threshold, flagged, overvi
     return dict(fs=fs, total_samples=int(total), stream_min=smin, stream_max=smax, latent_mu=mu[sub],
                 latent_score=scores[sub], threshold=threshold, score_all=scores, anomaly_times_s=times,
                 truth_labels=truth_labels, recording_names=list(names),
+                class_labels=None if classes is None else np.asarray(classes)[sub],
                 recording_starts_s=(offsets / fs).tolist())
 
 
-def top_list(names, fs, plan, rows, scores, ctx, kb, per_kept) -> list[dict]:
-    """The report's top anomalies: kept rows ``rows`` (the highest ``scores`` first), each with the signal
-    around it from its partition's snippets ``ctx`` (the partition's own top beats': the one that starts
-    ``fs`` samples before the beat) and, with a truth, its label."""
+def top_list(names, fs, plan, rows, scores, ctx, kb, per_kept, classes=None) -> list[dict]:
+    """The report's list of beats ``rows`` (kept rows, in order), each with the signal around it from its
+    partition's snippets ``ctx`` (the one that starts ``fs`` samples before the beat, see
+    :func:`missing_context`), its class (with ``classes``, each kept beat's) and, with a truth, its label."""
     out = []
     for i in np.asarray(rows, np.int64):
         b = int(kb[i])
         start = int(plan.start[b])
+        length = int(plan.length[b])
         pieces = ctx[int(plan.owner[b])]
+        pieces = [p for p in pieces if _covers(p, start, length)] or pieces
         piece = min(pieces, key=lambda p: abs(p[0] - (start - int(fs))))
         label = None
         if per_kept is not None:
-            label = {0: "normal", 1: "pvc", 2: "artifact"}[int(per_kept[i])]
+            label = TRUTH_NAMES.get(int(per_kept[i]), str(int(per_kept[i])))
         out.append({"beat": b, "start": start, "time_s": start / fs, "length": int(plan.length[b]),
                     "score": float(np.float32(scores[i])), "context": piece[1], "context_start": int(piece[0]),
+                    "class": str(classes[i]) if classes is not None else None,
                     "label": (f"{names[int(plan.recording[b])]} " if len(names) > 1 else "") + (label or "")})
     return out
+
+
+#: the synthetic truth's labels (:data:`beatflow.io.synth.LABEL_NAMES`, as the report writes them)
+TRUTH_NAMES = {0: "normal", 1: "pvc", 2: "artifact", 3: "apc"}
+#: beats a class's panel shows
+N_PER_CLASS = 8
+
+
+def class_lists(scores, classes, flagged, n_top: int = N_TOP, n_class: int = N_PER_CLASS) -> dict:
+    """The kept rows each of the report's beat lists shows, highest score first (ties in row order):
+
+    * ``top``: the anomaly list, the ``n_top`` highest-scoring beats classed V or S (arrhythmia leads it;
+      the highest-scoring beats of any class where no beat is V or S);
+    * ``V``, ``S``: the ``n_class`` highest-scoring beats of each class;
+    * ``artifacts``: the ``n_class`` highest-scoring flagged beats classed N: beats unlike the patient's
+      that neither their shape nor their timing makes ectopic (noise, artifacts, aberrant beats), in a
+      section of their own."""
+    from beatflow.score.rule import rank_order
+
+    order = rank_order(scores)
+    c = np.asarray(classes)[order]
+    f = np.asarray(flagged, bool)[order]
+    ectopic = order[(c == "V") | (c == "S")]
+    return {"top": ectopic[:n_top] if len(ectopic) else order[:n_top],
+            "V": order[c == "V"][:n_class], "S": order[c == "S"][:n_class],
+            "artifacts": order[(c == "N") & f][:n_class]}
+
+
+def _covers(piece, start: int, length: int) -> bool:
+    """Whether a snippet ``(first sample, samples)`` holds the beat ``[start, start + length)``."""
+    return piece[0] <= start and piece[0] + len(piece[1]) >= start + length
+
+
+def missing_context(plan, kb, rows, ctx, fs: float) -> dict:
+    """For the kept ``rows`` whose signal the partitions' snippets ``ctx`` do not hold (a partition cuts its
+    own top beats' by score, before the classes are known), the windows to cut, by owning partition:
+    ``{partition: [(start - fs, start + length + fs), ...]}``."""
+    pad = int(fs)
+    need: dict = {}
+    for i in np.unique(np.asarray(rows, np.int64)):
+        b = int(kb[i])
+        start, length, k = int(plan.start[b]), int(plan.length[b]), int(plan.owner[b])
+        if not any(_covers(p, start, length) for p in ctx.get(k, ())):
+            need.setdefault(k, []).append((start - pad, start + length + pad))
+    return need
 
 
 def report_data(source, s, plan, trained, top, summary, truth, view: dict):
@@ -166,8 +215,9 @@ def report_data(source, s, plan, trained, top, summary, truth, view: dict):
 def top_table_rows(top: pd.DataFrame) -> list[dict]:
     """The top anomalies (rows of the anomaly table) as the rows of a UI table: plain values, floats rounded."""
     return [{k: (round(float(v), 4) if isinstance(v, float) else (v if isinstance(v, (int, str, bool)) else str(v)))
-             for k, v in r.items()} for r in top[["rank", "beat", "recording", "start", "time_s", "length", "score"]]
-            .astype({"recording": str}).to_dict("records")]
+             for k, v in r.items()} for r in top[[c for c in ("rank", "beat", "recording", "start", "time_s", "length",
+                                                             "score", "class") if c in top]]
+            .astype({c: str for c in ("recording", "class") if c in top}).to_dict("records")]
 
 
 def summary_markdown(summary: dict) -> str:
@@ -177,6 +227,13 @@ def summary_markdown(summary: dict) -> str:
               "anomalies_flagged", "device", "workers"):
         v = summary[k]
         lines.append(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
+    cl = summary.get("classes")
+    if cl:  # the beat classes (beatflow.score.classes)
+        lines.append("| classes | " + ", ".join(f"{k} {v:,}" for k, v in cl["counts"].items() if v or k in "NSV") + " |")
+        lines.append(f"| V burden | {cl['v_burden_pct']:.2f} % ({cl['v_runs']['couplets']} couplets, "
+                     f"{cl['v_runs']['runs']} runs) |")
+        lines.append(f"| S burden | {cl['s_burden_pct']:.2f} % ({cl['s_runs']['couplets']} couplets, "
+                     f"{cl['s_runs']['runs']} runs) |")
     e = summary["engine"]
     lines.append(f"| engine | {e['backend']} ({e['precision']}), max abs err {e['max_abs_err']:.2e} |")
     vf = summary.get("flutter_episodes") or {}

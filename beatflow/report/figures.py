@@ -57,6 +57,12 @@ class ReportData:
     #: the input's recordings on the stream's time axis (several: the stream figure marks where each starts)
     recording_names: list = field(default_factory=list)
     recording_starts_s: list = field(default_factory=list)
+    #: the latent figure's points' classes (one letter each: beatflow.score.classes), or None
+    class_labels: np.ndarray | None = None
+    #: the beat lists of the classes' panels (as ``top``): the highest-scoring V, S, and flagged N beats
+    class_V: list = field(default_factory=list)
+    class_S: list = field(default_factory=list)
+    artifacts: list = field(default_factory=list)
 
 
 _DPI = 100
@@ -65,8 +71,12 @@ _DPI = 100
 #: figure (52 texts) and a tenth of the stream's; at 100 dpi the text looks the same to the eye
 #: (``bench/results/report.md``).
 _RC = {"text.hinting": "no_hinting"}
-_LABEL_NAMES = {0: "normal", 1: "PVC", 2: "artifact"}
-_LABEL_COLOURS = {0: "#9e9e9e", 1: "#e6550d", 2: "#6a51a3"}
+_LABEL_NAMES = {0: "normal", 1: "PVC", 2: "artifact", 3: "APC"}
+_LABEL_COLOURS = {0: "#9e9e9e", 1: "#e6550d", 2: "#6a51a3", 3: "#2ca02c"}
+#: the beat classes' names and colours (V as the truth's PVCs, S as its APCs)
+_CLASS_NAMES = {"N": "N (normal)", "S": "S (supraventricular)", "V": "V (ventricular)", "F": "F (fusion)",
+                "Q": "Q (unclassified)"}
+_CLASS_COLOURS = {"N": "#9e9e9e", "S": "#2ca02c", "V": "#e6550d", "F": "#8c564b", "Q": "#17becf"}
 _ENVELOPE = "#1f5fa6"
 _FLAG = "#d62728"
 
@@ -542,7 +552,7 @@ def _latent_axes_done(ax, f, title: str) -> None:
 def _fig_latent(d: ReportData) -> str:
     """The test beats' latent means, coloured by score, drawn as an image of per-pixel maxima
     (:func:`_pixel_max`): the cost does not grow with the beats. The same points by truth label are
-    a figure of their own (:func:`_fig_latent_truth`), drawn beside this one in another process."""
+    a figure of their own (:func:`_fig_latent_labels`), drawn beside this one in another process."""
     f = _latent_frame(d)
     fig = _new_fig(7.6, 5.0, margins=(0.85, 0.2, 0.35, 0.55))
     ax = fig.add_subplot()
@@ -564,34 +574,40 @@ def _fig_latent(d: ReportData) -> str:
     return figure_png(fig)
 
 
-def _fig_latent_truth(d: ReportData) -> str | None:
-    """The points of :func:`_fig_latent` on the same axes, coloured by ground-truth label (the rarest
-    per pixel); None without a truth."""
+def _fig_latent_labels(d: ReportData, which: str = "truth") -> str | None:
+    """The points of :func:`_fig_latent` on the same axes, coloured by their ground-truth label (``which``
+    ``"truth"``) or their class (``"class"``), the rarest per pixel; None without them."""
     from matplotlib.colors import ListedColormap  # noqa: PLC0415
 
     f = _latent_frame(d)
-    if f is None or f.labels is None:
+    if f is None:
         return None
-    labels = f.labels
+    labels = f.labels if which == "truth" else (
+        None if getattr(d, "class_labels", None) is None else np.asarray(d.class_labels).reshape(-1))
+    if labels is None or labels.size != f.sc.size:
+        return None
+    names, colours_of = ((_LABEL_NAMES, _LABEL_COLOURS) if which == "truth" else (_CLASS_NAMES, _CLASS_COLOURS))
     fig = _new_fig(6.6, 5.0, margins=(0.85, 0.2, 0.35, 0.55))
     ax = fig.add_subplot()
-    uniq = [int(u) for u in np.unique(labels)]
+    uniq = [u.item() if hasattr(u, "item") else u for u in np.unique(labels)]
     # the common class lowest, so that rare classes stay visible where they share a pixel
     uniq.sort(key=lambda u: -(labels == u).sum())
     rank = np.zeros(labels.size)
     for k, u in enumerate(uniq):
         rank[labels == u] = k
-    colours = [_LABEL_COLOURS.get(u, "#17becf") for u in uniq]
+    colours = [colours_of.get(u, "#17becf") for u in uniq]
     _latent_image(ax, f, rank, ListedColormap(colours), -0.5, len(uniq) - 0.5)
     for u, colour in zip(uniq, colours):
-        ax.scatter([], [], s=16, lw=0, color=colour, label=f"{_LABEL_NAMES.get(u, str(u))} ({int((labels == u).sum()):,})")
+        ax.scatter([], [], s=16, lw=0, color=colour, label=f"{names.get(u, str(u))} ({int((labels == u).sum()):,})")
     ax.legend(fontsize=8, frameon=True, framealpha=0.8, loc="upper right")
-    _latent_axes_done(ax, f, "same points, coloured by ground-truth label (rarest per pixel)")
+    _latent_axes_done(ax, f, "same points, coloured by ground-truth label (rarest per pixel)" if which == "truth"
+                      else "same points, coloured by beat class (rarest per pixel)")
     return figure_png(fig)
 
 
-def _fig_top(d: ReportData, limit: int = 12, part: str | None = None) -> str | None:
-    """The signal around each of the ``limit`` highest-scoring beats, a panel each (beat shaded).
+def _fig_top(d: ReportData, limit: int = 12, part: str | None = None, which: str = "top") -> str | None:
+    """The signal around each of the first ``limit`` beats of the list ``which`` (``top``: the anomaly list;
+    ``class_V``, ``class_S``, ``artifacts``: the classes' panels), a panel each (beat shaded).
 
     The panels share one time axis (seconds from the beat's start) and are drawn in a single
     Matplotlib Axes, each trace scaled into its cell, its amplitude range written in the corner: a
@@ -608,7 +624,7 @@ def _fig_top(d: ReportData, limit: int = 12, part: str | None = None) -> str | N
 
     if part not in (None, "left", "right"):
         raise ValueError(f"the top anomalies' figure's part is 'left' or 'right', got {part!r}")
-    top = list(d.top or [])[:limit]
+    top = list(getattr(d, which, None) or [])[:limit]
     if not top:
         return None
     ncol = 4 if len(top) > 4 else len(top)
@@ -668,6 +684,8 @@ def _fig_top(d: ReportData, limit: int = 12, part: str | None = None) -> str | N
             ax.text(x0 + 0.5, y0 + 0.5, "no data", ha="center", va="center", fontsize=8, color="#888")
         time_s = a.get("time_s", start / fs)
         title = f"#{i + 1}  {fmt_hms(time_s)}  score {fmt_num(a.get('score'), 3)}"
+        if a.get("class"):
+            title += f"  {a['class']}"
         if a.get("label"):
             title += f"  [{a['label']}]"
         ax.text(x0, y0 + 1 + 0.03, title, ha="left", va="bottom", fontsize=8.5)
@@ -699,8 +717,12 @@ def _with_rc(draw):
 #: the top anomalies' figure's two parts, drawn at once)
 FIGURES = {name: _with_rc(draw) for name, draw in (
     ("stream", _fig_stream), ("lengths", _fig_lengths), ("aligned", _fig_aligned), ("training", _fig_training),
-    ("scores", _fig_scores), ("latent", _fig_latent), ("latent_truth", _fig_latent_truth),
-    ("top", functools.partial(_fig_top, part="left")), ("top_right", functools.partial(_fig_top, part="right")))}
+    ("scores", _fig_scores), ("latent", _fig_latent), ("latent_truth", _fig_latent_labels),
+    ("latent_class", functools.partial(_fig_latent_labels, which="class")),
+    ("top", functools.partial(_fig_top, part="left")), ("top_right", functools.partial(_fig_top, part="right")),
+    ("class_V", functools.partial(_fig_top, limit=8, which="class_V")),
+    ("class_S", functools.partial(_fig_top, limit=8, which="class_S")),
+    ("artifacts", functools.partial(_fig_top, limit=8, which="artifacts")))}
 #: which figures need only what is known once the model is trained (the flow renders them while the
 #: engine is built and the beats are scored)
 EARLY_FIGURES = ("lengths", "aligned", "training")

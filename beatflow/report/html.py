@@ -22,7 +22,7 @@ __all__ = ["render_report_html", "write_report"]
 #: the summary's keys that the cards and tables above the settings table show
 _CONSUMED = {
     "samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss", "anomalies_flagged",
-    "device", "workers", "engine", "timings_s", "truth", "flutter_episodes", "per_recording",
+    "device", "workers", "engine", "timings_s", "truth", "flutter_episodes", "per_recording", "classes",
 }
 
 
@@ -58,6 +58,16 @@ def _summary_cards(d: ReportData) -> list[dict]:
     pf = s.get("pruned_fraction")
     cards.append(_card("pruned", f"{100.0 * float(pf):.2f} %" if pf is not None else "–"))
     cards.append(_card("anomalies flagged", fmt_num(s.get("anomalies_flagged")), alert=True))
+    cl = s.get("classes")
+    if isinstance(cl, dict) and cl.get("counts"):  # the beat classes (beatflow.score.classes)
+        n = cl["counts"]
+        cards.append(_card("V beats", f"{fmt_num(n.get('V', 0))} ({float(cl.get('v_burden_pct', 0)):.2f} %)",
+                           alert=bool(n.get("V"))))
+        cards.append(_card("S beats", f"{fmt_num(n.get('S', 0))} ({float(cl.get('s_burden_pct', 0)):.2f} %)",
+                           alert=bool(n.get("S"))))
+        vr = cl.get("v_runs") or {}
+        cards.append(_card("V couplets / runs", f"{fmt_num(vr.get('couplets', 0))} / {fmt_num(vr.get('runs', 0))}",
+                           alert=bool(vr.get("runs"))))
     vf = s.get("flutter_episodes")
     if isinstance(vf, dict):  # ventricular flutter/fibrillation: the waves are no beats (rhythm_episodes.csv)
         n = int(vf.get("count") or 0)
@@ -96,6 +106,29 @@ def _recordings(d: ReportData) -> list[list[str]]:
         out.append([str(r.get("recording")), fmt_hms(3600.0 * float(r.get("hours") or 0.0)), f"{beats:,}",
                     f"{flagged:,}", f"{100.0 * flagged / beats:.1f} %" if beats else "–"])
     return out
+
+
+def _classes(d: ReportData) -> dict | None:
+    """The classes' table: per recording (and in all, with several) the beats of each class, the V and S
+    burden, V couplets and runs (3 or more), S couplets and runs, the longest V run."""
+    s = d.summary or {}
+    rows = [r for r in (s.get("per_recording") or []) if r.get("classes")]
+    if not rows:
+        return None
+    total = s.get("classes") or {}
+
+    def cells(name, c, vb, sb, vr, sr):
+        return [name, *(fmt_num(int(c.get(k, 0))) for k in ("N", "S", "V")), f"{float(vb):.2f} %",
+                f"{float(sb):.2f} %", f"{vr.get('couplets', 0)} / {vr.get('runs', 0)}",
+                f"{sr.get('couplets', 0)} / {sr.get('runs', 0)}", str(vr.get("longest", 0))]
+
+    out = [cells(str(r["recording"]), r["classes"], r.get("v_burden_pct", 0), r.get("s_burden_pct", 0),
+                 r.get("v_runs") or {}, r.get("s_runs") or {}) for r in rows]
+    if len(rows) > 1 and total.get("counts"):
+        out.append(cells("all", total["counts"], total.get("v_burden_pct", 0), total.get("s_burden_pct", 0),
+                         total.get("v_runs") or {}, total.get("s_runs") or {}))
+    return {"head": ["recording", "N", "S", "V", "V burden", "S burden", "V couplets / runs",
+                     "S couplets / runs", "longest V run"], "rows": out}
 
 
 def _timings(d: ReportData) -> dict | None:
@@ -154,7 +187,9 @@ def _top(d: ReportData, limit: int = 50) -> dict:
     """The table of the top anomalies: its header and rows (the label column where any has a label)."""
     top = list(d.top or [])[:limit]
     has_label = any(a.get("label") for a in top)
-    head = ["rank", "beat", "start (sample)", "time", "length", "length (ms)", "score"] + (["label"] if has_label else [])
+    has_class = any(a.get("class") for a in top)
+    head = (["rank", "beat", "start (sample)", "time", "length", "length (ms)", "score"] + (["class"] if has_class else [])
+            + (["label"] if has_label else []))
     fs = float(d.fs) if d.fs else 0.0
     rows = []
     for i, a in enumerate(top):
@@ -170,6 +205,8 @@ def _top(d: ReportData, limit: int = 50) -> dict:
             f"{1e3 * float(length) / fs:.0f}" if (length is not None and fs) else "–",
             fmt_num(a.get("score"), 4),
         ]
+        if has_class:
+            cells.append(str(a.get("class") or ""))
         if has_label:
             cells.append(str(a.get("label") or ""))
         rows.append(cells)
@@ -214,7 +251,8 @@ def render_report_html(data: ReportData, figures: dict | None = None) -> str:
         other=_other(d),
         recordings=_recordings(d),
         figures={name: fig(name) for name in ("stream", "lengths", "aligned", "training", "scores", "latent",
-                                              "latent_truth")},
+                                              "latent_truth", "latent_class", "class_V", "class_S", "artifacts")},
+        classes=_classes(d),
         top_pictures=None if top_left is None else _top_pictures(top_left, fig("top_right")),
         n_top=min(len(d.top or []), 12),
         top=_top(d),
