@@ -57,6 +57,10 @@ class ReportData:
     #: the input's recordings on the stream's time axis (several: the stream figure marks where each starts)
     recording_names: list = field(default_factory=list)
     recording_starts_s: list = field(default_factory=list)
+    #: the unreadable stretches (:mod:`beatflow.detect.quality`): ``(start_s, end_s)`` on the stream's time
+    #: axis (shaded on the stream figure), and the first rows of quality.csv as dicts (the report's table)
+    unreadable_spans_s: list = field(default_factory=list)
+    unreadable_rows: list = field(default_factory=list)
 
 
 _DPI = 100
@@ -69,6 +73,7 @@ _LABEL_NAMES = {0: "normal", 1: "PVC", 2: "artifact"}
 _LABEL_COLOURS = {0: "#9e9e9e", 1: "#e6550d", 2: "#6a51a3"}
 _ENVELOPE = "#1f5fa6"
 _FLAG = "#d62728"
+_UNREADABLE = "#ff9f1c"
 
 
 def fmt_hms(seconds: float, with_seconds: bool = True) -> str:
@@ -294,6 +299,10 @@ def _fig_stream(d: ReportData) -> str:
                 ax.text((a + b) / 2, 0.985, str(name)[:12], transform=ax.get_xaxis_transform(), ha="center",
                         va="top", fontsize=7 if len(names) <= 16 else 5.5, color="#222222",
                         bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.7, "pad": 0.8})
+    bad = np.asarray(getattr(d, "unreadable_spans_s", None) or [], dtype=np.float64).reshape(-1, 2) / 3600.0
+    if bad.shape[0]:  # the unreadable stretches, shaded: one collection however many there are
+        ax.broken_barh(list(zip(bad[:, 0], bad[:, 1] - bad[:, 0])), (0, 1), transform=ax.get_xaxis_transform(),
+                       facecolors=_UNREADABLE, edgecolors="none", alpha=0.35, zorder=0.5)
     _style(ax, xlabels=False)
     t = np.asarray(d.anomaly_times_s, dtype=np.float64).reshape(-1) / 3600.0
     if t.size:
