@@ -29,7 +29,8 @@ from beatflow.device import transfer_stats
 from beatflow.embed.partitions import BeatPlan, assemble_halos, plan_beats, second_lead_gathered
 from beatflow.errors import InputError
 from beatflow.io.sources import Source, open_second_lead, open_source
-from beatflow.params import DEFAULT_FS, TRAIN_FRACTION, QualityParams, QualitySamples, SegmentParams, SegmentSamples, compile_pays
+from beatflow.params import (DEFAULT_FS, TRAIN_FRACTION, QualityParams, QualitySamples, SegmentParams, SegmentSamples,
+                             compile_pays)
 from beatflow.pipeline import stages as T
 from beatflow.pipeline.caching import cached, code_version, input_digest, token
 from beatflow.pipeline.cluster import prepare_cluster, run_on_workers
@@ -287,8 +288,8 @@ def _load(run: _Run) -> _Loaded:
                                 [rec_offset[sp.recording] + firsts[k] for k, sp in enumerate(specs)],
                                 name="stream-overview", total=total, ncols=N_COLUMNS)
     run.sw.lap("load")
-    return _Loaded(source, second, fs, s, q, quality, specs, parts, lengths, lefts, rights, firsts, second_parts, n_samples,
-                   total, rec_offset, overview, truth_path, base_token)
+    return _Loaded(source, second, fs, s, q, quality, specs, parts, lengths, lefts, rights, firsts, second_parts,
+                   n_samples, total, rec_offset, overview, truth_path, base_token)
 
 
 def _segment(run: _Run, ld: _Loaded) -> _Segmented:
@@ -320,7 +321,7 @@ def _segment(run: _Run, ld: _Loaded) -> _Segmented:
     if len(unreadable):
         log.warning("signal quality: %d unreadable stretch(es), %.1f s in all (%s; quality.csv); no beats are "
                     "detected there", len(unreadable), float(unreadable["duration_s"].sum()),
-                    ", ".join(f"{r} {float(v):.1f} s" for r, v in unreadable.groupby("reason")["duration_s"].sum().items()))
+                    ", ".join(f"{r} {v:.1f} s" for r, v in R.quality_summary(unreadable)["by_reason_s"].items()))
     if plan.n_detected == 0:
         total_s = ld.total / ld.fs
         bad_s = float(unreadable["duration_s"].sum())

@@ -114,8 +114,9 @@ def _unreadable(d: ReportData) -> dict | None:
         return None
     several = len({str(r.get("recording")) for r in rows}) > 1 or len((d.summary or {}).get("recordings") or []) > 1
     head = (["recording"] if several else []) + ["start", "end", "duration (s)", "reason"]
-    body = [([str(r.get("recording"))] if several else []) + [fmt_hms(float(r["start_s"])), fmt_hms(float(r["end_s"])),
-            f"{float(r['duration_s']):.1f}", str(r.get("reason"))] for r in rows]
+    body = [([str(r.get("recording"))] if several else [])
+            + [fmt_hms(float(r["start_s"])), fmt_hms(float(r["end_s"])), f"{float(r['duration_s']):.1f}",
+               str(r.get("reason"))] for r in rows]
     total = float(qu.get("unreadable_s") or sum(float(r["duration_s"]) for r in rows))
     note = f"{n:,} stretch(es), {total:,.1f} s ({fmt_hms(total)}) in all"
     if n > len(rows):

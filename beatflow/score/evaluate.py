@@ -195,7 +195,8 @@ def _det_dict(det: Detection) -> dict:
     return {"tp": det.tp, "fp": det.fp, "fn": det.fn, "se": det.se, "ppv": det.ppv, "f1": det.f1}
 
 
-def detection_summary(peaks_of: dict, seconds_of: dict, records: list[Record], unreadable_of: dict | None = None) -> dict:
+def detection_summary(peaks_of: dict, seconds_of: dict, records: list[Record],
+                      unreadable_of: dict | None = None) -> dict:
     """Gross and per-record detection (plus gross with VF episodes excluded) of one detector; with
     ``unreadable_of`` (record name -> seconds its detection left out as unreadable), those seconds too."""
     per, gross, gross_vf = {}, Detection(0, 0, 0), Detection(0, 0, 0)
@@ -601,7 +602,8 @@ def summary_text(res: dict) -> str:
         lines.append(f"  {name:<28} {_pct(d['se'])}  {_pct(d['ppv'])}  {_pct(d['f1'])}  {d['s_per_record']:8.3f}"
                      f"       {_pct(v['se'])} {_pct(v['ppv'])}")
     if res["detection"].get("unreadable_s") is not None:
-        lines.append(f"  beatflow left out {res['detection']['unreadable_s']:.0f} s as unreadable (beatflow.detect.quality)")
+        lines.append(f"  beatflow left out {res['detection']['unreadable_s']:.0f} s as unreadable "
+                     "(beatflow.detect.quality)")
     for title, key, bkey in (("kept beats", "anomaly", "baselines"),
                              ("all detected beats", "anomaly_all_beats", "baselines_all_beats")):
         if key not in res:
