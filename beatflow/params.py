@@ -220,6 +220,86 @@ class SegmentSamples:
     vf_highpass: int = 151  # moving-mean length of the high-pass (odd)
 
 
+# ---- signal quality (beatflow.detect.quality) -----------------------------------------------------
+
+@dataclass(frozen=True)
+class QualityParams:
+    """What makes a stretch of the recording unreadable (:mod:`beatflow.detect.quality`; seconds
+    unless noted).
+
+    Attributes
+    ----------
+    window_s : float
+        The signal is judged in windows of this length, aligned to the recording (window ``k`` covers
+        its samples ``[k·W, (k+1)·W)``).
+    min_windows : int
+        An unreadable episode is at least this many consecutive unreadable windows.
+    flat_levels : float
+        A window is *flat* (lead-off, a flat line) when its range is at most this many of its
+        quantisation steps (its smallest nonzero change from one sample to the next; a constant
+        window has none and is flat).
+    saturated_share : float
+        A window is *saturated* (clipped at the converter's rails) when at least this share of its
+        samples sit exactly at its largest or at its smallest value.
+    noise_kurtosis, noise_hf_share : float
+        A window is *noise* when the kurtosis of its high-passed samples is below ``noise_kurtosis``
+        (QRS complexes make an ECG's distribution peaked: white noise has 3, uniform noise 1.8) and
+        at least ``noise_hf_share`` of their energy lies above ``hf_cutoff_hz`` (an ECG's energy is
+        below 40 Hz; a smooth wave, such as ventricular flutter, has none there either).
+    highpass_s : float
+        The high-pass of those measures: the signal minus its moving mean over this time.
+    hf_cutoff_hz : float
+        The half-power frequency of the Gaussian low-pass whose residue is the high-frequency part
+        (at most ``fs / 6``, so that low sampling rates keep a high band).
+    """
+
+    window_s: float = 4.0
+    min_windows: int = 1
+    flat_levels: float = 8.0
+    saturated_share: float = 0.5
+    noise_kurtosis: float = 5.0
+    noise_hf_share: float = 0.2
+    highpass_s: float = 0.6
+    hf_cutoff_hz: float = 40.0
+
+    def samples(self, fs: float) -> "QualitySamples":
+        """These parameters at sampling rate ``fs``."""
+        if not fs > 0:
+            raise ValueError(f"sampling rate must be positive, got {fs}")
+        window = max(2, int(round(self.window_s * fs)))
+        runs = max(1, int(self.min_windows))
+        highpass = 2 * (max(1, int(round(self.highpass_s * fs))) // 2) + 1
+        cutoff = min(float(self.hf_cutoff_hz), fs / 6.0)
+        sigma = math.sqrt(math.log(2.0)) / (2.0 * math.pi * cutoff) * fs  # |H(cutoff)|^2 = 1/2
+        # a window's decision reads its own samples and the filters' radius around them; an episode's
+        # run reaches (runs - 1) windows to either side
+        halo = runs * window + highpass // 2 + int(math.ceil(4.0 * sigma)) + 2
+        return QualitySamples(window=window, runs=runs, flat_levels=float(self.flat_levels),
+                              saturated=float(self.saturated_share), kurtosis=float(self.noise_kurtosis),
+                              hf_share=float(self.noise_hf_share), highpass=highpass, hf_sigma=sigma,
+                              halo=int(halo))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class QualitySamples:
+    """:class:`QualityParams` at one sampling rate (``window``, ``highpass``, ``halo``: samples;
+    ``hf_sigma``: the low-pass's σ in samples; ``halo``: what a partition needs of each neighbour
+    for its windows' decisions, within :class:`SegmentSamples`'s ``halo``)."""
+
+    window: int
+    runs: int
+    flat_levels: float
+    saturated: float
+    kurtosis: float
+    hf_share: float
+    highpass: int
+    hf_sigma: float
+    halo: int
+
+
 # ---- training (beatflow.model.vae) ---------------------------------------------------------------
 
 #: fraction of the beat matrix :func:`beatflow.model.train.train_vae` trains on (after a seeded shuffle); the rest

@@ -412,3 +412,34 @@ def beat_timing(peaks, at, fs: float, k: int, m: int) -> list[dict]:
         out.append({"rr_prev_s": prev, "rr_next_s": nxt, "local_rr_s": local, "irregularity": irr,
                     "prematurity": 1 - prev / local, "pause": nxt / local})
     return out
+
+def quality_features(x, first: int, q):
+    """The signal quality's window measures (:func:`beatflow.detect.quality.window_features`) as loops:
+    per stream-aligned window, over its samples inside ``x``, the high-pass (minus the mean of the
+    ``q.highpass`` samples around, ends repeated) and the Gaussian low-pass's residue computed sample by
+    sample."""
+    x = np.asarray(x, np.float64)
+    n, W, hp = x.shape[0], q.window, q.highpass
+    r = max(1, int(math.ceil(4.0 * q.hf_sigma)))
+    g = [math.exp(-0.5 * (t / q.hf_sigma) ** 2) for t in range(-r, r + 1)]
+    g = [v / sum(g) for v in g]
+    at = lambda i: float(x[min(max(i, 0), n - 1)])  # noqa: E731
+    w0 = first // W
+    nw = -(-(first - w0 * W + n) // W)
+    out = [np.zeros(nw) for _ in range(4)]
+    for k in range(nw):
+        idx = [i for i in range((w0 + k) * W - first, (w0 + k + 1) * W - first) if 0 <= i < n]
+        v = [at(i) for i in idx]
+        h = [at(i) - sum(at(i + j) for j in range(-(hp // 2), hp // 2 + 1)) / hp for i in idx]
+        f = [at(i) - sum(g[j + r] * at(i + j) for j in range(-r, r + 1)) for i in idx]
+        hi, lo, m = max(v), min(v), len(v)
+        steps = [abs(b - a) for a, b in zip(v[:-1], v[1:]) if b != a]
+        out[0][k] = (hi - lo) / min(steps) if steps else 0.0
+        out[1][k] = (sum(1 for u in v if u == hi) + sum(1 for u in v if u == lo)) / m
+        mean = sum(h) / m
+        m2 = sum((u - mean) ** 2 for u in h)
+        m4 = sum((u - mean) ** 4 for u in h)
+        out[2][k] = m * m4 / (m2 * m2) if m2 > 0 else 0.0
+        e_high = sum(u * u for u in h)
+        out[3][k] = sum(u * u for u in f) / e_high if e_high > 0 else 0.0
+    return (*out, w0)

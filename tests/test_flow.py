@@ -210,7 +210,7 @@ def test_cli_second_lead_on_mitbih_207(prefect_server, mitdb, tmp_path):
     ("heartbeats\n" + "0.1\n" * 3000 + "nan\n" + "0.2\n" * 300, "line 3002: non-finite or missing value 'nan'"),
     ("heartbeats\n" + "0.1\n" * 3000 + "1e300\n" + "0.2\n" * 300, "line 3002: "),
     ("heartbeats\n" + "0.1\n" * 3000 + "1,5\n" + "0.2\n" * 300, "line 3002: "),
-    ("heartbeats\n" + "0.5\n" * 20000, "no heartbeats found"),
+    ("heartbeats\n" + "0.5\n" * 20000, "no ECG found: the whole recording is unreadable (flat)"),
     ("heartbeats\n" + "0.5\n" * 100, "100 samples is too short for a beat"),
     ("heartbeats\n0.1\n0.2\n0.3\n", "3 samples is too short for a beat"),
 ])
@@ -228,6 +228,44 @@ def test_cli_bad_input_inside_the_flow(prefect_server, tmp_path, content, messag
     log = Path(r.stderr.rsplit("(details: ", 1)[1].rstrip(")\n"))
     assert log.exists() and "Traceback" in log.read_text()
     assert sorted(q.name for q in tmp_path.iterdir()) == ["in.csv"]  # no --out, no .partial folder
+
+
+def test_cli_pure_noise_is_no_ecg(prefect_server, tmp_path):
+    """Ten minutes of white noise (a .npy at 250 Hz): one line, exit 2, no output folder; the detector
+    alone finds hundreds of "beats" in it, the signal quality calls all of it unreadable."""
+    p = tmp_path / "noise.npy"
+    np.save(p, np.random.default_rng(0).normal(0.0, 1.0, 150_000).astype(np.float32))
+    out = tmp_path / "out"
+    r = run_cli(["run", "--input", p, "--fs", "250", "--device", "cpu", "--workers", "2", "--partitions", "3",
+                 "--out", out], prefect_server)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert f"{p}: no ECG found: the whole recording is unreadable (noise)" in r.stderr, r.stderr
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["noise.npy"]
+
+
+def test_flow_lists_an_unreadable_stretch(harness, tmp_path):
+    """Noise in the middle of an ECG: the stretch is listed (quality.csv, the summary, the report) and
+    no beats are detected in it."""
+    from beatflow.io.synth import synthesize_ecg
+
+    syn = synthesize_ecg(hours=0.07, seed=2)
+    x = syn.signal.copy()
+    a, b = int(100 * 250), int(130 * 250)
+    x[a:b] = np.random.default_rng(0).normal(0.0, 0.5, b - a).astype(np.float32)
+    p = tmp_path / "ecg.npy"
+    np.save(p, x)
+    out = tmp_path / "run"
+    summary = run_flow(out, input=str(p), fs=250.0, epochs=2, partitions=3)
+    qc = pd.read_csv(out / "quality.csv")
+    assert list(qc.columns) == ["recording", "start_s", "end_s", "duration_s", "reason"]
+    assert len(qc) == 1 and qc["reason"].iloc[0] == "noise"
+    start, end = float(qc["start_s"].iloc[0]), float(qc["end_s"].iloc[0])
+    assert 96 <= start <= 100 and 126 <= end <= 134  # whole windows of 4 s: one half noise may be read
+    assert summary["quality"]["episodes"] == 1 and summary["quality"]["unreadable_s"] == end - start
+    peaks = pd.read_parquet(out / "anomalies.parquet")["peak"].to_numpy()
+    assert not ((peaks >= start * 250) & (peaks < end * 250)).any()
+    assert "Unreadable stretches" in (out / "report.html").read_text()
 
 
 @pytest.mark.parametrize("setup,args,message", [

@@ -746,3 +746,29 @@ def test_drawn_ticks_are_the_ticks_matplotlib_draws(seed):
             assert y0 >= box.y1 and (x0 >= box.x1 if right else x1 <= box.x0)
     for a, b in ((rax.xaxis.label, ax.xaxis.label), (rax.yaxis.label, ax.yaxis.label)):
         np.testing.assert_allclose(b.get_window_extent(r2).get_points(), a.get_window_extent(r1).get_points(), atol=2)
+
+
+def test_report_lists_and_shades_the_unreadable_stretches(tmp_path):
+    """The unreadable stretches (quality.csv's first rows, the summary's totals): a card, a table, and
+    bands on the stream figure; none: neither the table nor the bands."""
+    import dataclasses
+
+    import pandas as pd
+
+    from beatflow.report.data import N_UNREADABLE, quality_summary, unreadable_view
+    from beatflow.report.figures import FIGURES
+
+    d = _fake_data()
+    table = pd.DataFrame([("rec", 40.0 + 8 * k, 44.0 + 8 * k, 4.0, "noise" if k % 2 else "flat") for k in range(30)],
+                         columns=["recording", "start_s", "end_s", "duration_s", "reason"])
+    view = unreadable_view(table, ["rec"], [0.0])
+    assert len(view["unreadable_spans_s"]) == 30 and len(view["unreadable_rows"]) == N_UNREADABLE
+    shaded = dataclasses.replace(d, summary={**d.summary, "quality": quality_summary(table)}, **view)
+    assert shaded.summary["quality"] == {"unreadable_s": 120.0, "episodes": 30, "by_reason_s": {"flat": 60.0,
+                                                                                               "noise": 60.0}}
+    write_report(tmp_path / "a.html", shaded)
+    doc = (tmp_path / "a.html").read_text()
+    assert "Unreadable stretches" in doc and "30 stretch(es), 120.0 s" in doc and "quality.csv has them all" in doc
+    assert FIGURES["stream"](shaded) != FIGURES["stream"](d)  # the bands are drawn
+    write_report(tmp_path / "b.html", d)
+    assert "Unreadable stretches" not in (tmp_path / "b.html").read_text()

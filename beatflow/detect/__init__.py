@@ -17,13 +17,13 @@ references of ``tests/naive.py``. (The CPU's module is imported on first use: it
 """
 from __future__ import annotations
 
-from beatflow.detect import leads, peaks, rhythm
+from beatflow.detect import leads, peaks, quality, rhythm
 from beatflow.detect.leads import SecondLeadParams, SecondLeadSamples
 from beatflow.device import is_device_array
-from beatflow.params import SegmentSamples
+from beatflow.params import QualitySamples, SegmentSamples
 
 __all__ = ["detect_peaks", "detect_beats", "qrs_envelope", "local_maxima", "steepest_at", "window_features",
-           "lead_windows", "flutter_keep", "peak_measures", "second_lead_keep", "second_lead_peaks",
+           "lead_windows", "quality_features", "quality_rule", "flutter_keep", "peak_measures", "second_lead_keep", "second_lead_peaks",
            "SecondLeadParams", "SecondLeadSamples"]
 
 
@@ -82,6 +82,21 @@ def lead_windows(x, first: int, s: SegmentSamples):
     if _on_cpu(x):
         return _cpu().lead_windows_cpu(x, first, s)
     return leads.lead_windows_xp(x, first, s)
+
+
+def quality_features(x, first: int, q: QualitySamples):
+    """The signal quality's window measures (:func:`beatflow.detect.quality.window_features`): on the
+    CPU one loop per window (:func:`beatflow.detect.cpu.quality_features_cpu`), on CuPy the array code."""
+    if _on_cpu(x):
+        return _cpu().quality_features_cpu(x, first, q)
+    return quality.window_features(x, first, q)
+
+
+def quality_rule(x, peaks, first: int, q: QualitySamples, span: tuple[int, int] | None = None):
+    """The peaks outside the unreadable stretches, and those stretches with their reasons:
+    ``(keep, spans, reasons)`` (:func:`beatflow.detect.quality.quality_rule`, with
+    :func:`quality_features`)."""
+    return quality.quality_rule(x, peaks, first, q, span, features=quality_features)
 
 
 #: the steps of the detection's references, each choosing by its input's device

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from beatflow.detect import detect_beats, flutter_keep, peak_measures
+from beatflow.detect import detect_beats, flutter_keep, peak_measures, quality_rule
 from beatflow.detect.leads import doubtful, misplaced
 from beatflow.device import namespace_of, to_host
 from beatflow.embed import embed
@@ -67,7 +67,7 @@ def extend(core, left, right):
 
 
 def segment_partition(core, left, right, first: int, s: SegmentSamples, *, episodes: bool = False, second=None,
-                      q=None, n_total: int | None = None):
+                      q=None, n_total: int | None = None, quality=None):
     """Peaks (global sample indices in the recording) whose position lies in this partition's core;
     with ``episodes``, also the ventricular flutter/fibrillation episodes within the core
     (``[start, end)`` ranges, :func:`beatflow.detect.detect_beats`).
@@ -77,19 +77,30 @@ def segment_partition(core, left, right, first: int, s: SegmentSamples, *, episo
     ``(peaks, episodes, measures)``, the peaks outside the flutter episodes of either lead, those
     episodes, and the peaks' measures (:func:`beatflow.detect.peak_measures`) for rules 2 and 3, which
     compare each peak with its neighbours and so run once the partitions' peaks are gathered
-    (:func:`second_lead_gathered`)."""
+    (:func:`second_lead_gathered`).
+
+    With ``quality`` (:class:`beatflow.params.QualitySamples`; the halos at least its ``halo``), the
+    peaks inside unreadable stretches are dropped (:func:`beatflow.detect.quality_rule`, on the first
+    lead) and the result gains a last element, ``(spans, reasons)``: those stretches within the core
+    (the result is then a tuple even without ``episodes``)."""
     x = extend(core, left, right)
     x_first, span = first - left.shape[0], (first, first + core.shape[0])
     peaks, eps = detect_beats(x, s, first=x_first, core=span)
+    unreadable = ()
+    if quality is not None:
+        keep, spans, reasons = quality_rule(x, peaks, x_first, quality, span)
+        peaks, unreadable = peaks[keep], ((spans, reasons),)
     if second is None:
-        return (peaks, eps) if episodes else peaks
+        if quality is None:
+            return (peaks, eps) if episodes else peaks
+        return ((peaks, eps) if episodes else (peaks,)) + unreadable
     x1 = extend(*second)
     if x1.shape != x.shape:
         raise ValueError(f"the two leads' partitions differ in length ({x.shape[0]} and {x1.shape[0]} samples)")
     keep, both = flutter_keep(x, x1, peaks, x_first, s, q, span)
     if q.baseline > 0 and s.vf_baseline > 0:  # (the first lead's episodes lie within both leads')
         peaks, eps = peaks[keep], both
-    return peaks, eps, peak_measures(x, x1, peaks, x_first, int(n_total), s, q)
+    return (peaks, eps, peak_measures(x, x1, peaks, x_first, int(n_total), s, q)) + unreadable
 
 
 def second_lead_gathered(specs: list[PartitionSpec], peaks: list, measures: list, q, s: SegmentSamples):

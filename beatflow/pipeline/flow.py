@@ -30,7 +30,8 @@ from beatflow.embed.partitions import (BeatPlan, assemble_halos, peaks_by_record
                                        second_lead_gathered)
 from beatflow.errors import InputError
 from beatflow.io.sources import Source, open_second_lead, open_source
-from beatflow.params import DEFAULT_FS, TRAIN_FRACTION, SegmentParams, SegmentSamples, compile_pays
+from beatflow.params import (DEFAULT_FS, TRAIN_FRACTION, QualityParams, QualitySamples, SegmentParams, SegmentSamples,
+                             compile_pays)
 from beatflow.pipeline import stages as T
 from beatflow.pipeline.caching import cached, code_version, input_digest, token
 from beatflow.pipeline.cluster import prepare_cluster, run_on_workers
@@ -172,6 +173,7 @@ class _Loaded:
     fs: float
     s: SegmentSamples
     q: Any  # the second lead's rules in samples (None with one lead)
+    quality: QualitySamples  # the signal quality's rule (beatflow.detect.quality)
     specs: list
     parts: list
     lengths: list
@@ -197,6 +199,7 @@ class _Segmented:
     pruned: float
     episodes: Any  # the flutter episodes' table (rhythm_episodes.csv)
     second_lead: dict | None  # what the second lead changed (summary.json)
+    unreadable: Any  # the unreadable stretches' table (quality.csv)
 
 
 @dataclass
@@ -245,11 +248,14 @@ def _load(run: _Run) -> _Loaded:
     fs = source.fs
     s = SegmentParams().samples(fs)
     q = SecondLeadParams().samples(fs) if second is not None else None
+    quality = QualityParams().samples(fs)
+    if quality.halo > s.halo:  # (the quality windows' decisions must fit in the detection's halo)
+        raise ValueError(f"the quality rule needs a halo of {quality.halo} samples, the detection's is {s.halo}")
     base_token = None
     if o.cache:
         digest = (token("synthetic", o.hours, fs, o.seed, code_version()) if truth_path
                   else input_digest(input))
-        base_token = token(digest, o.column, fs, o.lead, s, code_version(),
+        base_token = token(digest, o.column, fs, o.lead, s, quality, code_version(),
                            *((o.confirm, q) if second is not None else ()))
         log.info("cache: %s (input %s)", o.cache, digest[:12])
     specs = source.plan(o.partitions or 2 * max(1, run.workers))
@@ -286,8 +292,8 @@ def _load(run: _Run) -> _Loaded:
                                 [rec_offset[sp.recording] + firsts[k] for k, sp in enumerate(specs)],
                                 name="stream-overview", total=total, ncols=N_COLUMNS)
     run.sw.lap("load")
-    return _Loaded(source, second, fs, s, q, specs, parts, lengths, lefts, rights, firsts, second_parts, n_samples,
-                   total, rec_offset, overview, truth_path, base_token)
+    return _Loaded(source, second, fs, s, q, quality, specs, parts, lengths, lefts, rights, firsts, second_parts,
+                   n_samples, total, rec_offset, overview, truth_path, base_token)
 
 
 def _segment(run: _Run, ld: _Loaded) -> _Segmented:
@@ -298,7 +304,7 @@ def _segment(run: _Run, ld: _Loaded) -> _Segmented:
                                                   for k, sp in enumerate(specs)]) if o.cache else None)
     n_totals = [ld.n_samples[sp.recording] for sp in specs]
     segmented = cached(T.segment, o.cache)(ld.parts, ld.lefts, ld.rights, ld.firsts, s, cache_token=seg_token,
-                                           second=ld.second_parts, n_totals=n_totals, q=ld.q)
+                                           second=ld.second_parts, n_totals=n_totals, q=ld.q, quality=ld.quality)
     peaks = [r[0] for r in segmented]
     second_lead = None
     if ld.second is not None:  # rules 2 and 3 compare each peak with its neighbours: over the gathered peaks
@@ -314,8 +320,20 @@ def _segment(run: _Run, ld: _Loaded) -> _Segmented:
     if len(episodes):
         log.warning("ventricular flutter/fibrillation: %d episode(s), %.1f s in all (rhythm_episodes.csv); "
                     "their waves are not counted as beats", len(episodes), float(episodes["duration_s"].sum()))
+    unreadable = R.unreadable_episodes(specs, [r[-1] for r in segmented], ld.source, ld.fs)
+    unreadable.to_csv(run.work / "quality.csv", index=False)
+    if len(unreadable):
+        log.warning("signal quality: %d unreadable stretch(es), %.1f s in all (%s; quality.csv); no beats are "
+                    "detected there", len(unreadable), float(unreadable["duration_s"].sum()),
+                    ", ".join(f"{r} {v:.1f} s" for r, v in R.quality_summary(unreadable)["by_reason_s"].items()))
     if plan.n_detected == 0:
-        raise InputError(f"{ld.source.path}: no heartbeats found (flat line or no QRS-like peaks)")
+        total_s = ld.total / ld.fs
+        bad_s = float(unreadable["duration_s"].sum())
+        if bad_s >= total_s - 1e-9:
+            why = ", ".join(sorted(set(unreadable["reason"])))
+            raise InputError(f"{ld.source.path}: no ECG found: the whole recording is unreadable ({why})")
+        raise InputError(f"{ld.source.path}: no heartbeats found (flat line or no QRS-like peaks"
+                         + (f"; {bad_s:.0f} of {total_s:.0f} s unreadable" if bad_s > 0 else "") + ")")
     if plan.n_kept < 64:
         raise InputError(f"{ld.source.path}: only {plan.n_kept} beats of plausible length "
                          f"(at least {s.lower} samples): too few to learn from")
@@ -329,7 +347,7 @@ def _segment(run: _Run, ld: _Loaded) -> _Segmented:
     run.drawn.update(run.figures.draw(SimpleNamespace(fs=ld.fs, length_hist_counts=counts, length_hist_edges=edges,
                                                       length_bounds=(s.lower, s.upper)), ("lengths",)))
     run.sw.lap("segment")
-    return _Segmented(peaks, plan, kb, pruned, episodes, second_lead)
+    return _Segmented(peaks, plan, kb, pruned, episodes, second_lead, unreadable)
 
 
 def _embed(run: _Run, ld: _Loaded, seg: _Segmented) -> list:
@@ -451,6 +469,8 @@ def _score(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list, trained: dic
     ph.lap("context")
     view = R.scored_view(fs, ld.total, plan, trained, scores, mu, threshold, flagged_mask, T.gather(ld.overview),
                          per_kept, kb, ld.rec_offset, names, classes)
+    view.update(R.unreadable_view(seg.unreadable, [r.name for r in ld.source.recordings],
+                                  [ld.rec_offset[r] / fs for r in range(len(ld.source.recordings))]))
     run.drawn.update(figures.draw(SimpleNamespace(**view), LATE_FIGURES))
     ph.lap("figures_started")
     table = anomaly_table(kb, plan.recording[kb], plan.peak[kb], plan.start[kb], plan.length[kb], scores, fs,
@@ -483,7 +503,7 @@ def _report(run: _Run, ld: _Loaded, seg: _Segmented, trained: dict, engine: dict
     artifacts. Returns the summary."""
     o, ph = run.opts, _Stopwatch(4)
     summary = R.run_summary(ld.source, ld.fs, ld.total, seg.plan, seg.pruned, trained, engine, sc.flagged,
-                            sc.threshold, o.device, run.workers, ld.specs, sc.truth, seg.episodes)
+                            sc.threshold, o.device, run.workers, ld.specs, sc.truth, seg.episodes, seg.unreadable)
     summary["per_recording"] = R.per_recording(ld.source, ld.fs, ld.n_samples, seg.plan.recording[seg.kb],
                                                sc.flagged_mask, sc.classes)
     summary["classes"] = class_summary(sc.classes, seg.plan.recording[seg.kb])

@@ -133,23 +133,30 @@ def partition_edges(core, stash: str | None = None, *, halo: int):
 
 
 def segment_partition(core, left, right, first: int, core2=None, left2=None, right2=None, n_total: int | None = None,
-                      *, s: SegmentSamples, q=None):
+                      *, s: SegmentSamples, q=None, quality=None):
     """Peaks of one partition (QRS envelope, non-maximum suppression, local thresholds; see beatflow.detect.peaks)
     and the ventricular flutter/fibrillation episodes in its core: ``(peaks, episodes)``, host arrays.
     With a second lead's partition (``core2``, its halos; ``q``: its rules, ``n_total``: the
     recording's length) also the peaks' measures for the second lead's rules 2 and 3:
     ``(peaks, episodes, measures)`` (:func:`beatflow.embed.partitions.segment_partition`,
-    :func:`beatflow.detect.leads.peak_measures`)."""
+    :func:`beatflow.detect.leads.peak_measures`). With ``quality`` (:class:`beatflow.params.QualitySamples`)
+    the peaks in unreadable stretches are dropped and the result gains a last element, the
+    stretches in the core and their reasons (:mod:`beatflow.detect.quality`)."""
     xp = namespace(_device_of(core))
     with device_memory(f"segmenting a partition of {core.shape[0]:,} samples", core.nbytes, xp is not np):
         if core2 is None:
-            peaks, episodes = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, s,
-                                                  episodes=True)
-            return to_host(peaks), to_host(episodes)
-        second = (to_namespace(core2, xp), to_namespace(left2, xp), to_namespace(right2, xp))
-        peaks, episodes, measures = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first,
-                                                        s, episodes=True, second=second, q=q, n_total=n_total)
-    return to_host(peaks), to_host(episodes), tuple(to_host(m) for m in measures)
+            out = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, s,
+                                      episodes=True, quality=quality)
+        else:
+            second = (to_namespace(core2, xp), to_namespace(left2, xp), to_namespace(right2, xp))
+            out = P.segment_partition(core, to_namespace(left, xp), to_namespace(right, xp), first, s,
+                                      episodes=True, second=second, q=q, n_total=n_total, quality=quality)
+    host = [to_host(out[0]), to_host(out[1])]
+    if core2 is not None:
+        host.append(tuple(to_host(m) for m in out[2]))
+    if quality is not None:
+        host.append(tuple(to_host(v) for v in out[-1]))
+    return tuple(host)
 
 
 def embed_partition(core, left, right, first: int, start, length, s: SegmentSamples):
@@ -294,15 +301,17 @@ def _holders(futures) -> set:
 @partition_task(name="segment")
 def segment(parts: list, lefts: list, rights: list, firsts: list, s: SegmentSamples,
             cache_token: str | None = None, second: tuple | None = None, n_totals: list | None = None,
-            q=None) -> list:
+            q=None, quality=None) -> list:
     """Peaks and flutter episodes of every partition (:func:`segment_partition`), host arrays.
     ``cache_token`` keys the persisted result where the flow caches (``beatflow.pipeline.caching.cached``).
     ``second``: the second lead's ``(parts, lefts, rights)``, with ``n_totals`` (each partition's
-    recording length) and its rules ``q``: then each result also holds the peaks' measures."""
+    recording length) and its rules ``q``: then each result also holds the peaks' measures.
+    ``quality``: the signal quality's rule (each result ends with its unreadable stretches)."""
     if second is None:
-        return gather(map_partitions(segment_partition, parts, lefts, rights, firsts, name="segment-partition", s=s))
+        return gather(map_partitions(segment_partition, parts, lefts, rights, firsts, name="segment-partition", s=s,
+                                     quality=quality))
     return gather(map_partitions(segment_partition, parts, lefts, rights, firsts, *second, n_totals,
-                                 name="segment-partition", s=s, q=q))
+                                 name="segment-partition", s=s, q=q, quality=quality))
 
 
 @partition_task(name="embed")

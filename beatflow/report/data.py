@@ -17,6 +17,8 @@ from beatflow.score.classes import class_summary
 N_COLUMNS = 4000
 #: the report's top anomalies
 N_TOP = 12
+#: the unreadable stretches listed in the report (quality.csv has them all)
+N_UNREADABLE = 20
 
 
 def flutter_episodes(specs, per_partition, source, fs: float) -> pd.DataFrame:
@@ -32,8 +34,29 @@ def flutter_episodes(specs, per_partition, source, fs: float) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["recording", "start_s", "end_s", "duration_s"])
 
 
+def unreadable_episodes(specs, per_partition, source, fs: float) -> pd.DataFrame:
+    """The unreadable stretches of every recording (:mod:`beatflow.detect.quality`; ``per_partition``:
+    each partition's ``(spans, reasons)``, ranges of one reason across partitions joined), as a table:
+    recording, start_s, end_s, duration_s, reason (quality.csv)."""
+    from beatflow.detect.quality import REASONS, merge_episodes
+
+    rows = []
+    for rec in sorted({sp.recording for sp in specs}):
+        idx = [k for k, sp in enumerate(specs) if sp.recording == rec]
+        spans, reasons = merge_episodes([per_partition[k][0] for k in idx], [per_partition[k][1] for k in idx])
+        for (a, b), r in zip(spans, reasons):
+            rows.append((source.recordings[rec].name, a / fs, b / fs, (b - a) / fs, REASONS[int(r)]))
+    return pd.DataFrame(rows, columns=["recording", "start_s", "end_s", "duration_s", "reason"])
+
+
+def quality_summary(unreadable: pd.DataFrame) -> dict:
+    """``summary.json["quality"]``: the unreadable seconds and stretches in all, and the seconds by reason."""
+    return {"unreadable_s": float(unreadable["duration_s"].sum()), "episodes": int(len(unreadable)),
+            "by_reason_s": {str(r): float(v) for r, v in unreadable.groupby("reason")["duration_s"].sum().items()}}
+
+
 def run_summary(source, fs, total, plan, pruned, trained, engine, flagged, threshold, device, workers, specs,
-                truth, episodes) -> dict:
+                truth, episodes, unreadable=None) -> dict:
     """``summary.json``'s fields that the stages' results decide (the flow adds the rest: per recording,
     second lead, workers, timings, transfers)."""
     prof = engine.get("profile") or {}
@@ -43,6 +66,7 @@ def run_summary(source, fs, total, plan, pruned, trained, engine, flagged, thres
         "beats_kept": plan.n_kept, "pruned_fraction": pruned, "train_loss": trained["train_loss"],
         "test_loss": trained["test_loss"], "train_seconds": trained["seconds"], "anomalies_flagged": flagged,
         "flutter_episodes": {"count": int(len(episodes)), "seconds": float(episodes["duration_s"].sum())},
+        "quality": quality_summary(unreadable if unreadable is not None else unreadable_episodes([], [], source, fs)),
         "training": {"precision": trained.get("precision", "fp32"), "compiled": trained.get("compiled", False),
                      "cuda_graphs": trained.get("cuda_graphs", False),
                      "graphs_kept": trained.get("graphs_kept", False), "kernel": trained.get("kernel", False),
@@ -197,11 +221,24 @@ def missing_context(plan, kb, rows, ctx, fs: float) -> dict:
             need.setdefault(k, []).append((start - pad, start + length + pad))
     return need
 
+def unreadable_view(unreadable: pd.DataFrame | None, names, starts_s) -> dict:
+    """The report's fields of the unreadable stretches: every stretch as ``(start_s, end_s)`` on the
+    stream's time axis (``names``, ``starts_s``: the recordings and where each starts on it), the first
+    :data:`N_UNREADABLE` rows of the table as dicts."""
+    if unreadable is None or not len(unreadable):
+        return {"unreadable_spans_s": [], "unreadable_rows": []}
+    at = {str(n): float(a) for n, a in zip(names, starts_s)}
+    off = unreadable["recording"].astype(str).map(lambda n: at.get(n, 0.0)).to_numpy(np.float64)
+    spans = np.stack([unreadable["start_s"].to_numpy(np.float64) + off,
+                      unreadable["end_s"].to_numpy(np.float64) + off], axis=1)
+    return {"unreadable_spans_s": spans.tolist(),
+            "unreadable_rows": unreadable.head(N_UNREADABLE).to_dict("records")}
+
 
 def report_data(source, s, plan, trained, top, summary, truth, view: dict):
-    """The report's :class:`~beatflow.report.figures.ReportData`: ``view`` (:func:`scored_view`), the beat
-    lengths' histogram (``s``: the segmentation's samples), the training's rows and losses, the ``top``
-    anomalies (:func:`top_list`) and the ``summary``."""
+    """The report's :class:`~beatflow.report.figures.ReportData`: ``view`` (:func:`scored_view`, with
+    :func:`unreadable_view`), the beat lengths' histogram (``s``: the segmentation's samples), the
+    training's rows and losses, the ``top`` anomalies (:func:`top_list`) and the ``summary``."""
     from beatflow.report.figures import ReportData
 
     counts, edges = length_histogram(plan, s)
@@ -240,6 +277,9 @@ def summary_markdown(summary: dict) -> str:
     if vf.get("count"):
         lines.append(f"| ventricular flutter/fibrillation | {vf['count']} episode(s), {vf['seconds']:.1f} s "
                      "(rhythm_episodes.csv) |")
+    qu = summary.get("quality") or {}
+    if qu.get("episodes"):
+        lines.append(f"| unreadable | {qu['episodes']} stretch(es), {qu['unreadable_s']:.1f} s (quality.csv) |")
     if "truth" in summary:
         t = summary["truth"]
         lines.append(f"| truth | Se {t['se']:.4f}, PPV {t['ppv']:.4f}, ROC-AUC {t['auc']:.4f} |")

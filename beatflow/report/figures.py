@@ -64,6 +64,11 @@ class ReportData:
     class_S: list = field(default_factory=list)
     artifacts: list = field(default_factory=list)
 
+    #: the unreadable stretches (:mod:`beatflow.detect.quality`): ``(start_s, end_s)`` on the stream's time
+    #: axis (shaded on the stream figure), and the first rows of quality.csv as dicts (the report's table)
+    unreadable_spans_s: list = field(default_factory=list)
+    unreadable_rows: list = field(default_factory=list)
+
 
 _DPI = 100
 #: Matplotlib settings the figures are drawn with (:func:`_with_rc`): glyphs drawn as their outlines,
@@ -79,6 +84,7 @@ _CLASS_NAMES = {"N": "N (normal)", "S": "S (supraventricular)", "V": "V (ventric
 _CLASS_COLOURS = {"N": "#9e9e9e", "S": "#2ca02c", "V": "#e6550d", "F": "#8c564b", "Q": "#17becf"}
 _ENVELOPE = "#1f5fa6"
 _FLAG = "#d62728"
+_UNREADABLE = "#ff9f1c"
 
 
 def fmt_hms(seconds: float, with_seconds: bool = True) -> str:
@@ -304,6 +310,10 @@ def _fig_stream(d: ReportData) -> str:
                 ax.text((a + b) / 2, 0.985, str(name)[:12], transform=ax.get_xaxis_transform(), ha="center",
                         va="top", fontsize=7 if len(names) <= 16 else 5.5, color="#222222",
                         bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.7, "pad": 0.8})
+    bad = np.asarray(getattr(d, "unreadable_spans_s", None) or [], dtype=np.float64).reshape(-1, 2) / 3600.0
+    if bad.shape[0]:  # the unreadable stretches, shaded: one collection however many there are
+        ax.broken_barh(list(zip(bad[:, 0], bad[:, 1] - bad[:, 0])), (0, 1), transform=ax.get_xaxis_transform(),
+                       facecolors=_UNREADABLE, edgecolors="none", alpha=0.35, zorder=0.5)
     _style(ax, xlabels=False)
     t = np.asarray(d.anomaly_times_s, dtype=np.float64).reshape(-1) / 3600.0
     if t.size:

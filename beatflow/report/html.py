@@ -23,6 +23,7 @@ __all__ = ["render_report_html", "write_report"]
 _CONSUMED = {
     "samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss", "anomalies_flagged",
     "device", "workers", "engine", "timings_s", "truth", "flutter_episodes", "per_recording", "classes",
+    "quality",
 }
 
 
@@ -72,6 +73,11 @@ def _summary_cards(d: ReportData) -> list[dict]:
     if isinstance(vf, dict):  # ventricular flutter/fibrillation: the waves are no beats (rhythm_episodes.csv)
         n = int(vf.get("count") or 0)
         cards.append(_card("VF / flutter episodes", f"{n} ({fmt_hms(float(vf.get('seconds') or 0))})" if n else "none",
+                           alert=n > 0))
+    qu = s.get("quality")
+    if isinstance(qu, dict):  # unreadable stretches: no beats are detected there (quality.csv)
+        n = int(qu.get("episodes") or 0)
+        cards.append(_card("unreadable", f"{n} ({fmt_hms(float(qu.get('unreadable_s') or 0))})" if n else "none",
                            alert=n > 0))
     sl = s.get("second_lead")
     if isinstance(sl, dict):  # a second lead checked the beats (beatflow.detect.leads)
@@ -129,6 +135,26 @@ def _classes(d: ReportData) -> dict | None:
                          total.get("v_runs") or {}, total.get("s_runs") or {}))
     return {"head": ["recording", "N", "S", "V", "V burden", "S burden", "V couplets / runs",
                      "S couplets / runs", "longest V run"], "rows": out}
+
+
+def _unreadable(d: ReportData) -> dict | None:
+    """The unreadable stretches' table (its first rows: ``d.unreadable_rows``) and the summary's totals,
+    or None where there are none."""
+    qu = (d.summary or {}).get("quality") or {}
+    rows = list(getattr(d, "unreadable_rows", None) or [])
+    n = int(qu.get("episodes") or len(rows))
+    if not n:
+        return None
+    several = len({str(r.get("recording")) for r in rows}) > 1 or len((d.summary or {}).get("recordings") or []) > 1
+    head = (["recording"] if several else []) + ["start", "end", "duration (s)", "reason"]
+    body = [([str(r.get("recording"))] if several else [])
+            + [fmt_hms(float(r["start_s"])), fmt_hms(float(r["end_s"])), f"{float(r['duration_s']):.1f}",
+               str(r.get("reason"))] for r in rows]
+    total = float(qu.get("unreadable_s") or sum(float(r["duration_s"]) for r in rows))
+    note = f"{n:,} stretch(es), {total:,.1f} s ({fmt_hms(total)}) in all"
+    if n > len(rows):
+        note += f"; the first {len(rows)} shown, quality.csv has them all"
+    return {"head": head, "rows": body, "note": note}
 
 
 def _timings(d: ReportData) -> dict | None:
@@ -250,6 +276,7 @@ def render_report_html(data: ReportData, figures: dict | None = None) -> str:
         engine=_engine(d),
         other=_other(d),
         recordings=_recordings(d),
+        unreadable=_unreadable(d),
         figures={name: fig(name) for name in ("stream", "lengths", "aligned", "training", "scores", "latent",
                                               "latent_truth", "latent_class", "class_V", "class_S", "artifacts")},
         classes=_classes(d),

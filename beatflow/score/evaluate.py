@@ -34,9 +34,9 @@ from beatflow.embed import embed
 from beatflow.embed.beats import beats_from_peaks, kept_mask, row_lengths
 from beatflow.errors import InputError
 from beatflow.score.metrics import TOLERANCE_S, Detection, match_beats, pr_auc, roc_auc
-from beatflow.params import SegmentParams
+from beatflow.params import QualityParams, SegmentParams
 from beatflow.score.rule import dominant_beat, input_scale, model_input, robust_threshold
-from beatflow.detect import detect_peaks
+from beatflow.detect import detect_peaks, quality_rule
 
 #: annotation symbols of beats (all of them are reference beats for detection)
 BEAT_SYMBOLS = "NLRBAaJSVrFejnE/fQ?"
@@ -214,20 +214,27 @@ def _det_dict(det: Detection) -> dict:
     return {"tp": det.tp, "fp": det.fp, "fn": det.fn, "se": det.se, "ppv": det.ppv, "f1": det.f1}
 
 
-def detection_summary(peaks_of: dict, seconds_of: dict, records: list[Record]) -> dict:
-    """Gross and per-record detection (plus gross with VF episodes excluded) of one detector."""
+def detection_summary(peaks_of: dict, seconds_of: dict, records: list[Record],
+                      unreadable_of: dict | None = None) -> dict:
+    """Gross and per-record detection (plus gross with VF episodes excluded) of one detector; with
+    ``unreadable_of`` (record name -> seconds its detection left out as unreadable), those seconds too."""
     per, gross, gross_vf = {}, Detection(0, 0, 0), Detection(0, 0, 0)
     for rec in records:
         d = detection_of(peaks_of[rec.name], rec)
         gross = gross + d
         gross_vf = gross_vf + detection_of(peaks_of[rec.name], rec, exclude_vf=True)
         per[rec.name] = {**_det_dict(d), "s": seconds_of[rec.name]}
+        if unreadable_of is not None:
+            per[rec.name]["unreadable_s"] = float(unreadable_of[rec.name])
     total_s = float(sum(seconds_of[r.name] for r in records))
     off = np.concatenate([offsets_ms(peaks_of[r.name], r) for r in records]) if records else np.zeros(0)
     jitter = float(np.median(np.abs(off))) if len(off) else float("nan")
-    return {**_det_dict(gross), "jitter_ms": jitter, "offset_ms": float(np.median(off)) if len(off) else None,
-            "jf": jf_score(gross.f1, jitter), "s_per_record": total_s / max(1, len(records)), "s_total": total_s,
-            "excluding_vf": _det_dict(gross_vf), "per_record": per}
+    out = {**_det_dict(gross), "jitter_ms": jitter, "offset_ms": float(np.median(off)) if len(off) else None,
+           "jf": jf_score(gross.f1, jitter), "s_per_record": total_s / max(1, len(records)), "s_total": total_s,
+           "excluding_vf": _det_dict(gross_vf), "per_record": per}
+    if unreadable_of is not None:
+        out["unreadable_s"] = float(sum(unreadable_of[r.name] for r in records))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,20 +245,24 @@ class RecordBeats:
     """Detection and beat rows of one record: the kept beats (as the pipeline scores them), and all
     detected beats (longer ones cut to the row)."""
 
-    peaks: np.ndarray  # all detected peaks
-    seconds: float  # time of detect_peaks (and of the second lead's check)
+    peaks: np.ndarray  # all detected peaks (outside the unreadable stretches)
+    seconds: float  # time of detect_peaks (and of the second lead's check, and of the quality rule)
     kept_peak: np.ndarray  # peaks of the kept beats (one per row)
     rows: np.ndarray  # (n, width) float32, not scaled
     p2p: np.ndarray  # (n,) peak-to-peak of each row
     label: np.ndarray  # AAMI class of each kept beat, "" if unmatched
     all_rows: np.ndarray  # (m, width): every beat of beats_from_peaks, cut to `upper` samples
     all_label: np.ndarray
+    unreadable: np.ndarray | None = None  # (k, 2) [start, end) samples left out as unreadable
+    unreadable_s: float = 0.0  # their seconds
 
 
-def record_beats(rec: Record, params: SegmentParams | None = None, second_params=None) -> RecordBeats:
+def record_beats(rec: Record, params: SegmentParams | None = None, second_params=None,
+                 quality: QualityParams | None = QualityParams()) -> RecordBeats:
     """Segment a record and embed its beats exactly as the pipeline does (no scaling yet); with a
     second lead (:attr:`Record.second`) the peaks are checked on it (:func:`beatflow.detect.leads.second_lead_peaks`,
-    ``second_params`` or the defaults).
+    ``second_params`` or the defaults); the peaks in unreadable stretches are dropped
+    (:func:`beatflow.detect.quality_rule` with ``quality``; None: not).
 
     The pipeline keeps beats of at least ``min_length_s``, a beat longer than ``max_length_s`` (a
     premature beat followed by a long compensatory pause) with its row cut to that length; with
@@ -265,6 +276,10 @@ def record_beats(rec: Record, params: SegmentParams | None = None, second_params
         from beatflow.detect import SecondLeadParams, second_lead_peaks
 
         peaks = second_lead_peaks(rec.signal, rec.second, peaks, rec.fs, s, second_params or SecondLeadParams())[0]
+    spans = np.zeros((0, 2), np.int64)
+    if quality is not None:
+        keep, spans, _ = quality_rule(rec.signal, peaks, 0, quality.samples(rec.fs))
+        peaks = peaks[keep]
     seconds = time.perf_counter() - t
     peak, start, length = beats_from_peaks(peaks, s, rec.signal.shape[0])
     kept = kept_mask(length, s)
@@ -272,7 +287,8 @@ def record_beats(rec: Record, params: SegmentParams | None = None, second_params
     rows, p2p = embed(rec.signal, start[kept], row_lengths(length[kept], s), s.width, baseline_samples=base)
     all_rows, _ = embed(rec.signal, start, row_lengths(length, s), s.width, baseline_samples=base)
     return RecordBeats(peaks, seconds, peak[kept], np.asarray(rows), np.asarray(p2p), beat_labels(peak[kept], rec),
-                       np.asarray(all_rows), beat_labels(peak, rec))
+                       np.asarray(all_rows), beat_labels(peak, rec), np.asarray(spans),
+                       float((spans[:, 1] - spans[:, 0]).sum()) / rec.fs)
 
 
 def beat_labels(peaks, rec: Record) -> np.ndarray:
@@ -476,7 +492,9 @@ def evaluate(train: list[Record], test: list[Record], *, epochs: int = 10, batch
         "tolerance_s": TOLERANCE_S,
         "params": (params or SegmentParams()).to_dict(),
         "detection": detection_summary({r.name: cache[r.name].peaks for r in test},
-                                       {r.name: cache[r.name].seconds for r in test}, test),
+                                       {r.name: cache[r.name].seconds for r in test}, test,
+                                       {r.name: cache[r.name].unreadable_s for r in test}),
+        "quality": QualityParams().to_dict(),
     }
 
     # anomaly ranking: the VAE is trained on the kept beats of the training records
@@ -636,6 +654,9 @@ def summary_text(res: dict) -> str:
         lines.append("classes (gross, kept beats matched to an AAMI beat)   Se %    +P %   reference  assigned")
         for c, m in res["classes"].items():
             lines.append(f"  {c:<52} {_pct(m['se'])}  {_pct(m['ppv'])}   {m['n']:9d}  {m['assigned']:8d}")
+    if res["detection"].get("unreadable_s") is not None:
+        lines.append(f"  beatflow left out {res['detection']['unreadable_s']:.0f} s as unreadable "
+                     "(beatflow.detect.quality)")
     for title, key, bkey in (("kept beats", "anomaly", "baselines"),
                              ("all detected beats", "anomaly_all_beats", "baselines_all_beats")):
         if key not in res:
