@@ -28,11 +28,11 @@ from beatflow.score.classes import ClassParams, assign, morphology, rhythm, temp
 from beatflow.score.evaluate import PACED_RECORDS, list_records, load_record, record_beats  # noqa: E402
 
 #: the thresholds searched, with the values tried
-GRID = {"v_dev": (0.2, 0.25, 0.3, 0.4), "v_z": (3.0,), "v_z_alone": (8.0,), "s_premature": (0.15,),
-        "s_irregular": (0.1, 0.15, 0.2, 0.3), "s_corr": (0.8, 0.85, 0.9), "s_spread": (0.0, 1.0, 2.0, 3.0),
-        "irregular_beats": (8, 16)}
+GRID = {"v_dev": (0.2, 0.25, 0.3, 0.4), "v_dev_z": (0.0, 1.0, 1.5, 2.0), "v_z": (3.0,), "v_z_alone": (8.0,),
+        "s_premature": (0.15,), "s_irregular": (0.2, 0.3), "s_corr": (0.7, 0.75, 0.8), "s_spread": (1.0, 2.0, 3.0),
+        "irregular_beats": (16,)}
 # (v_z 2/3/4, v_z_alone 5/8/off and s_premature 0.1/0.15/0.2 were searched with the others: every fold chose
-# 3, 8 and 0.15)
+# 3, 8 and 0.15; irregular_beats 8/16: every fold chose 16; s_irregular 0.1/0.15: no fold chose either)
 
 
 def features(stem: str) -> dict:

@@ -29,7 +29,7 @@ from common import markdown_table, print_header  # noqa: E402
 from beatflow.score.evaluate import PACED_RECORDS, evaluate, list_records, load_record  # noqa: E402
 from beatflow.score.metrics import Detection  # noqa: E402
 
-DETECTORS = ("beatflow", "neurokit2", "neurokit2_raw", "xqrs")
+DETECTORS = ("beatflow", "neurokit2", "neurokit2_raw", "xqrs", "sleepecg")
 SCORERS = ("beatflow", "isolation_forest", "ecod")
 
 
@@ -82,7 +82,7 @@ def per_record_table(results: list[dict]) -> str:
             peers = [r["peers"][p]["per_record"][rec] for p in DETECTORS[1:]]
             rows.append([rec, d["tp"] + d["fn"], d["fp"], d["fn"]] + [f"{p['fp']}/{p['fn']}" for p in peers])
     return markdown_table(["record", "beats", "beatflow FP", "beatflow FN", "neurokit2 FP/FN", "neurokit2_raw FP/FN",
-                           "xqrs FP/FN"], rows)
+                           "xqrs FP/FN", "sleepecg FP/FN"], rows)
 
 
 def anomaly_table(results: list[dict], labels: list[str], all_beats: bool = False) -> str:
@@ -95,6 +95,19 @@ def anomaly_table(results: list[dict], labels: list[str], all_beats: bool = Fals
                          f"{c['N']} / {c['S']} / {c['V']} / {c['F']}"))
     return markdown_table(["fold (test records)", "scorer", "V-vs-N ROC-AUC", "V-vs-N PR-AUC", "S-vs-N ROC-AUC",
                            "F-vs-N ROC-AUC", "N / S / V / F beats"], rows)
+
+
+def classes_table(results: list[dict]) -> str:
+    """The assigned classes' gross Se and +P over the folds' test records (the class rule has no training:
+    these are the defaults of ``beatflow.score.classes`` on every record; ``bench/classes_study.py`` judges
+    the rule's choice on records it was not chosen on)."""
+    rows = []
+    for c in ("N", "S", "V", "F"):
+        tp = sum(round((r["classes"][c]["se"] or 0) * r["classes"][c]["n"]) for r in results)
+        n = sum(r["classes"][c]["n"] for r in results)
+        got = sum(r["classes"][c]["assigned"] for r in results)
+        rows.append((c, n, got, tp, _f(tp / n if n else None, 1), _f(tp / got if got else None, 1)))
+    return markdown_table(["AAMI class", "reference beats", "assigned", "right", "Se %", "+P %"], rows)
 
 
 def coverage_table(results: list[dict]) -> str:
@@ -136,9 +149,13 @@ def report(results: list[dict], folds: list[list[str]], paced_res: dict | None, 
     n = sum(len(f) for f in folds)
     labels = [f"{k + 1} ({' '.join(f)})" for k, f in enumerate(folds)]
     lead = f"lead {args['lead']}" + (f", checked on lead {args['confirm_lead']}" if args.get("confirm_lead") is not None else "")
+    jit = [r["detection"]["jitter_ms"] for r in results if r["detection"].get("jitter_ms") is not None]
     out = [f"## MIT-BIH, {lead}: {len(folds)}-fold leave-records-out cross-validation "
            f"({n} non-paced records)",
-           "", detection_table(results, f"Detection, {n} non-paced records"), "", per_record_table(results), "",
+           "", detection_table(results, f"Detection, {n} non-paced records"), "",
+           f"Beat timing: median |detected - reference| per fold {', '.join(f'{j:.1f}' for j in jit)} ms; JF-style "
+           f"score (F1 / (1 + jitter / 10 ms)) per fold {', '.join(_f(r['detection']['jf'], 1) for r in results)} %.",
+           "", per_record_table(results), "",
            f"**Anomaly ranking per fold** (LightVAE {args['epochs']} epochs, batch {args['batch_size']}, seed "
            f"{args['seed']}, beats scaled per {args['scale']}; baselines: PyOD on the same rows). Kept beats, as the "
            "pipeline scores them:", "", anomaly_table(results, labels), "",
@@ -147,6 +164,8 @@ def report(results: list[dict], folds: list[list[str]], paced_res: dict | None, 
            "**Flagged beats per fold** (the trained model's threshold, from its training records' scores as in "
            "`model.json`, which `beatflow score` applies to new recordings; V recall: share of the V beats flagged; "
            "precision: share of the flagged beats that are V, or not N):", "", flagged_table(results, labels), "",
+           "**Beat classes** (`beatflow.score.classes`, gross over the test records, kept beats matched to an AAMI "
+           "beat):", "", classes_table(results), "",
            "**Beats scored** (matched to a reference beat; the pipeline keeps beats of at least 0.4 s, cutting rows at 1.024 s):", "",
            coverage_table(results), ""]
     if paced_res is not None:

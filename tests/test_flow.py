@@ -73,7 +73,7 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     assert abs(load["dispatch"] + load["on_workers"] + load["return"] - load["partitions"]) < 0.01, load
     assert load["partitions"] + load["edges"] <= saved["timings_s"]["load"] + 0.01
     # the scoring and report stages' parts
-    assert {"engine", "truth", "figures_started", "context", "table"} == set(detail["score"])
+    assert {"engine", "classes", "truth", "figures_started", "context", "table"} == set(detail["score"])
     assert {"data", "stats_artifact", "figures_wait", "write"} == set(detail["report"])
     for stage in ("score", "report"):
         assert all(v >= 0 for v in detail[stage].values())
@@ -112,9 +112,13 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     assert [a.data for a in progress if "VAE training" in (a.description or "")] == [100.0], progress
     # the top anomalies' table (published while the figures were drawn) and the run's summary
     top_rows = json.loads([a for a in tables if a.key == "beatflow-top-anomalies"][-1].data)
-    assert [r["beat"] for r in top_rows] == table.nsmallest(len(top_rows), "rank")["beat"].tolist()
-    assert len(top_rows) == min(12, saved["beats_kept"])
-    assert any(a.key == "beatflow-summary" and f"| beats_kept | {saved['beats_kept']} |" in a.data for a in notes)
+    # (the anomaly list is led by the beats classed V or S, highest rank first)
+    ectopic = table[table["class"].astype(str).isin(["V", "S"])]
+    assert len(ectopic) >= 12
+    assert [r["beat"] for r in top_rows] == ectopic.nsmallest(len(top_rows), "rank")["beat"].tolist()
+    assert {r["class"] for r in top_rows} <= {"V", "S"} and len(top_rows) == 12
+    assert any(a.key == "beatflow-summary" and f"| beats_kept | {saved['beats_kept']} |" in a.data
+               and "| classes | N " in a.data for a in notes)
 
     # any partition count gives the same beats and (up to float noise) the same scores
     other = run_flow(tmp_path / "run7", hours=0.25, seed=5, epochs=3, partitions=7)

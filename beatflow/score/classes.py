@@ -20,7 +20,8 @@ over the local RR; atrial fibrillation is irregular throughout, and its beats ar
 **The rule** (:func:`assign`), per recording (the deviation is judged against that recording's own
 spread, the lower half of its log deviations, robust to up to half of its beats being abnormal):
 
-* **V**: a deviation above ``v_dev`` (a QRS unlike the patient's), or a deviation above ``v_min_dev`` that
+* **V**: a deviation above ``v_dev`` (a QRS unlike the patient's) that also lies ``v_dev_z`` robust
+  deviations above the recording's median (a noisy lead's normal beats deviate a lot too), or a deviation above ``v_min_dev`` that
   lies ``v_z`` robust deviations above the recording's median *and* comes early or before a pause (``v_premature``,
   ``v_pause``) or lies ``v_z_alone`` deviations out;
 * **S**: not V, premature by more than ``s_premature`` and by more than ``s_spread`` times the local
@@ -59,15 +60,16 @@ class ClassParams:
     local_beats: int = 20
     irregular_beats: int = 16
     v_dev: float = 0.3
+    v_dev_z: float = 0.0
     v_min_dev: float = 0.05
     v_z: float = 3.0
     v_z_alone: float = 8.0
     v_premature: float = 0.05
     v_pause: float = 1.1
     s_premature: float = 0.15
-    s_irregular: float = 0.2
+    s_irregular: float = 0.3
     s_spread: float = 2.0
-    s_corr: float = 0.85
+    s_corr: float = 0.7
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -198,7 +200,7 @@ def assign(deviation, timing: dict, recording=None, p: ClassParams = ClassParams
     pause = np.nan_to_num(timing["pause"], nan=1.0)
     irr = np.nan_to_num(timing["irregularity"], nan=np.inf)
     early = (prem > p.v_premature) | (pause > p.v_pause)
-    v = (dev > p.v_dev) | ((dev > p.v_min_dev) & (z > p.v_z) & (early | (z > p.v_z_alone)))
+    v = ((dev > p.v_dev) & (z > p.v_dev_z)) | ((dev > p.v_min_dev) & (z > p.v_z) & (early | (z > p.v_z_alone)))
     s = ~v & (prem > np.maximum(p.s_premature, p.s_spread * irr)) & (1.0 - dev > p.s_corr) & (irr < p.s_irregular)
     out = np.full(n, "N", dtype="<U1")
     out[v] = "V"

@@ -5,9 +5,9 @@
 * every record is segmented with :func:`beatflow.detect.peaks.detect_peaks` (with ``--confirm-lead``, its
   peaks then checked on a second lead: :mod:`beatflow.detect.leads`); detection is scored against
   all reference beat annotations with a 150 ms tolerance (sensitivity, positive predictivity, F1,
-  per record and gross), and so are two peers on the same signals, timed per record: NeuroKit2
-  ``ecg_peaks`` (default method; after ``ecg_clean``, its documented use, and on the raw signal)
-  and WFDB ``processing.xqrs_detect``;
+  per record and gross), and so are three peers on the same signals, timed per record: NeuroKit2
+  ``ecg_peaks`` (default method; after ``ecg_clean``, its documented use, and on the raw signal),
+  WFDB ``processing.xqrs_detect`` and sleepecg ``detect_heartbeats``;
 * the LightVAE is trained without labels on the beats of the ``--train`` records only (10 epochs,
   batch 1024), then the beats of the ``--test`` records are scored (reconstruction error; the model
   sees each beat as the pipeline makes it, :func:`beatflow.score.rule.model_input`: divided by the
@@ -183,11 +183,18 @@ def _xqrs(x, fs):
     return np.asarray(processing.xqrs_detect(np.asarray(x, np.float64), fs=fs, verbose=False), dtype=np.int64)
 
 
+def _sleepecg(x, fs):
+    import sleepecg
+
+    return np.asarray(sleepecg.detect_heartbeats(np.asarray(x, np.float64), fs), dtype=np.int64)
+
+
 #: peer detectors: name -> (description, function(signal, fs) -> peaks)
 PEERS = {
     "neurokit2": ("NeuroKit2 ecg_peaks (default method) on ecg_clean output (its documented use)", _neurokit2),
     "neurokit2_raw": ("NeuroKit2 ecg_peaks (default method) on the raw signal", _neurokit2_raw),
     "xqrs": ("wfdb.processing.xqrs_detect (defaults)", _xqrs),
+    "sleepecg": ("sleepecg.detect_heartbeats (its C backend, defaults)", _sleepecg),
 }
 
 
