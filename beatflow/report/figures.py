@@ -65,8 +65,8 @@ _DPI = 100
 #: figure (52 texts) and a tenth of the stream's; at 100 dpi the text looks the same to the eye
 #: (``bench/results/report.md``).
 _RC = {"text.hinting": "no_hinting"}
-_LABEL_NAMES = {0: "normal", 1: "PVC", 2: "artifact"}
-_LABEL_COLOURS = {0: "#9e9e9e", 1: "#e6550d", 2: "#6a51a3"}
+_LABEL_NAMES = {0: "normal", 1: "PVC", 2: "artifact", 3: "APC"}
+_LABEL_COLOURS = {0: "#9e9e9e", 1: "#e6550d", 2: "#6a51a3", 3: "#2ca02c"}
 _ENVELOPE = "#1f5fa6"
 _FLAG = "#d62728"
 
