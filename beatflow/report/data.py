@@ -87,7 +87,7 @@ def length_histogram(plan, s):
 
 
 def truth_per_kept(matched, n_kept: int):
-    """The truth label of every kept beat (0 normal, 1 PVC, 2 artifact; an unmatched beat 0), or None
+    """The truth label of every kept beat (0 normal, 1 PVC, 2 artifact, 3 APC; an unmatched beat 0), or None
     without a truth (``matched``: :func:`beatflow.score.metrics.match_truth`'s result)."""
     if matched is None:
         return None
