@@ -223,6 +223,10 @@ def test_truth_check_leaves_unreadable_beats_out_and_apcs_apart():
     assert (got["true_beats"], got["abnormal"], got["abnormal_scored"]) == (7, 4, 3)
     assert got["classes"] == {"N": 3, "V": 2, "S": 1, "artifact": 1}
     assert (got["unreadable_beats"], got["unreadable_episodes"], got["unreadable_s"]) == (1, 1, 2.0)
+    assert "detection_scope" not in got  # (only what match_truth gave is passed on)
+    matched.update(detection_scope="outside", excluded_beats=3, excluded_peaks=2)
+    got = truth_check(matched, np.array([0.1, 0.3, 0.9, 0.2, 0.8, 5.0]))
+    assert (got["detection_scope"], got["excluded_beats"], got["excluded_peaks"]) == ("outside", 3, 2)
 
 
 def _class_case():

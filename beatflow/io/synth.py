@@ -17,7 +17,8 @@ beat timing, labels and morphology do not depend on the sampling rate:
   ``pvc_rate``; an event is a single PVC, a couplet (share ``couplet_share``) or a run of 3..8
   (non-sustained VT, share ``run_share``). The first PVC is premature (coupling 0.55..0.75 x RR, at
   least 0.41 s); a couplet's second PVC follows 0.41..0.55 s later, a run's beats every 0.41..0.50 s
-  (each run at its own rate, as fast as the segmenter's shortest beat allows). After a single PVC
+  (each run at its own rate, with a little jitter, as fast as the segmenter's shortest beat allows;
+  never slower than 0.95 sinus RR). After a single PVC
   the next sinus beat keeps its sinus time (full compensatory pause) unless that pause would
   exceed 1 s, where the sinus rhythm resets instead; after a couplet or a run the sinus rhythm
   resets (a pause of 1.05..1.3 RR, at most 1 s). Every beat-to-beat interval lies in 0.41..1.0 s
@@ -386,7 +387,8 @@ def _ectopy(rng: np.random.Generator, t: np.ndarray, rr: np.ndarray, pvc_rate: f
     coupling_v = rng.uniform(0.55, 0.75, n)
     coupling_a = rng.uniform(0.60, 0.85, n)
     couplet_s = rng.uniform(*_COUPLET_S, n)
-    run_s = rng.uniform(*_RUN_S, n) + rng.normal(0.0, 0.006, n)
+    run_s = rng.uniform(*_RUN_S, n)
+    jitter = rng.normal(0.0, 0.005, n)
     pause_run = rng.uniform(1.05, 1.3, n)
     pause_apc = rng.uniform(1.0, 1.1, n)
     form_u = rng.random(n)
@@ -416,7 +418,8 @@ def _ectopy(rng: np.random.Generator, t: np.ndarray, rr: np.ndarray, pvc_rate: f
     first = start
     gap[first] = np.maximum(np.where(is_v, coupling_v[first], coupling_a[first]) * rr[first], floor[first])
     later = idx[offs > 0]
-    fast = np.where(length[ev[offs > 0]] == 2, couplet_s[start[ev[offs > 0]]], run_s[start[ev[offs > 0]]])
+    fast = np.where(length[ev[offs > 0]] == 2, couplet_s[start[ev[offs > 0]]],
+                    run_s[start[ev[offs > 0]]] + jitter[later])  # a run's own rate, a little jitter per beat
     gap[later] = np.maximum(np.minimum(fast, 0.95 * rr[later]), _PVC_MIN_COUPLING_S)
     # The sinus beat after: a single PVC keeps its sinus time (full compensatory pause) unless the
     # pause would pass _MAX_PAUSE_S; after a couplet or a run, and after an APC, the sinus node is
@@ -761,10 +764,9 @@ def synthesize_ecg(hours: float = 20.0, fs: float = 250.0, seed: int = 0, *,
     n_art = rng_art.poisson(artifacts_per_hour * hours)
     eligible = np.flatnonzero(labels == 0)
     eligible = eligible[(eligible > 0) & (eligible < t.size - 1)]
-    j = np.searchsorted(ep_end + 1.0, t[eligible])
-    near = (j < ep_start.size) & (t[eligible] >= ep_start[np.minimum(j, max(ep_start.size - 1, 0))] - 1.0) \
-        if ep_start.size else np.zeros(eligible.size, bool)
-    eligible = eligible[~near]
+    if ep_start.size:  # (episodes are sorted and apart: the one starting last before a beat is the one)
+        k = np.searchsorted(ep_start - 1.0, t[eligible], side="right") - 1
+        eligible = eligible[~((k >= 0) & (t[eligible] < ep_end[np.maximum(k, 0)] + 1.0))]
     n_art = int(min(n_art, eligible.size))
     art = np.sort(rng_art.choice(eligible, n_art, replace=False)) if n_art else np.zeros(0, np.int64)
     labels[art] = 2

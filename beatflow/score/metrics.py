@@ -203,7 +203,8 @@ def _readable_matched(matched: dict):
 
 def truth_check(matched: dict, kept_scores) -> dict:
     """The flow's check against a synthetic truth, once the beats are scored: detection (Se, PPV and F1
-    from :func:`match_truth`'s ``matched``) and the ROC-AUCs of the kept beats' scores over the truth
+    from :func:`match_truth`'s ``matched``, with its ``detection_scope``, ``excluded_beats`` and
+    ``excluded_peaks`` where it has them) and the ROC-AUCs of the kept beats' scores over the truth
     beats matched to a kept beat outside the unreadable episodes.
 
     ``auc``: beats of an abnormal shape (PVCs, artifacts) against normal beats; ``auc_pvc``: PVCs
@@ -220,7 +221,8 @@ def truth_check(matched: dict, kept_scores) -> dict:
     normal = labels == 0
     spans = np.asarray(matched.get("unreadable", np.zeros((0, 2), np.int64))).reshape(-1, 2)
     fs = matched.get("fs")
-    return {"se": matched["se"], "ppv": matched["ppv"], "f1": matched["f1"],
+    scope = {k: matched[k] for k in ("detection_scope", "excluded_beats", "excluded_peaks") if k in matched}
+    return {"se": matched["se"], "ppv": matched["ppv"], "f1": matched["f1"], **scope,
             "auc": auc((labels == 1) | (labels == 2), normal), "auc_pvc": auc(labels == 1, normal),
             "auc_apc": auc(labels == 3, normal), "auc_any": auc(labels > 0, normal),
             "true_beats": int(len(all_labels)), "abnormal": int((all_labels > 0).sum()),
