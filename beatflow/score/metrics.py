@@ -275,7 +275,8 @@ def truth_classes(matched: dict, kept_classes) -> dict:
     m = np.asarray(matched["matched"])
     n_kept = len(matched["kept_labels"]) if "kept_labels" in matched else None
     if (n_kept is not None and a.size != n_kept) or (m.size and a.size <= m.max()):
-        raise ValueError(f"{a.size} kept_classes for {n_kept if n_kept is not None else 'more'} kept beats")
+        want = f"{n_kept} kept beats" if n_kept is not None else f"kept beat {int(m.max())} matched"
+        raise ValueError(f"{a.size} kept_classes, but {want}")
     kept, labels, _ = _readable_matched(matched)
     cls = a[kept]
     beat = labels != 2
