@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from beatflow.io.synth import LABEL_NAMES, SyntheticECG, synthesize_ecg, truth_path
+from beatflow.io.synth import (AAMI_CLASS, LABEL_NAMES, RAIL_MV, UNREADABLE_REASONS, SyntheticECG, synthesize_ecg,
+                                truth_path)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,10 @@ def _half_amplitude_width(sig: np.ndarray, r: int, fs: float) -> float:
 
 
 def test_label_names():
-    assert LABEL_NAMES == {0: "normal", 1: "pvc", 2: "artifact"}
+    """0, 1, 2 keep their meaning; 3 is the APC; the beat classes' AAMI letters (an artifact has none)."""
+    assert LABEL_NAMES == {0: "normal", 1: "pvc", 2: "artifact", 3: "apc"}
+    assert AAMI_CLASS == {0: "N", 1: "V", 3: "S"}
+    assert UNREADABLE_REASONS == ("noise", "lead_off", "clipping")
 
 
 def test_deterministic_for_a_seed():
@@ -42,6 +46,8 @@ def test_deterministic_for_a_seed():
     np.testing.assert_array_equal(a.signal, b.signal)
     np.testing.assert_array_equal(a.r_peaks, b.r_peaks)
     np.testing.assert_array_equal(a.labels, b.labels)
+    for k, v in a.truth().items():
+        np.testing.assert_array_equal(v, b.truth()[k], err_msg=k)
     assert a.signal.shape == c.signal.shape
     assert not np.array_equal(a.signal, c.signal)
     assert not np.array_equal(a.r_peaks[:20], c.r_peaks[:20])
@@ -76,7 +82,7 @@ def test_r_peaks_sorted_and_inside(hour):
     # the whole beat (P wave before, T wave after) lies inside the signal
     assert e.r_peaks[0] >= 0.25 * e.fs
     assert e.r_peaks[-1] + 0.45 * e.fs < n
-    assert set(np.unique(e.labels)) <= {0, 1, 2}
+    assert set(np.unique(e.labels)) <= {0, 1, 2, 3}
     assert 3600 / 1.0 <= e.r_peaks.size <= 3600 / 0.45
 
 
@@ -90,7 +96,7 @@ def test_label_counts(hour):
     counts = np.bincount(e.labels, minlength=3)
     assert abs(counts[1] / e.labels.size - 0.1) < 0.03, counts
     assert 3 <= counts[2] <= 20, counts
-    e = synthesize_ecg(0.1, seed=5, pvc_rate=0.0, artifacts_per_hour=0.0)
+    e = synthesize_ecg(0.1, seed=5, pvc_rate=0.0, artifacts_per_hour=0.0, apc_rate=0.0)
     assert np.all(e.labels == 0)
 
 
@@ -99,7 +105,7 @@ def test_rr_intervals_and_pvc_timing(hour):
     r = e.r_peaks / e.fs
     lab = e.labels
     rr = np.diff(r)
-    sinus = lab != 1  # artifact beats keep their sinus timing
+    sinus = np.isin(lab, (0, 2))  # artifact beats keep their sinus timing
     nn = sinus[:-1] & sinus[1:]
     assert nn.sum() > 1000
     assert rr[nn].min() >= 0.45 and rr[nn].max() <= 1.05, (rr[nn].min(), rr[nn].max())
@@ -139,7 +145,7 @@ def test_r_peak_is_local_maximum_of_normal_beats(fs):
     sig = e.signal.astype(np.float64)
     h40 = int(round(0.04 * fs))
     offsets = []
-    for r in e.r_peaks[e.labels == 0]:
+    for r in e.r_peaks[(e.labels == 0) & ~e.beat_unreadable]:
         w = sig[r - h40 : r + h40 + 1] - _baseline(sig, r, int(0.3 * fs))
         offsets.append(int(np.argmax(w)) - h40)
         assert w[h40] > 0.4  # a clear positive R wave (mV) above the baseline
@@ -154,8 +160,8 @@ def test_r_peak_exact_without_noise():
     e = synthesize_ecg(0.1, fs=250.0, seed=12, noise_mv=0.0, powerline_mv=0.0)
     sig = e.signal.astype(np.float64)
     h = int(round(0.04 * e.fs))
-    for r, lab in zip(e.r_peaks, e.labels):
-        if lab == 2:
+    for r, lab, bad in zip(e.r_peaks, e.labels, e.beat_unreadable):
+        if lab == 2 or bad:
             continue
         w = np.abs(sig[r - h : r + h + 1] - _baseline(sig, r, int(0.3 * e.fs)))
         assert abs(int(np.argmax(w)) - h) <= 1
@@ -163,7 +169,7 @@ def test_r_peak_exact_without_noise():
 
 def test_pvc_morphology_differs():
     fs = 250.0
-    e = synthesize_ecg(0.2, fs=fs, seed=13, pvc_rate=0.1, artifacts_per_hour=0.0)
+    e = synthesize_ecg(0.2, fs=fs, seed=13, pvc_rate=0.1, artifacts_per_hour=0.0, episodes_per_hour=0.0)
     sig = e.signal.astype(np.float64)
     normal = e.r_peaks[e.labels == 0]
     pvc = e.r_peaks[e.labels == 1]
@@ -218,6 +224,24 @@ def test_save_and_load(tmp_path):
     np.testing.assert_array_equal(f.signal, e.signal)
     np.testing.assert_array_equal(f.r_peaks, e.r_peaks)
     assert f.fs == e.fs
+    # every truth array reads back with its dtype and shape (the episodes' reasons as plain strings)
+    e = synthesize_ecg(0.3, seed=9, episodes_per_hour=10.0)
+    e.save(tmp_path / "ep")
+    with np.load(truth_path(tmp_path / "ep")) as t:  # (no pickled objects in the file)
+        assert set(t.files) == {"r_peaks", "labels", "fs", "beat_unreadable", "run_length", "pvc_form",
+                                "unreadable", "unreadable_reason"}
+        assert t["unreadable"].dtype == np.int64 and t["unreadable"].shape == (3, 2)
+        assert t["unreadable_reason"].dtype.kind == "U" and t["beat_unreadable"].dtype == bool
+    f = SyntheticECG.load(tmp_path / "ep")
+    for k, v in e.truth().items():
+        np.testing.assert_array_equal(getattr(f, k), v, err_msg=k)
+        assert np.asarray(getattr(f, k)).dtype == v.dtype, k
+    # a truth of r_peaks, labels and fs alone (as older files are) reads with the defaults
+    np.savez(truth_path(tmp_path / "old"), r_peaks=e.r_peaks, labels=e.labels, fs=np.float64(e.fs))
+    np.save(tmp_path / "old.npy", e.signal)
+    g = SyntheticECG.load(tmp_path / "old")
+    assert not g.beat_unreadable.any() and g.unreadable.shape == (0, 2) and g.unreadable_reason.size == 0
+    np.testing.assert_array_equal(g.run_length, e.run_length)  # (from the labels)
 
 
 @pytest.mark.parametrize(
@@ -238,6 +262,13 @@ def test_save_and_load(tmp_path):
         {"noise_mv": -0.01},
         {"wander_mv": float("nan")},
         {"powerline_mv": -1.0},
+        {"apc_rate": 1.0},
+        {"apc_rate": -0.01},
+        {"pvc_rate": 0.6, "apc_rate": 0.4},
+        {"couplet_share": -0.1},
+        {"run_share": 1.5},
+        {"couplet_share": 0.6, "run_share": 0.5},
+        {"episodes_per_hour": -1.0},
         {"hours": "ten"},
     ],
 )
@@ -297,3 +328,153 @@ def test_cache_of_generated_recordings(tmp_path, monkeypatch):
     blocker.write_text("x")
     assert not synth.synthesize_cached(*b, hours=0.01, fs=250.0, seed=4, cache_dir=blocker / "sub")[1]
     np.testing.assert_array_equal(np.load(b[0]), ref.signal)
+
+
+# ----------------------------------------------------------------------------------------------
+# ectopy (APCs, couplets, runs, multiform PVCs) and unreadable episodes
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ectopic():
+    """Two hours with much ectopy (many APCs, couplets and runs), clean enough to measure waves."""
+    return synthesize_ecg(2.0, fs=250.0, seed=21, pvc_rate=0.05, apc_rate=0.05, couplet_share=0.2,
+                          run_share=0.1, noise_mv=0.005, wander_mv=0.0, powerline_mv=0.0, episodes_per_hour=0.0)
+
+
+def test_apc_prematurity_and_non_compensatory_pause(ectopic):
+    e = ectopic
+    r, lab = e.r_peaks / e.fs, e.labels
+    sinus = np.isin(lab, (0, 2))
+    i = np.flatnonzero(lab == 3)
+    i = i[(i >= 2) & (i < lab.size - 1)]
+    i = i[sinus[i - 1] & sinus[i - 2] & sinus[i + 1]]
+    assert i.size > 200  # (every APC has a sinus beat before and after it; two before for most)
+    prev_rr = r[i - 1] - r[i - 2]
+    coupling = (r[i] - r[i - 1]) / prev_rr
+    assert np.all(coupling < 0.95) and np.median(coupling) < 0.8 and np.quantile(coupling, 0.05) < 0.65, (coupling.min(), coupling.max())
+    # the sinus node is reset: the next beat about one RR after the APC, and the interval around the
+    # APC well short of two RR (a PVC's compensatory pause makes it two)
+    pause = (r[i + 1] - r[i]) / prev_rr
+    assert 0.9 < np.median(pause) < 1.15 and np.all(pause < 1.3), (np.median(pause), pause.max())
+    around = (r[i + 1] - r[i - 1]) / prev_rr
+    assert np.median(around) < 1.85 and np.quantile(around, 0.9) < 1.95, np.quantile(around, [0.5, 0.9])
+    # every beat-to-beat interval fits the segmenter's 100..256 samples at 250 Hz
+    d = np.diff(e.r_peaks)
+    assert d.min() >= 100 and d.max() <= 256, (d.min(), d.max())
+
+
+def test_apc_has_the_usual_qrs_and_a_changed_p_wave(ectopic):
+    e, fs = ectopic, ectopic.fs
+    sig = e.signal.astype(np.float64)
+    normal = e.r_peaks[e.labels == 0][5:-5]
+    apc = e.r_peaks[e.labels == 3]
+    w_n = np.median([_half_amplitude_width(sig, r, fs) for r in normal[:500]])
+    w_a = np.median([_half_amplitude_width(sig, r, fs) for r in apc])
+    assert abs(w_a / w_n - 1.0) < 0.15, (w_n, w_a)  # narrow: not a PVC's
+    amp = lambda r: sig[r] - _baseline(sig, r, int(0.3 * fs))  # noqa: E731
+    assert abs(np.median([amp(r) for r in apc]) / np.median([amp(r) for r in normal[:500]]) - 1.0) < 0.15
+    # the P-wave stretch (250..60 ms before R) against the normal beats' median stretch
+    seg = lambda r: sig[r - int(0.25 * fs) : r - int(0.06 * fs)] - sig[r - int(0.06 * fs)]  # noqa: E731
+    template = np.median([seg(r) for r in normal[:500]], axis=0)
+    dist = lambda rs: np.median([np.sqrt(np.mean((seg(r) - template) ** 2)) for r in rs])  # noqa: E731
+    assert dist(apc) > 3 * dist(normal[500:1000]), (dist(apc), dist(normal[500:1000]))
+
+
+def test_couplets_and_runs(ectopic):
+    e = ectopic
+    lab, rl, d = e.labels, e.run_length, np.diff(e.r_peaks)
+    v = lab == 1
+    # run_length is the length of each stretch of consecutive PVCs; 0 off them
+    edges = np.diff(np.r_[0, v.astype(int), 0])
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    lengths = ends - starts
+    np.testing.assert_array_equal(rl[v], np.repeat(lengths, lengths))
+    assert np.all(rl[~v] == 0)
+    assert (lengths == 2).sum() > 10 and (lengths >= 3).sum() > 5 and lengths.max() <= 8
+    assert set(np.unique(lengths[lengths >= 3])) >= {3, 8}
+    # a couplet's and a run's later beats come fast, at no less than 0.41 s, and a sinus beat follows
+    inner = np.concatenate([d[s : s + n - 1] for s, n in zip(starts, lengths) if n >= 3])
+    assert inner.min() >= 0.41 * e.fs - 1 and inner.max() <= 0.52 * e.fs, (inner.min(), inner.max())
+    couplet = np.array([d[s] for s, n in zip(starts, lengths) if n == 2])
+    assert couplet.min() >= 0.41 * e.fs - 1 and couplet.max() <= 0.56 * e.fs
+    assert np.all(np.isin(lab[ends[ends < lab.size]], (0, 2)))
+    assert d.min() >= 100 and d.max() <= 256, (d.min(), d.max())
+    # the pause after a couplet or run resets the sinus rhythm: at most 1 s
+    assert np.all(d[ends[(lengths >= 2) & (ends < lab.size)] - 1] <= 1.0 * e.fs + 1)
+
+
+def test_pvcs_are_multiform(ectopic):
+    e, fs = ectopic, ectopic.fs
+    sig = e.signal.astype(np.float64)
+    v = e.labels == 1
+    assert np.all(e.pvc_form[~v] == -1)
+    forms = np.bincount(e.pvc_form[v], minlength=3)
+    assert forms.size == 3 and np.all(forms / v.sum() > 0.08), forms
+    sign = np.sign([sig[r] - _baseline(sig, r, int(0.3 * fs)) for r in e.r_peaks[v]])
+    assert np.all(sign[e.pvc_form[v] == 1] < 0)  # the inverted focus
+    assert np.all(sign[e.pvc_form[v] != 1] > 0)
+    # a run keeps the form of its first beat
+    runs = np.flatnonzero(np.diff(np.r_[0, (e.run_length >= 3).astype(int)]) == 1)
+    for s in runs:
+        n = e.run_length[s]
+        assert np.all(e.pvc_form[s : s + n] == e.pvc_form[s])
+
+
+def test_unreadable_episodes_in_the_truth():
+    fs = 250.0
+    e = synthesize_ecg(1.0, fs=fs, seed=23, episodes_per_hour=6.0)
+    spans, why = e.unreadable, e.unreadable_reason
+    assert spans.dtype == np.int64 and spans.shape == (6, 2)
+    assert sorted(why.tolist()) == sorted(UNREADABLE_REASONS * 2)  # the kinds come in turn
+    dur = (spans[:, 1] - spans[:, 0]) / fs
+    assert np.all(dur >= 5.0 - 1 / fs) and np.all(dur <= 60.0 + 1 / fs), dur
+    assert np.all(spans[1:, 0] > spans[:-1, 1]) and spans[0, 0] > 0 and spans[-1, 1] < e.signal.size
+    inside = np.zeros(e.signal.size, bool)
+    for a, b in spans:
+        inside[a:b] = True
+    # the beats under them stay in the truth, with their class, flagged
+    np.testing.assert_array_equal(e.beat_unreadable, inside[e.r_peaks])
+    assert e.beat_unreadable.sum() > 0.8 * dur.sum() * 0.8
+    assert np.all(np.isin(e.labels[e.beat_unreadable], (0, 1, 3)))
+    sig = e.signal.astype(np.float64)
+    hf_out = np.std(np.diff(sig[~inside]))
+    for (a, b), reason in zip(spans, why):
+        x = sig[a:b]
+        if reason == "lead_off":  # a flat line, a step at its ends
+            assert np.ptp(x) == 0.0
+            assert abs(x[0] - np.median(sig[a - 50 : a])) > 0.4 and abs(x[-1] - np.median(sig[b : b + 50])) > 0.4
+        elif reason == "noise":  # broadband, far above the QRS's slopes
+            mid = x[int(0.3 * fs) : -int(0.3 * fs)]
+            assert np.std(np.diff(mid)) > 10 * hf_out and np.std(mid) > 0.4
+        else:  # clipped at a rail
+            assert np.mean(np.abs(x) >= RAIL_MV - 1e-6) > 0.4
+    assert np.abs(sig).max() <= RAIL_MV
+    # none at all without episodes
+    e = synthesize_ecg(0.5, seed=23, episodes_per_hour=0.0)
+    assert e.unreadable.shape == (0, 2) and not e.beat_unreadable.any()
+
+
+def test_episodes_fit_short_recordings():
+    """Episodes that do not fit half of a short stream are left out, never made to overlap."""
+    e = synthesize_ecg(0.02, seed=3, episodes_per_hour=500.0)  # 72 s
+    spans = e.unreadable
+    assert spans.shape[0] >= 1
+    assert np.all(spans[1:, 0] > spans[:-1, 1])
+    assert (spans[:, 1] - spans[:, 0]).sum() <= 0.5 * e.signal.size
+
+
+def test_default_run_has_every_kind_of_event():
+    """The default run's recording (20 h, seed 0): PVCs ~2 % with couplets and runs, APCs ~1 %,
+    3..6 unreadable episodes of 5..60 s of every kind, and intervals in the segmenter's range."""
+    e = synthesize_ecg()
+    counts = np.bincount(e.labels, minlength=4)
+    assert 0.015 < counts[1] / e.labels.size < 0.025 and 0.006 < counts[3] / e.labels.size < 0.014, counts
+    assert counts[2] > 40
+    rl = e.run_length
+    assert (rl == 2).sum() // 2 >= 20 and len(np.flatnonzero(np.diff(np.r_[0, rl >= 3]) == 1)) >= 3
+    assert len(set(e.pvc_form[e.labels == 1].tolist())) == 3
+    assert 3 <= e.unreadable.shape[0] <= 6 and set(e.unreadable_reason.tolist()) == set(UNREADABLE_REASONS)
+    dur = np.diff(e.unreadable, axis=1).ravel() / e.fs
+    assert np.all((dur >= 5.0 - 0.01) & (dur <= 60.0 + 0.01))
+    d = np.diff(e.r_peaks)
+    assert d.min() >= 100 and d.max() <= 256

@@ -1,4 +1,5 @@
-"""Synthetic long ECG recordings with known beats, for testing beat detection and anomaly scoring.
+"""Synthetic long ECG recordings with known beats, for testing beat detection, beat classes, signal
+quality and anomaly scoring.
 
 The generator is vectorised NumPy (no loop over beats except chunking) and deterministic for a
 seed. Its parts, each drawn from its own child stream of ``np.random.SeedSequence(seed)`` so that
@@ -12,15 +13,46 @@ beat timing, labels and morphology do not depend on the sampling rate:
   spirit of McSharry's ECGSYN, with widths in seconds, per-beat jitter, ~±10 % respiratory
   amplitude modulation, and a T wave whose delay scales with ``sqrt(RR)`` (QT ~ sqrt(RR)). Normal
   R is about 1 mV and the QRS about 90 ms wide.
-* **PVCs** (label 1) -- premature (coupling 0.55..0.75 x RR, at least 0.41 s) with a full
-  compensatory pause (the next normal beat keeps its sinus time, ~2 RR after the previous normal
-  one) unless that pause would exceed 1 s, where the sinus rhythm resets instead; so every
-  beat-to-beat interval lies in 0.41..1.0 s (100..256 samples at 250 Hz). No P wave, a wide
-  (~140 ms) high-amplitude (~1.8 mV) QRS, mostly positive, and a broad discordant T wave.
+* **PVCs** (label 1, AAMI class V) -- ectopic events start at a sinus beat with probability
+  ``pvc_rate``; an event is a single PVC, a couplet (share ``couplet_share``) or a run of 3..8
+  (non-sustained VT, share ``run_share``). The first PVC is premature (coupling 0.55..0.75 x RR, at
+  least 0.41 s); a couplet's second PVC follows 0.41..0.55 s later, a run's beats every 0.41..0.50 s
+  (each run at its own rate, with a little jitter, as fast as the segmenter's shortest beat allows;
+  never slower than 0.95 sinus RR). After a single PVC
+  the next sinus beat keeps its sinus time (full compensatory pause) unless that pause would
+  exceed 1 s, where the sinus rhythm resets instead; after a couplet or a run the sinus rhythm
+  resets (a pause of 1.05..1.3 RR, at most 1 s). Every beat-to-beat interval lies in 0.41..1.0 s
+  (100..256 samples at 250 Hz: the segmenter's beat lengths, ``SegmentParams.min_length_s`` and
+  ``max_length_s``). No P wave, a wide (~140 ms) high-amplitude QRS and a broad discordant T wave,
+  from one of three foci (multiform; ``pvc_form``): 0 the usual one (~65 %, positive, ~1.8 mV),
+  1 inverted (~20 %), 2 wide and biphasic (~15 %, an initial opposite notch). A run keeps the focus
+  of its first beat; single PVCs and couplets draw theirs.
+* **APCs** (label 3, AAMI class S) -- a sinus beat becomes an atrial premature contraction with
+  probability ``apc_rate``: premature (coupling 0.6..0.85 x RR, at least 0.41 s unless that is not
+  premature), the patient's usual narrow QRS and T, and a changed P wave: inverted with a short PR
+  (40 %), peaked and narrow (30 %), or early enough to hide in the previous beat's T wave (30 %).
+  The sinus node is reset, so the pause is not compensatory: the next beat comes 1.0..1.1 sinus RR
+  after the APC (at most 1 s). Ectopic events never touch: each has a sinus beat before and after.
 * **Artifacts** (label 2) -- a 0.2..0.6 s burst (band-limited noise, or a motion-like transient)
   over one normal beat, kept short enough that its neighbours' QRS complexes are untouched.
+* **Unreadable episodes** -- ``episodes_per_hour`` (stochastically rounded: 20 h at the default 0.25
+  make exactly 5) non-overlapping episodes of 5..60 s (log-uniform), of three kinds in turn
+  (``unreadable_reason``): ``"noise"``, strong broadband muscle-like noise (0.5..1.2 mV RMS, white to
+  the Nyquist rate, its envelope ramped in over 0.3 s and swelling like contractions) that hides
+  the QRS; ``"lead_off"``, a flat line at a rail (±:data:`RAIL_MV`) or at a constant level a step
+  away from the signal, with a step at its start and end; ``"clipping"``, an offset that jumps
+  past a rail and recovers over the episode while the amplifier clips at the rail. The beats under
+  them stay in the truth with their class, flagged in ``beat_unreadable``.
 * **Noise** -- baseline wander (a few 0.05..0.5 Hz sinusoids, a respiratory component and a slow
   random drift), white noise, and a small 50 Hz hum.
+
+The truth (:meth:`SyntheticECG.save`, :func:`truth_path`; ``truth.npz`` of the flow) holds, per beat,
+``r_peaks`` (int64 samples), ``labels`` (int8 codes of :data:`LABEL_NAMES`: 0 normal N, 1 PVC V,
+2 artifact, 3 APC S; :data:`AAMI_CLASS` gives the letters), ``beat_unreadable`` (bool),
+``run_length`` (int8: the number of consecutive PVCs the beat belongs to, 1 single, 2 couplet,
+3..8 run; 0 for other beats) and ``pvc_form`` (int8 focus, -1 for other beats); per episode
+``unreadable`` (int64 ``(m, 2)``, ``[start, end)`` samples, sorted) and ``unreadable_reason``
+(unicode strings); and ``fs``.
 
 Beat windows are rendered in chunks and accumulated into the stream with ``np.bincount``, so a
 20 h recording at 250 Hz (18 M samples) takes a few seconds and a few hundred MB.
@@ -34,9 +66,17 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["LABEL_NAMES", "SyntheticECG", "synthesize_ecg", "truth_path"]
+__all__ = ["AAMI_CLASS", "LABEL_NAMES", "RAIL_MV", "UNREADABLE_REASONS", "SyntheticECG", "synthesize_ecg",
+           "truth_path"]
 
-LABEL_NAMES = {0: "normal", 1: "pvc", 2: "artifact"}
+#: the truth's beat labels (``labels``): the beat's class, or an artifact over a normal beat
+LABEL_NAMES = {0: "normal", 1: "pvc", 2: "artifact", 3: "apc"}
+#: the AAMI class letter of each label that is a beat class (an artifact, 2, is none)
+AAMI_CLASS = {0: "N", 1: "V", 3: "S"}
+#: the kinds of unreadable episode (``unreadable_reason``)
+UNREADABLE_REASONS = ("noise", "lead_off", "clipping")
+#: the amplifier's rails (mV): a lead-off may sit at one, a saturated signal is clipped at them
+RAIL_MV = 5.0
 
 # Coarse time grid (Hz) for the slow processes (heart rate, respiration, baseline wander).
 _GRID_FS = 10.0
@@ -52,6 +92,16 @@ _RR_MAX_S = 0.98
 # stays within 0.41..1.0 s, i.e. 100..256 samples at 250 Hz (the segmenter's beat lengths).
 _PVC_MIN_COUPLING_S = 0.41
 _MAX_PAUSE_S = 1.0
+# Beat-to-beat interval inside a couplet and inside a run (seconds; runs also have a rate of their own).
+_COUPLET_S = (0.41, 0.55)
+_RUN_S = (0.41, 0.50)
+_RUN_LENGTHS = (3, 8)
+# Unreadable episodes: duration range (s, log-uniform), the quiet time kept at the stream's ends
+# and between two episodes (s), and the noise envelope's ramp (s).
+_EPISODE_S = (5.0, 60.0)
+_EPISODE_EDGE_S = 2.0
+_EPISODE_GAP_S = 10.0
+_EPISODE_RAMP_S = 0.3
 _BEAT_CHUNK = 2048
 _SAMPLE_CHUNK = 1 << 20
 # Wave slots: P, Q, R, S, T.
@@ -94,13 +144,52 @@ class SyntheticECG:
         int64, sorted sample index of each true beat's QRS main deflection (R peak; the trough
         for a negative PVC).
     labels : numpy.ndarray
-        int8 per beat: 0 normal, 1 PVC, 2 artifact-corrupted (see :data:`LABEL_NAMES`).
+        int8 per beat: 0 normal (N), 1 PVC (V), 2 artifact-corrupted normal beat, 3 APC (S) (see
+        :data:`LABEL_NAMES`, :data:`AAMI_CLASS`).
+    beat_unreadable : numpy.ndarray
+        bool per beat: its R peak lies inside an unreadable episode (default: none).
+    run_length : numpy.ndarray
+        int8 per beat: for a PVC, how many PVCs in a row it belongs to (1 single, 2 couplet, 3..8
+        run); 0 for other beats (default: from ``labels``).
+    pvc_form : numpy.ndarray
+        int8 per beat: a PVC's focus (0 usual, 1 inverted, 2 wide biphasic); -1 for other beats
+        (default: -1 for all).
+    unreadable : numpy.ndarray
+        int64 ``(m, 2)``: the unreadable episodes' ``[start, end)`` samples, sorted, not overlapping.
+    unreadable_reason : numpy.ndarray
+        unicode, ``(m,)``: each episode's kind (:data:`UNREADABLE_REASONS`).
     """
 
     signal: np.ndarray
     fs: float
     r_peaks: np.ndarray
     labels: np.ndarray
+    beat_unreadable: np.ndarray | None = None
+    run_length: np.ndarray | None = None
+    pvc_form: np.ndarray | None = None
+    unreadable: np.ndarray | None = None
+    unreadable_reason: np.ndarray | None = None
+
+    def __post_init__(self):
+        n = np.shape(self.labels)[0]
+        if self.beat_unreadable is None:
+            self.beat_unreadable = np.zeros(n, bool)
+        if self.run_length is None:
+            self.run_length = _run_lengths(np.asarray(self.labels) == 1)
+        if self.pvc_form is None:
+            self.pvc_form = np.full(n, -1, np.int8)
+        if self.unreadable is None:
+            self.unreadable = np.zeros((0, 2), np.int64)
+        if self.unreadable_reason is None:
+            self.unreadable_reason = np.zeros(0, "<U8")
+
+    def truth(self) -> dict:
+        """The truth's arrays as :meth:`save` writes them (the module docstring lists them)."""
+        return {"r_peaks": np.asarray(self.r_peaks, np.int64), "labels": np.asarray(self.labels, np.int8),
+                "fs": np.float64(self.fs), "beat_unreadable": np.asarray(self.beat_unreadable, bool),
+                "run_length": np.asarray(self.run_length, np.int8), "pvc_form": np.asarray(self.pvc_form, np.int8),
+                "unreadable": np.asarray(self.unreadable, np.int64).reshape(-1, 2),
+                "unreadable_reason": np.asarray(self.unreadable_reason, dtype=str).astype("<U8")}
 
     @property
     def duration_s(self) -> float:
@@ -113,9 +202,10 @@ class SyntheticECG:
         Parameters
         ----------
         path : str or os.PathLike
-            Signal path; ``.npy`` is appended if missing. The truth (``r_peaks``, ``labels``,
-            ``fs``) goes to :func:`truth_path` ``(path)``, i.e. ``<stem>.truth.npz``. Parent
-            folders are created.
+            Signal path; ``.npy`` is appended if missing. The truth (:meth:`truth`: ``r_peaks``,
+            ``labels``, ``fs``, ``beat_unreadable``, ``run_length``, ``pvc_form``, ``unreadable``,
+            ``unreadable_reason``) goes to :func:`truth_path` ``(path)``, i.e. ``<stem>.truth.npz``.
+            Parent folders are created.
 
         Returns
         -------
@@ -124,12 +214,12 @@ class SyntheticECG:
         sig = _signal_path(path)
         sig.parent.mkdir(parents=True, exist_ok=True)
         np.save(sig, np.ascontiguousarray(self.signal, dtype=np.float32))
-        np.savez(truth_path(sig), r_peaks=np.asarray(self.r_peaks, np.int64),
-                 labels=np.asarray(self.labels, np.int8), fs=np.float64(self.fs))
+        np.savez(truth_path(sig), **self.truth())
 
     @classmethod
     def load(cls, path, *, mmap: bool = False) -> "SyntheticECG":
-        """Read what :meth:`save` wrote.
+        """Read what :meth:`save` wrote (a truth of ``r_peaks``, ``labels`` and ``fs`` alone gets the
+        other arrays' defaults).
 
         Parameters
         ----------
@@ -145,8 +235,10 @@ class SyntheticECG:
         sig = _signal_path(path)
         signal = np.load(sig, mmap_mode="r" if mmap else None)
         with np.load(truth_path(sig)) as t:
+            extra = {k: t[k] for k in ("beat_unreadable", "run_length", "pvc_form", "unreadable",
+                                       "unreadable_reason") if k in t.files}
             return cls(signal=signal, fs=float(t["fs"]), r_peaks=t["r_peaks"].astype(np.int64),
-                       labels=t["labels"].astype(np.int8))
+                       labels=t["labels"].astype(np.int8), **extra)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,7 +253,7 @@ DEFAULT_SYNTH_CACHE = os.path.join("~", ".cache", "beatflow", "synthetic")
 def synthesize_cached(out_signal, out_truth, hours: float = 20.0, fs: float = 250.0, seed: int = 0,
                       cache_dir=None) -> tuple[SyntheticECG | None, bool]:
     """Write the recording of :func:`synthesize_ecg` ``(hours, fs, seed)`` to ``out_signal``
-    (float32 ``.npy``) and its truth to ``out_truth`` (``.npz``: ``r_peaks``, ``labels``, ``fs``),
+    (float32 ``.npy``) and its truth to ``out_truth`` (``.npz``: :meth:`SyntheticECG.truth`),
     linked (or copied) from a cache when it was generated before.
 
     The recording is a pure function of its arguments and of this module's code, so the cache key
@@ -201,8 +293,7 @@ def synthesize_cached(out_signal, out_truth, hours: float = 20.0, fs: float = 25
     for out in (out_signal, out_truth):  # (a link to an entry is replaced, never written through)
         Path(out).unlink(missing_ok=True)
     np.save(out_signal, np.ascontiguousarray(ecg.signal, dtype=np.float32))
-    np.savez(out_truth, r_peaks=np.asarray(ecg.r_peaks, np.int64), labels=np.asarray(ecg.labels, np.int8),
-             fs=np.float64(ecg.fs))
+    np.savez(out_truth, **ecg.truth())
     if entry is not None:
         try:
             entry.parent.mkdir(parents=True, exist_ok=True)
@@ -260,6 +351,142 @@ def _smooth_noise(rng: np.random.Generator, n_grid: int, knot_s: float) -> np.nd
     return (knots[:-1, None] * (1.0 - w) + knots[1:, None] * w).ravel()[:n_grid]
 
 
+def _run_lengths(mask: np.ndarray) -> np.ndarray:
+    """int8 per element: the length of the run of consecutive True values it belongs to (0 where False)."""
+    m = np.asarray(mask, bool)
+    out = np.zeros(m.shape[0], np.int8)
+    if m.any():
+        d = np.diff(np.concatenate([[0], m.astype(np.int8), [0]]))
+        lengths = np.flatnonzero(d == -1) - np.flatnonzero(d == 1)
+        out[m] = np.repeat(np.minimum(lengths, 127), lengths)
+    return out
+
+
+def _ectopy(rng: np.random.Generator, t: np.ndarray, rr: np.ndarray, pvc_rate: float, couplet_share: float,
+            run_share: float, apc_rate: float):
+    """Ectopic events on the sinus beats ``t`` (s; ``rr``: the sinus RR ending at each beat).
+
+    Each beat starts a PVC event with probability ``pvc_rate`` (a couplet with probability
+    ``couplet_share``, a run of 3..8 with ``run_share``, else a single PVC) or is an APC with
+    probability ``apc_rate``; the event's beats take the places of as many sinus beats. An event is
+    kept when it starts after two beats, is followed by a beat, and starts after the sinus beat that
+    follows the previous candidate event (candidates dropped this way included: a vectorised rule),
+    so every event has a sinus beat before and after it.
+
+    Returns
+    -------
+    gap : ndarray of float64, the interval (s) ending at each beat (``t[0] + cumsum(gap)`` are the times)
+    labels : ndarray of int8, 0 sinus, 1 PVC, 3 APC
+    form : ndarray of int8, each PVC's focus (0 usual, 1 inverted, 2 wide biphasic; a run shares its
+        first beat's), -1 for other beats
+    """
+    n = t.shape[0]
+    u = rng.random(n)
+    kind_u = rng.random(n)
+    run_len = rng.integers(_RUN_LENGTHS[0], _RUN_LENGTHS[1] + 1, n)
+    coupling_v = rng.uniform(0.55, 0.75, n)
+    coupling_a = rng.uniform(0.60, 0.85, n)
+    couplet_s = rng.uniform(*_COUPLET_S, n)
+    run_s = rng.uniform(*_RUN_S, n)
+    jitter = rng.normal(0.0, 0.005, n)
+    pause_run = rng.uniform(1.05, 1.3, n)
+    pause_apc = rng.uniform(1.0, 1.1, n)
+    form_u = rng.random(n)
+
+    v = u < pvc_rate
+    start = np.flatnonzero(u < pvc_rate + apc_rate)
+    length = np.where(~v[start], 1, np.where(kind_u[start] < couplet_share, 2,
+                                             np.where(kind_u[start] < couplet_share + run_share, run_len[start], 1)))
+    after = start + length  # the sinus beat after each event
+    prev_after = np.concatenate([[-1], np.maximum.accumulate(after)[:-1]]) if start.size else after
+    ok = (start >= 2) & (after < n) & (start > prev_after)
+    start, length, after = start[ok], length[ok], after[ok]
+    ev = np.repeat(np.arange(start.size), length)  # event of each ectopic beat
+    offs = np.arange(ev.size) - np.repeat(np.cumsum(length) - length, length)  # its place in the event
+    idx = start[ev] + offs
+    is_v = v[start]
+    labels = np.zeros(n, np.int8)
+    labels[idx] = np.where(is_v[ev], 1, 3)
+    form = np.full(n, -1, np.int8)
+    key = np.where(length[ev] >= 3, form_u[start[ev]], form_u[idx])
+    form[idx[is_v[ev]]] = np.searchsorted([0.65, 0.85], key[is_v[ev]], side="right").astype(np.int8)
+
+    # The intervals. A premature beat comes early after the beat before it (never under 0.41 s
+    # unless that would not be premature); a couplet's or run's next PVCs follow at their fast rate.
+    gap = np.diff(t, prepend=t[0])
+    floor = np.minimum(_PVC_MIN_COUPLING_S, 0.85 * rr)
+    first = start
+    gap[first] = np.maximum(np.where(is_v, coupling_v[first], coupling_a[first]) * rr[first], floor[first])
+    later = idx[offs > 0]
+    fast = np.where(length[ev[offs > 0]] == 2, couplet_s[start[ev[offs > 0]]],
+                    run_s[start[ev[offs > 0]]] + jitter[later])  # a run's own rate, a little jitter per beat
+    gap[later] = np.maximum(np.minimum(fast, 0.95 * rr[later]), _PVC_MIN_COUPLING_S)
+    # The sinus beat after: a single PVC keeps its sinus time (full compensatory pause) unless the
+    # pause would pass _MAX_PAUSE_S; after a couplet or a run, and after an APC, the sinus node is
+    # reset (the next beat about one RR later: no compensatory pause).
+    single = is_v & (length == 1)
+    pause = np.where(single, rr[first] - gap[first] + rr[after],
+                     np.where(is_v, pause_run[start], pause_apc[start]) * rr[after])
+    gap[after] = np.minimum(pause, _MAX_PAUSE_S)
+    return gap, labels, form
+
+
+def _episodes(rng: np.random.Generator, duration_s: float, per_hour: float):
+    """Unreadable episodes in seconds: ``(start, end, kind)`` arrays, sorted and apart (kind indexes
+    :data:`UNREADABLE_REASONS`). Their count is ``per_hour`` x hours, stochastically rounded, less
+    those that do not fit in half the stream with their gaps; kinds come in turn, shuffled."""
+    count = int(math.floor(per_hour * duration_s / 3600.0 + rng.random()))
+    d = np.exp(rng.uniform(math.log(_EPISODE_S[0]), math.log(_EPISODE_S[1]), count))
+    kinds = rng.permutation(np.arange(count) % len(UNREADABLE_REASONS))
+    room = duration_s - 2.0 * _EPISODE_EDGE_S
+    fits = np.cumsum(d + _EPISODE_GAP_S) - _EPISODE_GAP_S <= 0.5 * room
+    d, kinds = d[fits], kinds[fits]
+    m = d.size
+    free = room - d.sum() - _EPISODE_GAP_S * max(m - 1, 0)
+    u = np.sort(rng.uniform(0.0, max(free, 0.0), m))
+    start = _EPISODE_EDGE_S + u + np.concatenate([[0.0], np.cumsum(d)[:-1]]) + _EPISODE_GAP_S * np.arange(m)
+    return start, start + d, kinds
+
+
+def _render_episodes(out: np.ndarray, rng: np.random.Generator, fs: float, start_s, end_s, kinds) -> np.ndarray:
+    """Make the episodes unreadable in the finished stream ``out``; return their ``[start, end)`` samples.
+
+    A loop over the few episodes, each vectorised over its samples."""
+    n = out.shape[0]
+    spans = np.stack([np.round(np.asarray(start_s) * fs), np.round(np.asarray(end_s) * fs)], axis=1)
+    spans = np.clip(spans, 0, n).astype(np.int64).reshape(-1, 2)
+    f32 = np.float32
+    for (a, b), kind in zip(spans.tolist(), np.asarray(kinds).tolist()):
+        length = b - a
+        if length <= 1:
+            continue
+        tt = np.arange(length) / fs
+        reason = UNREADABLE_REASONS[kind]
+        if reason == "noise":
+            # white (broadband) noise, ramped in and out, swelling like muscle contractions
+            edge = np.clip(np.minimum(tt, tt[-1] - tt) / _EPISODE_RAMP_S, 0.0, 1.0)
+            swell = _smooth_noise(rng, int(tt[-1] * _GRID_FS) + 2, 0.7)
+            swell = np.interp(tt * _GRID_FS, np.arange(swell.size), swell)
+            env = rng.uniform(0.5, 1.2) * (0.5 - 0.5 * np.cos(np.pi * edge)) * np.clip(1.0 + 0.4 * swell, 0.3, None)
+            out[a:b] += (env * rng.standard_normal(length)).astype(f32)
+        elif reason == "lead_off":
+            # a flat line at a rail, or at a level a step away from the signal
+            sign = 1.0 if rng.random() < 0.5 else -1.0
+            rail = rng.random() < 0.5
+            level = sign * RAIL_MV if rail else float(out[a]) + sign * rng.uniform(0.5, 2.0)
+            out[a:b] = f32(level)
+        else:
+            # an offset past a rail, held, then recovering over the last fifth;
+            # the amplifier clips at the rails
+            sign = 1.0 if rng.random() < 0.5 else -1.0
+            peak = RAIL_MV + rng.uniform(0.0, 1.2)
+            rise = np.clip(tt / rng.uniform(0.05, 0.2), 0.0, 1.0)
+            late = np.clip((tt - 0.8 * tt[-1]) / (0.05 * tt[-1]), 0.0, None)
+            offset = (sign * peak) * rise * np.exp(-late)
+            np.clip(out[a:b] + offset.astype(f32), -RAIL_MV, RAIL_MV, out=out[a:b])
+    return spans
+
+
 def _rhythm(rng: np.random.Generator, duration_s: float):
     """Normal beat times (s) and the respiratory phase on the coarse grid.
 
@@ -296,8 +523,12 @@ def _rhythm(rng: np.random.Generator, duration_s: float):
     return t, tg, resp_phase
 
 
-def _morphology(rng: np.random.Generator, rr: np.ndarray, is_pvc: np.ndarray, gain: np.ndarray):
-    """Per-beat wave parameters, arrays of shape (n_beats, 5): amp (mV), mu, sigma_l, sigma_r (s)."""
+def _morphology(rng: np.random.Generator, rr: np.ndarray, labels: np.ndarray, form: np.ndarray,
+                gain: np.ndarray):
+    """Per-beat wave parameters, arrays of shape (n_beats, 5): amp (mV), mu, sigma_l, sigma_r (s).
+
+    ``labels``: 1 PVC (its focus in ``form``), 3 APC (a normal beat with a changed P wave), else a
+    normal beat."""
     n = rr.shape[0]
     shape = (n, _N_WAVES)
     j = lambda s: 1.0 + s * rng.standard_normal(shape)  # noqa: E731 - relative jitter
@@ -315,13 +546,22 @@ def _morphology(rng: np.random.Generator, rr: np.ndarray, is_pvc: np.ndarray, ga
     sr[:, 4] = 0.040 * j(0.08)[:, 4]
     sl[:, 4] *= sq[:, 0] / math.sqrt(0.8)
 
-    k = np.flatnonzero(is_pvc)
+    # APCs: the usual QRS and T; the P wave inverted with a short PR (40 %), peaked and narrow (30 %),
+    # or early enough to fall into the previous beat's T wave (30 %).
+    a = np.flatnonzero(labels == 3)
+    if a.size:
+        kind = np.searchsorted([0.4, 0.7], rng.random(a.size), side="right")
+        u1, u2 = rng.random(a.size), rng.random(a.size)
+        amp[a, 0] = np.where(kind == 0, -(0.06 + 0.06 * u1), np.where(kind == 1, 0.14 + 0.08 * u1, amp[a, 0]))
+        mu[a, 0] = -np.where(kind == 0, 0.10 + 0.03 * u2, np.where(kind == 1, 0.15 + 0.04 * u2, 0.19 + 0.03 * u2))
+        sl[a, 0] = sr[a, 0] = np.where(kind == 1, 0.014, 0.020)
+
+    k = np.flatnonzero(labels == 1)
     if k.size:
-        # Two ectopic foci per record: focus 0 positive, focus 1 of random polarity (25 % of PVCs).
-        pol1 = 1.0 if rng.random() < 0.5 else -1.0
-        focus_gain = rng.uniform(0.9, 1.2, 2)
-        focus = (rng.random(k.size) < 0.25).astype(np.int64)
-        pol = np.where(focus == 1, pol1, 1.0)
+        # Three ectopic foci per record: 0 positive, 1 inverted, 2 wide and biphasic.
+        focus = form[k].astype(np.int64)
+        focus_gain = rng.uniform(0.9, 1.2, 3)
+        pol = np.where(focus == 1, -1.0, 1.0)
         g = focus_gain[focus]
         m = k.size
         jj = lambda s: 1.0 + s * rng.standard_normal(m)  # noqa: E731
@@ -338,6 +578,13 @@ def _morphology(rng: np.random.Generator, rr: np.ndarray, is_pvc: np.ndarray, ga
         sl[k, 4] = 0.075 * jj(0.06)
         sr[k, 4] = 0.055 * jj(0.06)
         sl[k, 0] = sr[k, 0] = sl[k, 1] = sr[k, 1] = 0.01  # unused slots (amplitude 0)
+        b = k[focus == 2]  # lower, wider, with an initial opposite notch in the Q slot
+        amp[b, 2] *= 0.8
+        sl[b, 2] *= 1.3
+        sr[b, 2] *= 1.25
+        amp[b, 1] = -0.6 * focus_gain[2] * (1.0 + 0.1 * rng.standard_normal(b.size))
+        mu[b, 1] = -0.045
+        sl[b, 1] = sr[b, 1] = 0.014
     amp *= gain[:, None]
     return amp, mu, sl, sr
 
@@ -423,7 +670,8 @@ def _render_artifacts(out: np.ndarray, rng: np.random.Generator, fs: float, cent
 def synthesize_ecg(hours: float = 20.0, fs: float = 250.0, seed: int = 0, *,
                    pvc_rate: float = 0.02, artifacts_per_hour: float = 4.0,
                    noise_mv: float = 0.03, wander_mv: float = 0.15,
-                   powerline_mv: float = 0.01) -> SyntheticECG:
+                   powerline_mv: float = 0.01, apc_rate: float = 0.01, couplet_share: float = 0.03,
+                   run_share: float = 0.005, episodes_per_hour: float = 0.25) -> SyntheticECG:
     """Generate a reproducible synthetic single-lead ECG with labelled beats.
 
     Parameters
@@ -436,7 +684,7 @@ def synthesize_ecg(hours: float = 20.0, fs: float = 250.0, seed: int = 0, *,
     seed : int, optional
         Seed (non-negative int) of ``np.random.SeedSequence``; same seed, same recording.
     pvc_rate : float, optional
-        Probability that a beat is a premature ventricular contraction, in [0, 1).
+        Probability that a sinus beat starts a PVC event (a single PVC, a couplet or a run), in [0, 1).
     artifacts_per_hour : float, optional
         Mean number (Poisson) of artifact bursts per hour, >= 0; each corrupts one normal beat.
     noise_mv : float, optional
@@ -445,13 +693,22 @@ def synthesize_ecg(hours: float = 20.0, fs: float = 250.0, seed: int = 0, *,
         Scale of the baseline wander, mV (>= 0); its peaks are about this size.
     powerline_mv : float, optional
         Amplitude of a 50 Hz hum, mV (>= 0; 0 disables it).
+    apc_rate : float, optional
+        Probability that a sinus beat is an atrial premature contraction, in [0, 1);
+        ``pvc_rate + apc_rate`` below 1.
+    couplet_share, run_share : float, optional
+        Shares of the PVC events that are couplets and runs of 3..8 (non-sustained VT), each in
+        [0, 1], their sum at most 1.
+    episodes_per_hour : float, optional
+        Unreadable episodes (noise, lead-off, clipping) per hour, >= 0 (stochastically rounded).
 
     Returns
     -------
     SyntheticECG
         ``signal`` (float32, mV), ``fs``, sorted ``r_peaks`` (int64; each beat's QRS main
-        deflection, whole window inside the signal) and ``labels`` (int8: 0 normal, 1 PVC,
-        2 artifact).
+        deflection, whole window inside the signal), ``labels`` (int8: 0 normal, 1 PVC,
+        2 artifact, 3 APC), ``beat_unreadable``, ``run_length``, ``pvc_form``, ``unreadable``
+        and ``unreadable_reason`` (the module docstring describes them).
 
     Raises
     ------
@@ -465,6 +722,14 @@ def synthesize_ecg(hours: float = 20.0, fs: float = 250.0, seed: int = 0, *,
     noise_mv = _check_number("noise_mv", noise_mv, 0.0)
     wander_mv = _check_number("wander_mv", wander_mv, 0.0)
     powerline_mv = _check_number("powerline_mv", powerline_mv, 0.0)
+    apc_rate = _check_number("apc_rate", apc_rate, 0.0, 1.0)
+    if pvc_rate + apc_rate >= 1.0:
+        raise ValueError(f"pvc_rate + apc_rate must be below 1, got {pvc_rate!r} + {apc_rate!r}")
+    couplet_share = _check_number("couplet_share", couplet_share, 0.0, 1.0, hi_open=False)
+    run_share = _check_number("run_share", run_share, 0.0, 1.0, hi_open=False)
+    if couplet_share + run_share > 1.0:
+        raise ValueError(f"couplet_share + run_share must be at most 1, got {couplet_share!r} + {run_share!r}")
+    episodes_per_hour = _check_number("episodes_per_hour", episodes_per_hour, 0.0)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     n = int(round(hours * 3600.0 * fs))
@@ -474,37 +739,34 @@ def synthesize_ecg(hours: float = 20.0, fs: float = 250.0, seed: int = 0, *,
         raise ValueError(f"hours * 3600 * fs must stay below 2**31 samples, got {n}")
     duration = n / fs
 
-    s_rhythm, s_labels, s_morph, s_art, s_noise, s_wander = np.random.SeedSequence(int(seed)).spawn(6)
+    s_rhythm, s_labels, s_morph, s_art, s_noise, s_wander, s_episodes = np.random.SeedSequence(int(seed)).spawn(7)
     rng_lab = np.random.default_rng(s_labels)
 
     # --- rhythm and labels (independent of fs) ---
-    # Twice the duration: PVCs shorten the beat sequence, which must still reach the end.
+    # Twice the duration: premature beats shorten the beat sequence, which must still reach the end.
     t, tg, resp_phase = _rhythm(np.random.default_rng(s_rhythm), 2.0 * duration + 10.0)
     rr = np.diff(t, prepend=t[0] - (t[1] - t[0] if t.size > 1 else 0.8))  # sinus RR ending at each beat
-    is_pvc = rng_lab.random(t.size) < pvc_rate
-    is_pvc[0] = False
-    coupling = rng_lab.uniform(0.55, 0.75, t.size)
-    # Work on the gaps between beats. A PVC comes early after the beat before it; the sinus beat
-    # after it keeps its sinus time (full compensatory pause) unless that pause would exceed
-    # _MAX_PAUSE_S, in which case the sinus rhythm resets (every later beat moves earlier).
-    gap = np.diff(t, prepend=t[0])
-    gap[is_pvc] = np.maximum(coupling * rr, np.minimum(_PVC_MIN_COUPLING_S, 0.85 * rr))[is_pvc]
-    after = np.flatnonzero(is_pvc[:-1] & ~is_pvc[1:]) + 1
-    gap[after] = np.minimum(rr[after - 1] - gap[after - 1] + rr[after], _MAX_PAUSE_S)
+    gap, labels, form = _ectopy(rng_lab, t, rr, pvc_rate, couplet_share, run_share, apc_rate)
     t = t[0] + np.cumsum(gap)
     # Keep beats whose whole window lies inside the signal.
     pos = np.floor(t * fs).astype(np.int64)
     keep = (pos - int(math.ceil(_WIN_PRE_S * fs)) >= 0) & (pos + int(math.ceil(_WIN_POST_S * fs)) < n)
-    t, rr, is_pvc = t[keep], rr[keep], is_pvc[keep]
+    t, rr, labels, form = t[keep], rr[keep], labels[keep], form[keep]
     if t.size == 0:
         raise ValueError(f"hours={hours!r} is too short to hold a beat")
-    labels = is_pvc.astype(np.int8)
 
-    # Artifacts: Poisson count over normal beats that have both neighbours.
+    # Unreadable episodes (seconds; rendered once the stream is finished).
+    rng_ep = np.random.default_rng(s_episodes)
+    ep_start, ep_end, ep_kind = _episodes(rng_ep, duration, episodes_per_hour)
+
+    # Artifacts: Poisson count over normal beats that have both neighbours, away from the episodes.
     rng_art = np.random.default_rng(s_art)
     n_art = rng_art.poisson(artifacts_per_hour * hours)
     eligible = np.flatnonzero(labels == 0)
     eligible = eligible[(eligible > 0) & (eligible < t.size - 1)]
+    if ep_start.size:  # (episodes are sorted and apart: the one starting last before a beat is the one)
+        k = np.searchsorted(ep_start - 1.0, t[eligible], side="right") - 1
+        eligible = eligible[~((k >= 0) & (t[eligible] < ep_end[np.maximum(k, 0)] + 1.0))]
     n_art = int(min(n_art, eligible.size))
     art = np.sort(rng_art.choice(eligible, n_art, replace=False)) if n_art else np.zeros(0, np.int64)
     labels[art] = 2
@@ -514,7 +776,7 @@ def synthesize_ecg(hours: float = 20.0, fs: float = 250.0, seed: int = 0, *,
     rng_m = np.random.default_rng(s_morph)
     gain = rng_m.uniform(0.9, 1.1) * (1.0 + 0.1 * np.sin(resp_at_beat + 0.5))
     gain *= 1.0 + 0.05 * np.interp(t, tg, _smooth_noise(rng_m, tg.size, 1800.0))
-    amp, mu, sl, sr = _morphology(rng_m, rr, is_pvc, gain)
+    amp, mu, sl, sr = _morphology(rng_m, rr, labels, form, gain)
     signal = np.zeros(n, np.float32)
     r_peaks = _render_beats(signal, fs, t, amp, mu, sl, sr)
 
@@ -552,5 +814,14 @@ def synthesize_ecg(hours: float = 20.0, fs: float = 250.0, seed: int = 0, *,
             noise = rng_n.standard_normal(b - a, dtype=np.float32)
             noise *= np.float32(noise_mv)
             seg += noise
+    # --- unreadable episodes, over the finished stream ---
+    spans = _render_episodes(signal, rng_ep, fs, ep_start, ep_end, ep_kind)
+    np.clip(signal, -RAIL_MV, RAIL_MV, out=signal)  # the amplifier's range
     order = np.argsort(r_peaks, kind="stable")  # already sorted; guards against ties
-    return SyntheticECG(signal=signal, fs=fs, r_peaks=r_peaks[order], labels=labels[order])
+    r_peaks, labels, form = r_peaks[order], labels[order], form[order]
+    k = np.searchsorted(spans[:, 0], r_peaks, side="right") - 1
+    unreadable = (k >= 0) & (r_peaks < spans[np.maximum(k, 0), 1]) if spans.shape[0] else np.zeros(r_peaks.size, bool)
+    return SyntheticECG(signal=signal, fs=fs, r_peaks=r_peaks, labels=labels, beat_unreadable=unreadable,
+                        run_length=_run_lengths(labels == 1), pvc_form=form, unreadable=spans,
+                        unreadable_reason=np.asarray([UNREADABLE_REASONS[i] for i in ep_kind[: spans.shape[0]]],
+                                                     dtype="<U8"))

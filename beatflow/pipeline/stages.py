@@ -77,10 +77,13 @@ def synthesize(hours: float, fs: float, seed: int, folder: str) -> tuple[str, st
     sig, truth = os.path.join(folder, "input.npy"), os.path.join(folder, "truth.npz")
     _, hit = synthesize_cached(sig, truth, hours=hours, fs=fs, seed=seed)
     with np.load(truth) as t:
-        labels = t["labels"]
-    get_run_logger().info("synthesized %.1f h at %g Hz%s: %d beats (%d PVC, %d artifacts)", hours, fs,
+        labels, episodes = t["labels"], t["unreadable"]
+        unreadable_s = float((episodes[:, 1] - episodes[:, 0]).sum() / fs)
+    get_run_logger().info("synthesized %.1f h at %g Hz%s: %d beats (%d PVC, %d APC, %d artifacts), "
+                          "%d unreadable episodes (%.0f s)", hours, fs,
                           " (from the cache of generated recordings)" if hit else "", len(labels),
-                          int((labels == 1).sum()), int((labels == 2).sum()))
+                          int((labels == 1).sum()), int((labels == 3).sum()), int((labels == 2).sum()),
+                          len(episodes), unreadable_s)
     return sig, truth
 
 
