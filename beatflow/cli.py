@@ -316,6 +316,14 @@ def _run_logged(args, device: str, final, log) -> int:
     if "truth" in summary:
         tr = summary["truth"]
         t.add_row("truth", f"Se {tr['se']:.4f}  PPV {tr['ppv']:.4f}  ROC-AUC {tr['auc']:.4f}")
+        tc = tr.get("classes")
+        if tc:
+            t.add_row("truth classes", "  ".join(f"{c} Se {tc[c]['se']:.3f} +P {tc[c]['ppv']:.3f}" for c in "VS"
+                                                 if tc.get(c) and tc[c]["n"]))
+        tq = tr.get("quality")
+        if tq and tq["episodes"]:
+            t.add_row("truth unreadable", f"{tq['episodes_found']} of {tq['episodes']} episodes found, "
+                      f"{tq['seconds_found']:.0f} s found of {tq['seconds_true']:.0f} s")
     t.add_row("total time", f"{summary['timings_s']['total']:.1f} s")
     t.add_row("outputs", summary["out"])
     con.print(t)

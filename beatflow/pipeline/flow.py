@@ -42,7 +42,7 @@ from beatflow.report.data import N_COLUMNS, N_TOP
 from beatflow.report.figures import EARLY_FIGURES, FIGURES
 from beatflow.report.pool import FigurePool, figure_pool
 from beatflow.score.classes import class_summary, classify
-from beatflow.score.metrics import match_truth, truth_check
+from beatflow.score.metrics import match_truth, truth_check, truth_classes, truth_quality
 from beatflow.score.rule import MODEL_INPUT, anomaly_table, robust_threshold, write_anomaly_table
 from beatflow.terminal import front_sigterm
 
@@ -479,7 +479,14 @@ def _score(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list, trained: dic
     truth = None
     if checking is not None:
         truth = FigurePool.result(checking)
-        log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f", truth["se"], truth["ppv"], truth["auc"])
+        # the classes and the unreadable stretches against the truth's (the synthetic input is one recording)
+        found = (np.round(seg.unreadable[["start_s", "end_s"]].to_numpy(np.float64) * fs).astype(np.int64)
+                 if len(seg.unreadable) else np.zeros((0, 2), np.int64))
+        truth = {**truth, "classes": truth_classes(matched, classes), "quality": truth_quality(matched, found)}
+        log.info("truth: Se %.4f PPV %.4f, anomaly ROC-AUC %.4f; classes V Se %.4f +P %.4f, S Se %.4f +P %.4f; "
+                 "unreadable episodes found %d of %d", truth["se"], truth["ppv"], truth["auc"],
+                 *(truth["classes"][c][k] for c in "VS" for k in ("se", "ppv")),
+                 truth["quality"]["episodes_found"], truth["quality"]["episodes"])
         ph.lap("truth")
     # the table's file written in a thread (pyarrow lets go of the interpreter) while the report is made
     written = write_in_background(run.work, write_anomaly_table, table, run.work / "anomalies.parquet")
