@@ -14,6 +14,7 @@ import sys
 from contextlib import contextmanager
 
 from beatflow.errors import InputError
+from beatflow.params import TRAIN_BEATS
 
 
 @contextmanager
@@ -65,6 +66,9 @@ def _run_parser(sub) -> None:
                         "CUDA graphs in it) or RMM's pool; default async")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic ECG and of the train/test split")
     p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--train-beats", type=int, default=TRAIN_BEATS, metavar="N",
+                   help=f"train on at most N beats, stratified by recording and over time; every beat is scored "
+                        f"(default {TRAIN_BEATS:,}; 0: all)")
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--out", help="output folder (default runs/<timestamp>); must not exist or be empty")
     p.add_argument("--store", default=os.environ.get("BEATFLOW_STORE"),
@@ -156,6 +160,8 @@ def _check_run_args(args) -> None:
 
     for name in ("workers", "partitions", "epochs", "batch_size"):
         _positive(name.replace("_", "-"), getattr(args, name))
+    if args.train_beats < 0:
+        raise InputError(f"--train-beats {args.train_beats}: must be 0 (all) or a positive number of beats")
     if args.fs is not None and check_fs(args.fs):
         raise InputError(f"--fs {args.fs:g}: {check_fs(args.fs)}")
     if not args.input:
@@ -291,7 +297,8 @@ def _run_logged(args, device: str, final, log) -> int:
             input=args.input, column=args.column, fs=args.fs, lead=args.lead, confirm_lead=args.confirm_lead,
             confirm_column=args.confirm_column, hours=args.hours, seed=args.seed,
             out=str(final), device=device, workers=workers, partitions=args.partitions, epochs=args.epochs,
-            batch_size=args.batch_size, store=args.store, cache=args.cache, engine_backend=args.engine,
+            batch_size=args.batch_size, train_beats=args.train_beats, store=args.store, cache=args.cache,
+            engine_backend=args.engine,
             precision=args.precision, train_precision=args.train_precision,
             train_compile=None if args.train_compile == "auto" else args.train_compile == "on",
             rmm_pool_size=args.rmm_pool_size, rmm_allocator=args.rmm_allocator)

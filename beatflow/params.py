@@ -302,6 +302,11 @@ class QualitySamples:
 
 # ---- training (beatflow.model.vae) ---------------------------------------------------------------
 
+#: the flow trains on at most this many beats (:func:`beatflow.model.sample.training_sample`: stratified by
+#: recording and over time) and scores every beat, so training costs the same for 20 h as for 1000 h; the
+#: size was chosen by ``bench/train_sample_study.py`` (``bench/results/training.md``)
+TRAIN_BEATS = 20_000
+
 #: fraction of the beat matrix :func:`beatflow.model.train.train_vae` trains on (after a seeded shuffle); the rest
 #: is held out
 TRAIN_FRACTION = 0.75

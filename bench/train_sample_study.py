@@ -2,7 +2,7 @@
 
 The 22 non-paced MIT-BIH records in the 5 folds of ``bench/evaluate_mitdb.py`` (sorted names, fold k = every
 5th from k). For each fold and each sample size, the model is trained (10 epochs, batch 1024, seed 0) on
-:func:`beatflow.model.train.training_sample` of the other folds' kept beats (at most that many, stratified by
+:func:`beatflow.model.sample.training_sample` of the other folds' kept beats (at most that many, stratified by
 record and over time), as the flow's model input (:mod:`beatflow.score.rule`, the pooled scale), and judged on
 the fold's records: the mean score of their beats (the reconstruction error: the test loss on unseen patients),
 the V-vs-N and S-vs-N ROC-AUC, and the training's seconds. The table: mean ± sd over the folds.
@@ -22,7 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_header, print_table  # noqa: E402
-from beatflow.model.train import train_vae, training_sample  # noqa: E402
+from beatflow.model.sample import training_sample  # noqa: E402
+from beatflow.model.train import train_vae  # noqa: E402
 from beatflow.model.vae import score_beats  # noqa: E402
 from beatflow.score.evaluate import (PACED_RECORDS, anomaly_metrics, list_records, load_record,  # noqa: E402
                                      model_inputs, record_beats, scaled_rows)

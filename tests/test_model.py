@@ -402,3 +402,24 @@ def test_queued_epochs_host_side_matches_epoch_by_epoch_and_restores_the_process
     with pytest.raises(RuntimeError, match="replay failed"):
         G.queued_epochs(Failing(), data, train_idx, n, 3, gen, None, time.perf_counter())
     assert (sys.getswitchinterval(), gc.isenabled(), torch.get_num_threads(), list(gc.callbacks)) == before
+
+
+def test_training_sample_is_stratified_by_recording_and_over_time():
+    from beatflow.model.sample import training_sample
+
+    counts = [60_000, 30_000, 500, 0, 9_500]
+    pick = training_sample(counts, 20_000)
+    assert len(pick) == 20_000 and (np.diff(pick) > 0).all()
+    rec = np.searchsorted(np.cumsum(counts), pick, side="right")
+    got = np.bincount(rec, minlength=len(counts))
+    # in proportion to each recording's beats (the small one whole, as its share is below its beats)
+    np.testing.assert_allclose(got, [12_000, 6_000, 100, 0, 1_900], atol=2)
+    # evenly over each recording's time: every tenth of the biggest recording holds a tenth of its share
+    first = pick[rec == 0]
+    assert np.allclose(np.histogram(first, bins=10, range=(0, 60_000))[0], got[0] / 10, atol=2)
+    # a recording's share is at least one beat; the shares add up to the sample
+    small = training_sample([5, 1000], 100)
+    assert np.bincount(np.searchsorted(np.cumsum([5, 1000]), small, side="right")).tolist() == [1, 99]
+    assert training_sample([10, 10], 100).tolist() == list(range(20))  # all, when fewer than asked
+    assert training_sample([10, 10], None).tolist() == list(range(20))
+    assert len(training_sample([3, 3, 3], 2)) == 2

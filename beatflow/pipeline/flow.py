@@ -30,8 +30,9 @@ from beatflow.embed.partitions import (BeatPlan, assemble_halos, peaks_by_record
                                        second_lead_gathered)
 from beatflow.errors import InputError
 from beatflow.io.sources import Source, open_second_lead, open_source
-from beatflow.params import (DEFAULT_FS, TRAIN_FRACTION, QualityParams, QualitySamples, SegmentParams, SegmentSamples,
-                             compile_pays)
+from beatflow.model.sample import training_sample
+from beatflow.params import (DEFAULT_FS, TRAIN_BEATS, TRAIN_FRACTION, QualityParams, QualitySamples, SegmentParams,
+                             SegmentSamples, compile_pays)
 from beatflow.pipeline import stages as T
 from beatflow.pipeline.caching import cached, code_version, input_digest, token
 from beatflow.pipeline.cluster import prepare_cluster, run_on_workers
@@ -73,7 +74,8 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
                      lead: int = 0, confirm_lead: int | None = None, confirm_column: str | None = None,
                      hours: float = 20.0, seed: int = 0, out: str | None = None,
                      device: str = "cpu", workers: int | None = 2, partitions: int | None = None,
-                     epochs: int = 10, batch_size: int = 1024, store: str | None = None,
+                     epochs: int = 10, batch_size: int = 1024, train_beats: int | None = TRAIN_BEATS,
+                     store: str | None = None,
                      cache: str | None = None, engine_backend: str = "auto", precision: str = "fp32",
                      train_precision: str = "auto", train_compile: bool | None = None,
                      rmm_pool_size: str | float | None = None, rmm_allocator: str = "async") -> dict:
@@ -102,6 +104,9 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
         per worker).
     epochs, batch_size : int
         VAE training.
+    train_beats : int, optional
+        Train on at most this many beats, stratified by recording and over time
+        (:func:`beatflow.model.sample.training_sample`); every beat is scored. None or 0: all.
     store : str, optional
         A results store (``beatflow.io.store``): the trained model is registered there as the latest,
         for the scheduled ``score-new-recordings`` flow.
@@ -126,7 +131,8 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     front_sigterm()  # (a command's SIGTERM before Prefect's handler: beatflow.terminal)
     opts = RunOptions(input=input, column=column, fs=fs, lead=lead, confirm_lead=confirm_lead,
                       confirm_column=confirm_column, hours=hours, seed=seed, out=out, device=device, workers=workers,
-                      partitions=partitions, epochs=epochs, batch_size=batch_size, store=store, cache=cache,
+                      partitions=partitions, epochs=epochs, batch_size=batch_size, train_beats=train_beats,
+                      store=store, cache=cache,
                       engine_backend=engine_backend, precision=precision, train_precision=train_precision,
                       train_compile=train_compile, rmm_pool_size=rmm_pool_size, rmm_allocator=rmm_allocator)
     log = get_run_logger()
@@ -364,9 +370,22 @@ def _train(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list) -> tuple[dic
     matching its truth to the beats (a future of the figure processes)."""
     o, plan = run.opts, seg.plan
     train_token = (token(ld.base_token, "train", plan.start[plan.kept].tobytes(), plan.length[plan.kept].tobytes(),
-                         o.epochs, o.batch_size, o.seed, MODEL_INPUT, o.train_precision) if o.cache else None)
+                         o.epochs, o.batch_size, o.seed, MODEL_INPUT, o.train_precision, o.train_beats)
+                   if o.cache else None)
     model_folder = str(Path(o.cache).resolve() / "models" / train_token) if o.cache else str(run.work)
-    compile_steps = (compile_pays(o.device, int(plan.n_kept * TRAIN_FRACTION), o.epochs) if o.train_compile is None
+    # the training sample: at most train_beats rows, stratified by recording and over time, each partition's
+    # share cut on its worker (only the sample travels to the home worker); every beat is scored
+    counts = [int((plan.kept & (plan.owner == k)).sum()) for k in range(len(ld.specs))]
+    pick = training_sample([sum(c for c, sp in zip(counts, ld.specs) if sp.recording == r)
+                            for r in sorted({sp.recording for sp in ld.specs})], o.train_beats or None)
+    sampled = len(pick) < plan.n_kept
+    if sampled:
+        bounds = np.cumsum([0] + counts)
+        picks = [pick[(pick >= a) & (pick < b)] - a for a, b in zip(bounds[:-1], bounds[1:])]
+        embedded = T.sample_rows(embedded, picks)
+        run.log.info("training on %d of %d beats (stratified by recording and over time; --train-beats)",
+                     len(pick), plan.n_kept)
+    compile_steps = (compile_pays(o.device, int(len(pick) * TRAIN_FRACTION), o.epochs) if o.train_compile is None
                      else bool(o.train_compile))
     # while the cluster trains, the matching of the beats to the synthetic truth (the part of its
     # check that needs no scores) runs in an idle figure process, not in a thread of this one, whose
@@ -389,6 +408,9 @@ def _train(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list) -> tuple[dic
         for name in ("model.pt", "model.json", "validation_beats.npy"):
             shutil.copy(Path(model_folder) / name, run.work / name)
         trained = {**trained, "model": str(run.work / "model.pt"), "validation": str(run.work / "validation_beats.npy")}
+    if sampled:  # (the held-out rows as kept beats' numbers: the report's latent figure draws them)
+        trained = {**trained, "test_index": pick[np.asarray(trained["test_index"], np.int64)],
+                   "beats_sampled": int(len(pick))}
     run.log.info("training: train loss %s, test loss %.5f", ", ".join(f"{v:.4f}" for v in trained["train_loss"]),
                  trained["test_loss"])
     run.sw.lap("train")

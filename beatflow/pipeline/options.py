@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from beatflow.params import TRAIN_BEATS
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -23,6 +25,7 @@ class RunOptions:
     partitions: int | None = None
     epochs: int = 10
     batch_size: int = 1024
+    train_beats: int | None = TRAIN_BEATS
     store: str | None = None
     cache: str | None = None
     engine_backend: str = "auto"

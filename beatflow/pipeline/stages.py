@@ -327,6 +327,22 @@ def embed(parts: list, lefts: list, rights: list, firsts: list, starts: list, le
     return embedded
 
 
+def take_rows(embedded, index):
+    """The rows and peak-to-peak amplitudes ``index`` (host int64) of a partition's ``(rows, p2p)``, on its
+    device (the training sample's share of the partition, :func:`beatflow.model.sample.training_sample`)."""
+    rows, p2p = embedded
+    xp = namespace(_device_of(rows))
+    at = xp.asarray(index)
+    return rows[at], p2p[at]
+
+
+def sample_rows(embedded: list, picks: list) -> list:
+    """Each partition's share of the training sample (:func:`take_rows`), left on its worker: futures."""
+    out = map_partitions(take_rows, embedded, picks, name="sample-rows", at=embedded)
+    wait_partitions(out)
+    return out
+
+
 @partition_task(name="score")
 def score(embedded: list, engine_path: str, scale: float, dominants: list, at: list | None = None,
           context: tuple | None = None, top: int = 0, pad: int = 0, templates: list | None = None,

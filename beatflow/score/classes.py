@@ -60,7 +60,7 @@ class ClassParams:
     local_beats: int = 20
     irregular_beats: int = 16
     v_dev: float = 0.3
-    v_dev_z: float = 0.0
+    v_dev_z: float = 1.0
     v_min_dev: float = 0.05
     v_z: float = 3.0
     v_z_alone: float = 8.0
