@@ -316,14 +316,15 @@ def stop(timeout: float = 60.0, out=print) -> int:
             remove_state(state["pid"], path)
         out("beatflow serve: not running")
         return NOT_RUNNING
-    p = psutil.Process(int(state["pid"]))
     try:
-        p.terminate()
-        p.wait(timeout=timeout)
+        psutil.Process(int(state["pid"])).terminate()
     except psutil.NoSuchProcess:
         pass
-    except psutil.TimeoutExpired:
-        raise BeatflowError(f"the service (pid {state['pid']}) is still running {timeout:.0f} s after SIGTERM") from None
+    deadline = time.monotonic() + timeout
+    while process_alive(state):  # (a zombie counts as ended: its parent, if not init, reaps it)
+        if time.monotonic() > deadline:
+            raise BeatflowError(f"the service (pid {state['pid']}) is still running {timeout:.0f} s after SIGTERM")
+        time.sleep(0.1)
     remove_state(state["pid"], path)  # (it removes it itself; not if it was killed)
     out(f"beatflow serve: stopped (pid {state['pid']})")
     return 0
