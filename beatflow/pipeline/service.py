@@ -231,12 +231,14 @@ def serve(device: str = "auto", workers: int | None = None, rmm_pool_size=None, 
         if not os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL"):  # the server's database persists
             os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{data_dir() / DB_NAME}"
         from distributed import Client
+        from prefect.settings import get_current_settings
         from prefect.utilities.importtools import from_qualified_name
 
         from beatflow.pipeline.cluster import cluster_spec, prefect_api
 
         logging.getLogger("distributed").setLevel(logging.WARNING)
         path = state_path()
+        own_server = not get_current_settings().api.url  # (with PREFECT_API_URL set, that API: no server)
         with prefect_api(standing=True) as api_url:
             cluster_class, kwargs = cluster_spec(dev, workers, rmm_pool_size, gpus, rmm_allocator)
             with from_qualified_name(cluster_class)(**kwargs) as cluster, Client(cluster) as client:
@@ -248,8 +250,7 @@ def serve(device: str = "auto", workers: int | None = None, rmm_pool_size=None, 
                          "scheduler_http": f"http://127.0.0.1:{cluster.scheduler.http_server.port}",
                          "device": dev, "workers": workers, "started": time.time(),
                          "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                         "database": os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] if api_url.startswith(
-                             "http://127.0.0.1") else None}
+                         "database": os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] if own_server else None}
                 on_interrupt("service-state", lambda: remove_state(os.getpid(), path))
                 write_state(state, path)
                 try:
