@@ -122,34 +122,38 @@ def _serve_parser(sub) -> None:
 
 
 def cmd_serve(args) -> int:
-    """``beatflow serve``: :mod:`beatflow.pipeline.service`."""
+    """``beatflow serve``: :mod:`beatflow.pipeline.service`. Its answers (where the service is, that
+    it stopped) go to standard output; errors, as every command's, are one line on standard error."""
     from beatflow.pipeline import service
-    from beatflow.terminal import RunLog, say
+    from beatflow.terminal import RunLog
+
+    def out(line: str) -> None:
+        print(line, flush=True)
 
     _positive("workers", args.workers)
     if args.status:
-        return service.status(out=say)
+        return service.status(out=out)
     if args.stop:
-        return service.stop(out=say)
+        return service.stop(out=out)
     opts = ["--device", args.device] + (["--workers", str(args.workers)] if args.workers else []) + \
         (["--gpus", args.gpus] if args.gpus else []) + \
         (["--rmm-pool-size", str(args.rmm_pool_size)] if args.rmm_pool_size is not None else []) + \
         ["--rmm-allocator", args.rmm_allocator]
     if args.detach:
-        return service.start_detached(opts, out=say)
+        return service.start_detached(opts, out=out)
     service.check_unlocked()  # (a second service: one line, before a log is opened)
 
     def ready(state):
-        say("beatflow serve: ready (Ctrl-C stops it)")
+        out("beatflow serve: ready (Ctrl-C stops it)")
         for line in service.describe(state)[:2]:
-            say("  " + line)
+            out("  " + line)
 
     with RunLog("serve", verbose=args.verbose) as log:
         with _long_lived_imports():
             import beatflow.pipeline.cluster  # noqa: F401  (Prefect and Dask)
         rc = service.serve(args.device, args.workers, args.rmm_pool_size, args.gpus, args.rmm_allocator, ready=ready)
         log.stop_status()
-    say("beatflow serve: stopped")
+    out("beatflow serve: stopped")
     return rc
 
 

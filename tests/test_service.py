@@ -132,8 +132,8 @@ def test_service_status_says_where_it_is(service):
     assert st["database"] == f"sqlite+aiosqlite:///{service.data / svc.DB_NAME}"
     r = _cli("serve", "--status", env=service.env, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "running" in r.stderr and st["scheduler"] in r.stderr and st["api_url"] in r.stderr
-    assert "(cpu, 1 worker(s))" in r.stderr
+    assert "running" in r.stdout and st["scheduler"] in r.stdout and st["api_url"] in r.stdout
+    assert "(cpu, 1 worker(s))" in r.stdout
 
 
 def test_a_second_service_is_refused_in_one_line(service):
@@ -188,11 +188,12 @@ def test_what_the_commands_use_of_the_service(service, monkeypatch, capsys):
 def test_stop_ends_the_service(service):
     r = _cli("serve", "--stop", env=service.env, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert f"stopped (pid {service.proc.pid})" in r.stderr
+    assert f"stopped (pid {service.proc.pid})" in r.stdout
     assert service.proc.wait(timeout=30) is not None
     assert not service.path.exists()
-    assert "beatflow serve: stopped" in service.proc.stderr.read()
+    said = service.proc.stdout.read().splitlines()
+    assert said[0] == "beatflow serve: ready (Ctrl-C stops it)" and said[-1] == "beatflow serve: stopped"
     r = _cli("serve", "--status", env=service.env, timeout=60)
-    assert r.returncode == 3 and "not running" in r.stderr
+    assert r.returncode == 3 and "not running" in r.stdout
     r = _cli("serve", "--stop", env=service.env, timeout=60)
-    assert r.returncode == 3 and "not running" in r.stderr
+    assert r.returncode == 3 and "not running" in r.stdout
