@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,7 +149,9 @@ def test_a_second_service_is_refused_in_one_line(service):
 def test_run_uses_the_service(service, tmp_path):
     out = tmp_path / "out"
     logs = tmp_path / "logs"
-    r = _cli("run", "--hours", "0.04", "--epochs", "1", "--out", str(out), env={**service.env, "BEATFLOW_LOG_DIR": str(logs)})
+    store = tmp_path / "store"
+    r = _cli("run", "--hours", "0.04", "--epochs", "1", "--out", str(out), "--store", str(store),
+             env={**service.env, "BEATFLOW_LOG_DIR": str(logs)})
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["service"] is True
@@ -159,8 +162,20 @@ def test_run_uses_the_service(service, tmp_path):
     assert "Starting temporary server" not in text  # nor a Prefect server: the flow run is the service's API's
     import httpx
 
-    runs = httpx.post(service.state["api_url"] + "/flow_runs/filter", json={"limit": 10}, timeout=10).json()
-    assert [fr["state_type"] for fr in runs] == ["COMPLETED"]
+    def flow_runs():
+        runs = httpx.post(service.state["api_url"] + "/flow_runs/filter", json={"limit": 10}, timeout=10).json()
+        return sorted(fr["state_type"] for fr in runs)
+
+    assert flow_runs() == ["COMPLETED"]
+    # `beatflow score` reports to the service's API too (its flow needs no Dask cluster)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    shutil.copy(out / "input.npy", inbox / "rec.npy")
+    r = _cli("score", "--inbox", str(inbox), "--store", str(store), env={**service.env, "BEATFLOW_LOG_DIR": str(logs)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rec.npy" in r.stdout and (inbox / "done" / "rec.npy").exists()
+    assert flow_runs() == ["COMPLETED", "COMPLETED"]
+    assert not any("Starting temporary server" in p.read_text() for p in logs.glob("*-score.log"))
 
 
 def test_what_the_commands_use_of_the_service(service, monkeypatch, capsys):
