@@ -3,7 +3,7 @@
 Without it, every ``beatflow run`` starts a temporary Prefect API server and a Dask cluster of its own
 and closes both at its end (seconds of each command). ``beatflow serve`` starts them once:
 
-* the Prefect server (:func:`beatflow.pipeline.cluster.prefect_api`, uvicorn in a session of its own,
+* the Prefect server (:func:`beatflow.pipeline.cluster.prefect_api`, uvicorn detached from the terminal,
   with Prefect's background services, no UI) on a SQLite database kept in the data folder
   (``PREFECT_API_DATABASE_CONNECTION_URL`` if set; with ``PREFECT_API_URL`` set, that API is used and
   no server is started);
@@ -13,7 +13,7 @@ and closes both at its end (seconds of each command). ``beatflow serve`` starts 
 then writes the state file (:data:`STATE_NAME`: its pid, the API's URL, the scheduler's address,
 device, workers, start time) and waits until SIGINT or SIGTERM, when it closes both and removes the
 file. A lock held on :data:`LOCK_NAME` for its lifetime refuses a second service. ``--detach`` starts
-it as a process of its own session whose output goes to :data:`LOG_NAME`, and returns once it is ready.
+it as a process detached from the terminal (``setsid``) whose output goes to :data:`LOG_NAME`, and returns once it is ready.
 
 ``beatflow run`` and ``beatflow score`` look for the service (:func:`find_service`: the state file, a
 live pid, and both the API and the scheduler answering over HTTP) and use it as ``PREFECT_API_URL``
@@ -332,7 +332,7 @@ def stop(timeout: float = 60.0, out=print) -> int:
 
 
 def start_detached(argv: list[str], timeout: float = 300.0, out=print) -> int:
-    """``beatflow serve --detach``: the service as a process of its own session (``beatflow serve``
+    """``beatflow serve --detach``: the service as a process detached from the terminal (``setsid``; ``beatflow serve``
     with ``argv``), its output in :data:`LOG_NAME` of the data folder; returns 0 once it serves and
     prints where.
 
