@@ -1,4 +1,5 @@
-"""Command line: ``beatflow run`` (the flow), ``beatflow evaluate`` (MIT-BIH), ``beatflow engine clean``.
+"""Command line: ``beatflow run`` (the flow), ``beatflow score`` (an inbox), ``beatflow serve`` (a standing
+Prefect server and Dask cluster), ``beatflow evaluate`` (MIT-BIH), ``beatflow engine clean``.
 
 The numeric modules of ``beatflow`` know nothing of Prefect or Dask; this entry point imports the
 flows and the Dask plumbing (:mod:`beatflow.pipeline`) only when a command needs them, and never
@@ -57,6 +58,7 @@ def _run_parser(sub) -> None:
                    help="auto: the GPU when CuPy sees one here (with --scheduler: when every worker has one)")
     p.add_argument("--scheduler", help="address of a running Dask scheduler (tcp://host:port) to use; with "
                    "--device gpu its workers need the GPUs (and get RMM set up if they lack it), not this machine")
+    _no_service_flag(p)
     p.add_argument("--gpus", help="GPUs for --device gpu, as CUDA_VISIBLE_DEVICES lists them (default: all)")
     p.add_argument("--rmm-pool-size", default=None,
                    help="RMM pool per GPU: a share (80%%, 0.8) or a size (40GB); default 80%%; with --scheduler, "
@@ -95,6 +97,92 @@ def _verbose_flag(p) -> None:
                         "file, in $BEATFLOW_LOG_DIR or ~/.local/state/beatflow/logs)")
 
 
+def _no_service_flag(p) -> None:
+    p.add_argument("--no-service", action="store_true", default=False,
+                   help="start a Prefect server and Dask cluster of the command's own even when `beatflow serve` "
+                        "runs (also: BEATFLOW_NO_SERVICE=1)")
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="a standing Prefect server and Dask cluster that later runs use (faster starts)",
+                       description="Start one Prefect server and one Dask cluster and keep them until Ctrl-C or "
+                                   "SIGTERM; `beatflow run` and `beatflow score` use them while they are up.")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="the cluster's device: auto = the GPU when CuPy sees one here")
+    p.add_argument("--workers", type=int, default=None, help="CPU workers (default: CPU cores, at least 2)")
+    p.add_argument("--gpus", help="GPUs for --device gpu, as CUDA_VISIBLE_DEVICES lists them (default: all)")
+    p.add_argument("--rmm-pool-size", default=None, help="RMM pool per GPU (80%%, 0.8, 40GB; default 80%%)")
+    p.add_argument("--rmm-allocator", choices=("async", "pool"), default="async", help="RMM's resource on each GPU")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--detach", action="store_true",
+                      help="run in the background (log in the data folder); return once it serves")
+    what.add_argument("--status", action="store_true", help="say whether it runs and where (exit 0 if up, 3 if not)")
+    what.add_argument("--stop", action="store_true", help="stop the running service (exit 3 if none runs)")
+    _verbose_flag(p)
+
+
+def cmd_serve(args) -> int:
+    """``beatflow serve``: :mod:`beatflow.pipeline.service`. Its answers (where the service is, that
+    it stopped) go to standard output; errors, as every command's, are one line on standard error."""
+    from beatflow.pipeline import service
+    from beatflow.terminal import RunLog
+
+    def out(line: str) -> None:
+        print(line, flush=True)
+
+    _positive("workers", args.workers)
+    if args.status:
+        return service.status(out=out)
+    if args.stop:
+        return service.stop(out=out)
+    opts = ["--device", args.device] + (["--workers", str(args.workers)] if args.workers else []) + \
+        (["--gpus", args.gpus] if args.gpus else []) + \
+        (["--rmm-pool-size", str(args.rmm_pool_size)] if args.rmm_pool_size is not None else []) + \
+        ["--rmm-allocator", args.rmm_allocator]
+    if args.detach:
+        return service.start_detached(opts, out=out)
+    service.check_unlocked()  # (a second service: one line, before a log is opened)
+
+    def ready(state):
+        out("beatflow serve: ready (Ctrl-C stops it)")
+        for line in service.describe(state)[:2]:
+            out("  " + line)
+
+    with RunLog("serve", verbose=args.verbose) as log:
+        with _long_lived_imports():
+            import beatflow.pipeline.cluster  # noqa: F401  (Prefect and Dask)
+        rc = service.serve(args.device, args.workers, args.rmm_pool_size, args.gpus, args.rmm_allocator, ready=ready)
+        log.stop_status()
+    out("beatflow serve: stopped")
+    return rc
+
+
+def _find_service(args, explicit_device: str | None = None):
+    """The running ``beatflow serve`` this command uses (its state), or None: none runs or answers,
+    ``--no-service`` / ``BEATFLOW_NO_SERVICE``, ``--scheduler`` given, a ``PREFECT_API_URL`` that is not
+    the service's, or an explicit ``--device`` the service does not run (then the command's own
+    cluster, with one line that says why)."""
+    from beatflow.pipeline.service import find_service, service_disabled
+    from beatflow.terminal import say
+
+    if getattr(args, "no_service", False) or service_disabled() or getattr(args, "scheduler", None):
+        return None
+    state = find_service()
+    if state is None:
+        return None
+    api = os.environ.get("PREFECT_API_URL")
+    if api and api.rstrip("/") != state["api_url"].rstrip("/"):
+        import logging
+
+        logging.getLogger("beatflow").debug("PREFECT_API_URL is not the service's API: own cluster")
+        return None
+    if explicit_device not in (None, "auto", state["device"]):
+        say(f"beatflow: the service at {state['scheduler']} runs on the {state['device']}; this --device "
+            f"{explicit_device} run starts its own cluster")
+        return None
+    return state
+
+
 def _score_parser(sub) -> None:
     p = sub.add_parser("score", help="score new recordings in an inbox with the latest trained model")
     p.add_argument("--inbox", required=True, help="folder of new CSV/Parquet/npy files or WFDB records")
@@ -106,6 +194,7 @@ def _score_parser(sub) -> None:
     p.add_argument("--confirm-lead", type=int, metavar="N",
                    help="a second WFDB channel that checks the beats (as beatflow run --confirm-lead)")
     p.add_argument("--confirm-column", metavar="NAME", help="the same for CSV/Parquet files: a second column")
+    _no_service_flag(p)
     _verbose_flag(p)
 
 
@@ -118,6 +207,7 @@ def cmd_score(args) -> int:
         raise InputError(f"--fs {args.fs:g}: {check_fs(args.fs)}")
     list_inbox(args.inbox)  # the inbox and the store are checked before anything starts
     Store(args.store).latest_model()
+    service = _find_service(args)
     with RunLog("score", verbose=args.verbose) as log:
         on_interrupt("claims", release_claims, at_once=True)  # an item being scored goes back to the inbox
         with _long_lived_imports():
@@ -125,7 +215,7 @@ def cmd_score(args) -> int:
             from beatflow.pipeline.cluster import prefect_api
 
         log.show_progress()
-        with prefect_api():
+        with prefect_api(service["api_url"] if service else None):
             res = score_new_recordings(inbox=args.inbox, store=args.store, fs=args.fs, lead=args.lead,
                                        column=args.column, confirm_lead=args.confirm_lead,
                                        confirm_column=args.confirm_column)
@@ -215,6 +305,12 @@ def cmd_run(args) -> int:
     from beatflow.io.sources import open_source
 
     _check_run_args(args)
+    service = _find_service(args, args.device)
+    args.service = service
+    if service is not None:  # as if --scheduler were given (the service knows its device)
+        args.scheduler = service["scheduler"]
+        if args.device == "auto":
+            args.device = service["device"]
     # with --scheduler the GPUs are the workers' (checked there: beatflow.pipeline.cluster.GPUMemorySetup), not this machine's
     if args.scheduler and args.device != "cpu":
         from beatflow.pipeline.cluster import cluster_device
@@ -290,7 +386,8 @@ def _run_logged(args, device: str, final, log) -> int:
         workers = args.workers or max(2, os.cpu_count() or 2)
 
     log.show_progress()
-    with prefect_api():
+    service = getattr(args, "service", None)
+    with prefect_api(service["api_url"] if service else None):
         runner = make_task_runner(device, workers, scheduler=args.scheduler, rmm_pool_size=args.rmm_pool_size,
                                   gpus=args.gpus, rmm_allocator=args.rmm_allocator)
         summary = ecg_anomaly_flow.with_options(task_runner=runner)(
@@ -301,7 +398,7 @@ def _run_logged(args, device: str, final, log) -> int:
             engine_backend=args.engine,
             precision=args.precision, train_precision=args.train_precision,
             train_compile=None if args.train_compile == "auto" else args.train_compile == "on",
-            rmm_pool_size=args.rmm_pool_size, rmm_allocator=args.rmm_allocator)
+            rmm_pool_size=args.rmm_pool_size, rmm_allocator=args.rmm_allocator, service=service is not None)
     done_interrupt("out")
     log.stop_status()
     con = Console()
@@ -366,7 +463,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
     _score_parser(sub)
-    commands = {"run": cmd_run, "score": cmd_score}
+    _serve_parser(sub)
+    commands = {"run": cmd_run, "score": cmd_score, "serve": cmd_serve}
     with _long_lived_imports():
         for module in ("score.evaluate", "engine.options"):  # subcommands that live beside the code they drive
             try:

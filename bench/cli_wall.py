@@ -23,6 +23,15 @@ Run from the repository root::
 
 The first run of each tree is one of a fresh cluster's first runs (workers cold) and is left out of
 the medians.
+
+``CLUSTER=service``: ``beatflow run`` as a user types it (no ``--scheduler``, no ``PREFECT_API_URL``), with
+``beatflow serve`` up and with ``--no-service`` (its own Prefect server and cluster), interleaved, ``RUNS``
+times each, in this tree; the command's defaults (20 h, 10 epochs) unless ``HOURS`` / ``EPOCHS`` are set.
+The service (``beatflow serve --detach --device cpu --workers WORKERS``, in a data folder of its own) gets
+one short run first (``WARMUP_HOURS``, 1 epoch; ``WARMUP_HOURS=0``: none), as a workstation's service has
+had; every measured run counts (no run is left out)::
+
+    CLUSTER=service RUNS=1 python bench/cli_wall.py
 """
 from __future__ import annotations
 
@@ -66,8 +75,72 @@ def _phases(t0: float, t1: float, lines: list[str]) -> dict:
             "exit": (t1 - t0) - done}
 
 
+def _service_main() -> int:
+    """``CLUSTER=service``: ``beatflow run`` with ``beatflow serve`` up and with ``--no-service``."""
+    import json
+    import tempfile
+
+    runs, workers = int(os.environ.get("RUNS", "1")), os.environ.get("WORKERS", "2")
+    hours, epochs = os.environ.get("HOURS"), os.environ.get("EPOCHS")
+    warmup = float(os.environ.get("WARMUP_HOURS", "0.1"))
+    print_header()
+    tmp = tempfile.mkdtemp(prefix="bf-cli-service-")
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "BEATFLOW_NO_SERVICE")}
+    env.update({"BEATFLOW_DATA_DIR": os.path.join(tmp, "data"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])})
+    cli = [sys.executable, "-m", "beatflow.cli"]
+
+    def command(args: list[str], n: int) -> tuple[float, float, subprocess.CompletedProcess, str]:
+        logs = os.path.join(tmp, f"logs-{n}")
+        t0 = time.time()
+        p = subprocess.run(cli + args, env={**env, "BEATFLOW_LOG_DIR": logs}, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        t1 = time.time()
+        if p.returncode:
+            print(p.stdout[-3000:])
+            raise SystemExit(f"{' '.join(args)}: rc {p.returncode}")
+        found = sorted(os.listdir(logs)) if os.path.isdir(logs) else []
+        text = open(os.path.join(logs, found[-1])).read() if found else ""
+        return t0, t1, p, text
+
+    t0, t1, _, _ = command(["serve", "--detach", "--device", "cpu", "--workers", workers], 0)
+    print(f"beatflow serve --detach: {t1 - t0:.2f} s to ready", flush=True)
+    rows: dict[str, list[dict]] = {"service": [], "own (--no-service)": []}
+    n = 1
+    try:
+        if warmup:
+            out = os.path.join(tmp, "warmup")
+            command(["run", "--hours", str(warmup), "--epochs", "1", "--device", "cpu", "--out", out], n)
+            n += 1
+        for r in range(runs):
+            for mode in rows:
+                out = os.path.join(tmp, f"run-{n}")
+                args = ["run", "--device", "cpu", "--workers", workers, "--out", out]
+                args += (["--hours", hours] if hours else []) + (["--epochs", epochs] if epochs else [])
+                args += [] if mode == "service" else ["--no-service"]
+                t0, t1, p, text = command(args, n)
+                n += 1
+                summary = json.load(open(os.path.join(out, "summary.json")))
+                shutil.rmtree(out, ignore_errors=True)
+                assert summary["service"] is (mode == "service"), summary["service"]
+                ph = {**_phases(t0, t1, text.splitlines()), "summary total": summary["timings_s"]["total"]}
+                rows[mode].append(ph)
+                print(f"{mode} run {r}: " + "  ".join(f"{k} {v:.2f}" for k, v in ph.items()), flush=True)
+    finally:
+        subprocess.run(cli + ["serve", "--stop"], env=env)
+        shutil.rmtree(tmp, ignore_errors=True)
+    keys = ["wall", "start", "flow", "to completed", "exit", "summary total"]
+    print(f"\nmedians of {runs} run(s) each (s), {hours or '20 (default)'} h synthetic ECG, "
+          f"{epochs or '10 (default)'} epochs, CPU, {workers} workers")
+    print_table(["cluster"] + keys, [[mode] + [f"{statistics.median(p[k] for p in rows[mode]):.2f}" for k in keys]
+                                     for mode in rows])
+    return 0
+
+
 def main() -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if os.environ.get("CLUSTER") == "service":
+        return _service_main()
     from distributed import LocalCluster
     from prefect.server.api.server import SubprocessASGIServer
 

@@ -9,11 +9,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 MITDB = ROOT.parent / "shared" / "data" / "mitdb"
-# engines built by tests (and the commands' run logs) go to a throw-away cache (inherited by CLI subprocesses and Dask workers),
+# engines built by tests (the commands' run logs, and the data folder where `beatflow serve` writes its state, so
+# that no service of the user's is used) go to a throw-away cache (inherited by CLI subprocesses and Dask workers),
 # removed when the session ends (the ones this session made, not caches given from outside)
 _THROWAWAY = []
 for _var, _prefix in (("BEATFLOW_CACHE_DIR", "beatflow-engine-cache-"), ("BEATFLOW_SYNTH_CACHE", "beatflow-synth-cache-"),
-                      ("BEATFLOW_LOG_DIR", "beatflow-logs-")):
+                      ("BEATFLOW_LOG_DIR", "beatflow-logs-"), ("BEATFLOW_DATA_DIR", "beatflow-data-")):
     if _var not in os.environ:
         os.environ[_var] = tempfile.mkdtemp(prefix=_prefix)
         _THROWAWAY.append(os.environ[_var])

@@ -17,33 +17,42 @@ from beatflow.errors import DeviceError, InputError
 
 
 @contextlib.contextmanager
-def prefect_api():
+def prefect_api(url: str | None = None, standing: bool = False):
     """Yield the Prefect API URL to use, starting one local server for the run if none is set.
 
     A configured ``PREFECT_API_URL`` (a running ``prefect server start``, or a test harness) is used
-    as it is; otherwise one temporary server is started on 127.0.0.1 for the duration.
+    as it is; else ``url`` (the API of ``beatflow serve``) for the duration; otherwise one server
+    is started on 127.0.0.1 for the duration: a temporary one (Prefect's ephemeral mode, no
+    background services), or with ``standing``, the service's (:mod:`beatflow.pipeline.service`:
+    Prefect's background services run, on the database that ``PREFECT_API_DATABASE_CONNECTION_URL``
+    names).
     """
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
-    url = get_current_settings().api.url
-    if url:
-        yield url
+    current = get_current_settings().api.url
+    if current:
+        yield current
         return
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    server = _server_class()()
-    server.start(timeout=120)
+    server = None
+    if not url:
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        server = _server_class(ephemeral=not standing)()
+        server.start(timeout=120)
+        url = server.api_url
     try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        with temporary_settings(updates={PREFECT_API_URL: url}):
             try:
-                yield server.api_url
+                yield url
             finally:
                 _flush_logs()
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
-def _server_class():
-    """Prefect's temporary API server, started in a session of its own.
+def _server_class(ephemeral: bool = True):
+    """Prefect's API server, started in a session of its own: temporary (``ephemeral``: Prefect's
+    ephemeral mode, without its background services) or standing (``beatflow serve``).
 
     In the command's process group, a Ctrl-C at the terminal reached the server first: it died, and
     the interrupted flow then retried the dead API for about 150 s before it could report anything.
@@ -63,8 +72,11 @@ def _server_class():
             args = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent),
                     "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
                     "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
-            env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-                   "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
+            env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_FINAL": "1",
+                   **({"PREFECT__SERVER_EPHEMERAL": "1"} if ephemeral else {}),
+                   **get_current_settings().to_environment_variables(exclude_unset=True)}
+            if not ephemeral:
+                env.pop("PREFECT__SERVER_EPHEMERAL", None)
             return subprocess.Popen(args, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
                                     stdout=sys.stderr.fileno())
 
@@ -175,7 +187,26 @@ WORKER_PRELOAD = "beatflow.pipeline.worker_preload"
 
 def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler: str | None = None,
                      rmm_pool_size=None, gpus: str | None = None, rmm_allocator: str = "async"):
-    """The Dask task runner of a flow run.
+    """The Dask task runner of a flow run: the cluster of :func:`cluster_spec`, started and closed by
+    the runner, or, with ``scheduler`` (the address of a Dask scheduler that already runs,
+    ``tcp://host:port``: ``--scheduler``, or the standing service of :mod:`beatflow.pipeline.service`),
+    that cluster. The other parameters are :func:`cluster_spec`'s.
+    """
+    logging.getLogger("distributed").setLevel(logging.WARNING)  # the scheduler runs in this process
+    if scheduler:
+        return DaskTaskRunner(address=scheduler)
+    cluster_class, kwargs = cluster_spec(device, workers, rmm_pool_size, gpus, rmm_allocator)
+    return DaskTaskRunner(cluster_class=cluster_class, cluster_kwargs=kwargs)
+
+
+def cluster_spec(device: str = "cpu", workers: int | None = None, rmm_pool_size=None, gpus: str | None = None,
+                 rmm_allocator: str = "async") -> tuple[str, dict]:
+    """The flow's local Dask cluster: ``(class name, keyword arguments)``, as the run's own task runner
+    (:func:`make_task_runner`) and ``beatflow serve`` (:mod:`beatflow.pipeline.service`) start it.
+
+    Sets what the workers' processes must get before they are spawned: the environment of
+    :func:`worker_env` (the Prefect API now configured), no eager malloc trimming
+    (:func:`_configure_worker_spawn`) and, on the GPU, the RMM variables (:func:`gpu_worker_env`).
 
     Parameters
     ----------
@@ -185,8 +216,6 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
         threads) with one RMM pool per GPU.
     workers : int, optional
         Number of CPU workers (default: the number of cores, at least 2).
-    scheduler : str, optional
-        Address of a Dask scheduler that already runs (``tcp://host:port``): use it instead.
     rmm_pool_size : str or float, optional
         RMM pool per GPU (default 80 % of the device, leaving headroom for cuDNN/ORT); see
         :func:`parse_pool_size`.
@@ -196,10 +225,14 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
         The pool behind RMM on each GPU: ``async``, CUDA's stream-ordered pool (``cudaMallocAsync``,
         RMM's ``CudaAsyncMemoryResource``, ``rmm_pool_size`` reserved up front), in which PyTorch can
         capture CUDA graphs (whole training steps); ``pool``, RMM's own ``PoolMemoryResource``.
+
+    Raises
+    ------
+    InputError
+        An unknown allocator, a GPU listed twice, a bad pool size.
+    DeviceError
+        ``gpu`` without dask-cuda.
     """
-    logging.getLogger("distributed").setLevel(logging.WARNING)  # the scheduler runs in this process
-    if scheduler:
-        return DaskTaskRunner(address=scheduler)
     env = worker_env()
     _configure_worker_spawn()
     if rmm_allocator not in ("async", "pool"):
@@ -216,35 +249,29 @@ def make_task_runner(device: str = "cpu", workers: int | None = None, scheduler:
         kwargs = {"CUDA_VISIBLE_DEVICES": gpus} if gpus else {}
         pool = parse_pool_size(rmm_pool_size if rmm_pool_size is not None else 0.8)
         gpu_worker_env(env, pool)  # dask-cuda replaces a worker's `env` option: pre-spawn variables instead
-        return DaskTaskRunner(
-            cluster_class="dask_cuda.LocalCUDACluster",
-            cluster_kwargs={
-                **kwargs,
-                # dask-cuda reads a float as a fraction of the device ("80%" is not understood)
-                "rmm_pool_size": pool,
-                "rmm_maximum_pool_size": pool,  # the pool is the worker's budget: what does not fit is a clear error
-                "rmm_async": rmm_allocator == "async",
-                "rmm_allocator_external_lib_list": ["cupy", "torch"],
-                "threads_per_worker": GPU_WORKER_THREADS,
-                "dashboard_address": "127.0.0.1:0",
-                "host": "127.0.0.1",
-                "preload": [WORKER_PRELOAD],  # (dask-cuda appends its dask_cuda.initialize)
-            },
-        )
-    n = workers or max(2, os.cpu_count() or 2)
-    return DaskTaskRunner(
-        cluster_class="distributed.LocalCluster",
-        cluster_kwargs={
-            "n_workers": n,
-            "threads_per_worker": 1,
-            "processes": True,
-            "host": "127.0.0.1",
+        return "dask_cuda.LocalCUDACluster", {
+            **kwargs,
+            # dask-cuda reads a float as a fraction of the device ("80%" is not understood)
+            "rmm_pool_size": pool,
+            "rmm_maximum_pool_size": pool,  # the pool is the worker's budget: what does not fit is a clear error
+            "rmm_async": rmm_allocator == "async",
+            "rmm_allocator_external_lib_list": ["cupy", "torch"],
+            "threads_per_worker": GPU_WORKER_THREADS,
             "dashboard_address": "127.0.0.1:0",
-            "silence_logs": logging.WARNING,
-            "env": env,
-            "preload": [WORKER_PRELOAD],
-        },
-    )
+            "host": "127.0.0.1",
+            "preload": [WORKER_PRELOAD],  # (dask-cuda appends its dask_cuda.initialize)
+        }
+    n = workers or max(2, os.cpu_count() or 2)
+    return "distributed.LocalCluster", {
+        "n_workers": n,
+        "threads_per_worker": 1,
+        "processes": True,
+        "host": "127.0.0.1",
+        "dashboard_address": "127.0.0.1:0",
+        "silence_logs": logging.WARNING,
+        "env": env,
+        "preload": [WORKER_PRELOAD],
+    }
 
 
 class GPUMemorySetup(WorkerPlugin):

@@ -1,7 +1,9 @@
 """Deployment entry points: flows that choose their task runner from their parameters.
 
 A deployment runs the flow function directly, so the Dask task runner (CPU LocalCluster or
-GPU LocalCUDACluster) is chosen here, from the parameters a user sets in the Prefect UI.
+GPU LocalCUDACluster) is chosen here, from the parameters a user sets in the Prefect UI: the cluster of
+``beatflow serve`` (:mod:`beatflow.pipeline.service`) when it runs on the device asked for, else one of
+the run's own.
 """
 from __future__ import annotations
 
@@ -23,11 +25,20 @@ def train_and_score(input: str | None = None, device: str = "auto", workers: int
     """Run the full pipeline (segment, embed, train, build the engine, score, report); ``lead`` /
     ``column`` choose the input's lead, ``confirm_lead`` / ``confirm_column`` a second one that checks
     the beats (``beatflow run --confirm-lead``)."""
-    dev = resolve_device(device)
-    runner = make_task_runner(dev, workers)
+    from prefect.settings import get_current_settings
+
+    from beatflow.pipeline.service import find_service, service_disabled
+
+    service = None if service_disabled() else find_service()
+    api = (get_current_settings().api.url or "").rstrip("/")
+    if service is not None and (device not in ("auto", service["device"]) or api != service["api_url"].rstrip("/")):
+        service = None  # (a device the service does not run, or its workers talk to another API: own cluster)
+    dev = service["device"] if service is not None else resolve_device(device)
+    runner = make_task_runner(dev, workers, scheduler=service["scheduler"] if service is not None else None)
     return ecg_anomaly_flow.with_options(task_runner=runner)(
         input=input, hours=hours, seed=seed, out=out, device=dev, workers=workers, epochs=epochs, store=store,
-        lead=lead, column=column, confirm_lead=confirm_lead, confirm_column=confirm_column)
+        lead=lead, column=column, confirm_lead=confirm_lead, confirm_column=confirm_column,
+        service=service is not None)
 
 
 def bench_script(name: str = "pipeline_bench.py") -> Path:

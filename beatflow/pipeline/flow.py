@@ -78,7 +78,8 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
                      store: str | None = None,
                      cache: str | None = None, engine_backend: str = "auto", precision: str = "fp32",
                      train_precision: str = "auto", train_compile: bool | None = None,
-                     rmm_pool_size: str | float | None = None, rmm_allocator: str = "async") -> dict:
+                     rmm_pool_size: str | float | None = None, rmm_allocator: str = "async",
+                     service: bool = False) -> dict:
     """Find abnormal heartbeats in a long ECG and write ``summary.json``, ``anomalies.parquet``,
     ``report.html``, the model and the engine to ``out``.
 
@@ -127,6 +128,9 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
         On the GPU, the RMM pool that a worker without one gets (default 80 % of its GPU) and its
         kind (``async`` or ``pool``): every GPU worker, on the flow's own cluster or on one given by
         ``--scheduler``, is set up by :class:`beatflow.pipeline.cluster.GPUMemorySetup`.
+    service : bool
+        The task runner is the cluster of ``beatflow serve`` (:mod:`beatflow.pipeline.service`):
+        ``summary.json: service``.
     """
     front_sigterm()  # (a command's SIGTERM before Prefect's handler: beatflow.terminal)
     opts = RunOptions(input=input, column=column, fs=fs, lead=lead, confirm_lead=confirm_lead,
@@ -134,7 +138,8 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
                       partitions=partitions, epochs=epochs, batch_size=batch_size, train_beats=train_beats,
                       store=store, cache=cache,
                       engine_backend=engine_backend, precision=precision, train_precision=train_precision,
-                      train_compile=train_compile, rmm_pool_size=rmm_pool_size, rmm_allocator=rmm_allocator)
+                      train_compile=train_compile, rmm_pool_size=rmm_pool_size, rmm_allocator=rmm_allocator,
+                      service=service)
     log = get_run_logger()
     sw = _Stopwatch()
     final = Path(opts.out) if opts.out else default_out_dir()
@@ -539,6 +544,7 @@ def _report(run: _Run, ld: _Loaded, seg: _Segmented, trained: dict, engine: dict
     if seg.second_lead is not None:
         summary["second_lead"] = seg.second_lead
     summary["workers_scoring"] = sc.score_workers
+    summary["service"] = o.service  # (on the cluster of `beatflow serve`)
     if run.gpu_workers:
         summary["gpu_workers"] = run.gpu_workers
     if ld.truth_path:  # the synthetic stream lives in the output folder, which is renamed at the end

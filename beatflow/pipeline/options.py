@@ -34,6 +34,7 @@ class RunOptions:
     train_compile: bool | None = None
     rmm_pool_size: str | float | None = None
     rmm_allocator: str = "async"
+    service: bool = False
 
     @property
     def confirm(self) -> tuple:
