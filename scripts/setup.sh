@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.beatflow-setup
 want=$(sha256sum pyproject.toml requirements-lock.txt scripts/setup.sh | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import beatflow, torch, prefect" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv/bin/beatflow ]; then
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
