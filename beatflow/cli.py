@@ -401,6 +401,9 @@ def _run_logged(args, device: str, final, log) -> int:
             rmm_pool_size=args.rmm_pool_size, rmm_allocator=args.rmm_allocator, service=service is not None)
     done_interrupt("out")
     log.stop_status()
+    args.summary = summary
+    if getattr(args, "quiet", False):  # (beatflow.run: the caller gets the summary, not a table)
+        return 0
     con = Console()
     t = Table(title="beatflow run", show_header=False)
     for k in ("samples", "fs", "beats_detected", "beats_kept", "pruned_fraction", "test_loss", "anomalies_flagged",
