@@ -29,9 +29,10 @@ from beatflow.score.classes import features as shape_features  # noqa: E402
 from beatflow.score.evaluate import PACED_RECORDS, list_records, load_record, record_beats  # noqa: E402
 
 #: the V thresholds searched, with the values tried (searched first, for the best min(Se, +P) of V)
-V_GRID = {"z_low": (0.25,), "v_dev": (0.3, 0.4, 0.6, 9.0), "v_dev_z": (1.0, 2.0, 3.0), "v_min_dev": (0.05,),
+V_GRID = {"z_low": (0.25,), "v_dev": (0.3, 0.4, 0.6, np.inf), "v_dev_z": (1.0, 2.0, 3.0), "v_min_dev": (0.05,),
           "v_z": (3.0, 4.0, 5.0, 6.0), "v_z_alone": (6.0, 8.0, 12.0), "v_amp": (0.0, 0.5, 1.0),
-          "v_area": (0.0, 0.5, 1.0)}
+          "v_area": (0.0, 0.5, 1.0),
+          "v_irregular": (np.inf,), "v_compensation": (0.0, 1.5, 1.7, 1.8)}
 #: the S thresholds searched, given the chosen V (for the best min(Se, +P) of S)
 S_GRID = {"s_premature": (0.15,), "s_irregular": (0.2, 0.3), "s_corr": (0.7, 0.8), "s_spread": (1.0, 2.0, 3.0),
           "irregular_beats": (16,)}

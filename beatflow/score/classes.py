@@ -60,15 +60,17 @@ class ClassParams:
     local_beats: int = 20
     irregular_beats: int = 16
     z_low: float = 0.25
-    v_dev: float = 0.3
+    v_dev: float = np.inf
     v_dev_z: float = 1.0
-    v_amp: float = 1.0
-    v_area: float = 1.0
+    v_amp: float = 0.0
+    v_area: float = 0.5
     v_min_dev: float = 0.05
     v_z: float = 3.0
     v_z_alone: float = 8.0
     v_premature: float = 0.05
     v_pause: float = 1.1
+    v_irregular: float = np.inf
+    v_compensation: float = 0.0
     s_premature: float = 0.15
     s_irregular: float = 0.3
     s_spread: float = 2.0
@@ -278,7 +280,9 @@ def judge(dev: np.ndarray, z: np.ndarray, timing: dict, p: ClassParams = ClassPa
     prem = np.nan_to_num(timing["prematurity"], nan=0.0)
     pause = np.nan_to_num(timing["pause"], nan=1.0)
     irr = np.nan_to_num(timing["irregularity"], nan=np.inf)
-    early = (prem > p.v_premature) | (pause > p.v_pause)
+    with np.errstate(all="ignore"):
+        comp = np.nan_to_num((timing["rr_prev_s"] + timing["rr_next_s"]) / timing["local_rr_s"], nan=2.0)
+    early = ((prem > p.v_premature) | (pause > p.v_pause)) & (irr < p.v_irregular) & (comp > p.v_compensation)
     v = (((dev > p.v_dev) & (z[:, 0] > p.v_dev_z))
          | ((dev > p.v_min_dev) & (shape > p.v_z) & (early | (shape > p.v_z_alone))))
     s = ~v & (prem > np.maximum(p.s_premature, p.s_spread * irr)) & (1.0 - dev > p.s_corr) & (irr < p.s_irregular)
