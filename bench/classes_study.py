@@ -29,12 +29,12 @@ from beatflow.score.classes import features as shape_features  # noqa: E402
 from beatflow.score.evaluate import PACED_RECORDS, list_records, load_record, record_beats  # noqa: E402
 
 #: the V thresholds searched, with the values tried (searched first, for the best min(Se, +P) of V)
-V_GRID = {"z_low": (0.25,), "v_dev": (0.3, 0.4, 0.6, np.inf), "v_dev_z": (1.0, 2.0, 3.0), "v_min_dev": (0.05,),
+V_GRID = {"z_low": (0.25,), "v_dev": (0.3, np.inf), "v_dev_z": (1.0, 2.0), "v_min_dev": (0.05,),
           "v_z": (3.0, 4.0, 5.0, 6.0), "v_z_alone": (6.0, 8.0, 12.0), "v_amp": (0.0, 0.5, 1.0),
           "v_area": (0.0, 0.5, 1.0),
           "v_irregular": (np.inf,), "v_compensation": (0.0, 1.5, 1.7, 1.8)}
 #: the S thresholds searched, given the chosen V (for the best min(Se, +P) of S)
-S_GRID = {"s_premature": (0.15,), "s_irregular": (0.2, 0.3), "s_corr": (0.7, 0.8), "s_spread": (1.0, 2.0, 3.0),
+S_GRID = {"s_premature": (0.15,), "s_irregular": (0.1, 0.15, 0.2, 0.3), "s_corr": (0.7, 0.8), "s_spread": (1.0, 2.0, 3.0),
           "irregular_beats": (16,)}
 GRID = {**V_GRID, **S_GRID}
 #: ``--shape deviation``: the deviation alone (no amplitude or area), the V grid without their weights
@@ -93,11 +93,12 @@ def main(argv=None) -> int:
     v_grid = {**V_GRID, **(DEVIATION_ONLY if a.shape == "deviation" else {})}
     order = np.random.default_rng(a.seed).permutation(len(recs))
     folds = [sorted(order[k :: a.folds]) for k in range(a.folds)]
-    rows, held, chosen = [], {c: [0, 0, 0] for c in "NSV"}, []
+    rows, held, chosen, rule_of = [], {c: [0, 0, 0] for c in "NSV"}, [], {}
     for k, test in enumerate(folds):
         train = [recs[i] for i in range(len(recs)) if i not in test]
         p = choose(train, v_grid, base)
         chosen.append(tuple(getattr(p, g) for g in GRID))
+        rule_of.update({i: p for i in test})
         cnt = counts([recs[i] for i in test], p)
         for c in held:
             held[c] = [x + y for x, y in zip(held[c], cnt[c])]
@@ -114,11 +115,12 @@ def main(argv=None) -> int:
     print(f"the defaults (beatflow.score.classes.ClassParams): "
           + ", ".join(f"{g}={getattr(base, g)}" for g in GRID))
     per = []
-    for r in recs:
-        cnt = counts([r], base)
-        per.append([r["name"], *(f"{cnt[c][0]}/{cnt[c][1]}/{cnt[c][2]}" for c in "VS")])
+    for i, r in enumerate(recs):
+        cnt, dflt = counts([r], rule_of[i]), counts([r], base)
+        per.append([r["name"], *(f"{x[c][0]}/{x[c][1]}/{x[c][2]}" for x in (cnt, dflt) for c in "VS")])
     print()
-    print_table(["record (defaults)", "V: right / reference / assigned", "S: right / reference / assigned"], per)
+    print_table(["record", "V held out: right / reference / assigned", "S held out", "V (defaults)", "S (defaults)"],
+                per)
     return 0
 
 

@@ -17,13 +17,25 @@ two left out), *prematurity* ``1 - rr_prev / local RR``, the *pause* ``rr_next /
 *irregularity* (the median absolute difference of successive intervals over ``irregular_beats`` either side,
 over the local RR; atrial fibrillation is irregular throughout, and its beats are N for AAMI).
 
-**The rule** (:func:`assign`), per recording (the deviation is judged against that recording's own
-spread, the lower half of its log deviations, robust to up to half of its beats being abnormal):
+**Shape features** (:func:`features`, array code beside the deviation): the QRS window's *amplitude* (log of
+its standard deviation over the template's) and signed *area* (in template units; negative for a beat of the
+other polarity), both at the beat's best lag.
 
-* **V**: a deviation above ``v_dev`` (a QRS unlike the patient's) that also lies ``v_dev_z`` robust
-  deviations above the recording's median (a noisy lead's normal beats deviate a lot too), or a deviation above ``v_min_dev`` that
-  lies ``v_z`` robust deviations above the recording's median *and* comes early or before a pause (``v_premature``,
-  ``v_pause``) or lies ``v_z_alone`` deviations out;
+**Within the recording** (:func:`shape_z`, on the host): every feature is judged against the recording's
+*dominant* beats, the half of its beats least unlike the template (all normal wherever half of the beats are):
+the log deviation's robust z above its ``z_low`` quantile (the spread from the 5 % quantile to that one: a
+recording whose normal beats deviate a lot, a noisy lead, judges by its own spread; a recording of 45 %
+ventricular and fusion beats, 208, keeps its normal beats' spread), the amplitude's and area's absolute robust z
+(median, median absolute deviation of the dominant beats).
+
+**The rule** (:func:`assign`, :func:`judge`), per recording:
+
+* **V**: a deviation above ``v_dev`` whose z exceeds ``v_dev_z`` (off by default: no fold chose it), or a
+  deviation above ``v_min_dev`` whose *shape z* (the largest of the deviation's z and ``v_amp``, ``v_area``
+  times the amplitude's and area's) exceeds ``v_z_alone``, or exceeds ``v_z`` for an *early* beat (premature
+  by ``v_premature`` or before a pause ``v_pause``; with, where set, a regular local rhythm, irregularity below
+  ``v_irregular``, and a compensatory pause, ``(rr_prev + rr_next) / local RR`` above ``v_compensation``: an
+  atrial beat resets the sinus node, a ventricular one does not);
 * **S**: not V, premature by more than ``s_premature`` and by more than ``s_spread`` times the local
   irregularity (earlier than the beat-to-beat variation around it explains), its QRS correlating above
   ``s_corr`` with the template, in a regular local rhythm (irregularity below ``s_irregular``);
@@ -32,9 +44,10 @@ spread, the lower half of its log deviations, robust to up to half of its beats 
   evaluation under the class they are assigned).
 
 The thresholds were chosen by 5-fold cross-validation across the 22 non-paced MIT-BIH records of the shared
-set (patients, never beats, split), the rule chosen on each fold's training records being judged on its
-held-out records: ``bench/classes_study.py`` (the table, its command and the figures:
-``bench/results/accuracy.md``). Each default is the value most folds chose for it.
+set (patients, never beats, split), the rule chosen on each fold's training records (the V thresholds for the
+best min(Se, +P) of V, then the S ones for that of S) being judged on its held-out records:
+``bench/classes_study.py`` (the table, its command and the figures: ``bench/results/accuracy.md``). Each
+default is the value most folds chose for it.
 """
 from __future__ import annotations
 
@@ -224,11 +237,13 @@ def rhythm(peaks, beat_peaks, fs: float, p: ClassParams = ClassParams()) -> dict
 # --- the rule (host) ---------------------------------------------------------------------------------
 
 def _robust_z(v: np.ndarray, ref: np.ndarray, floor: float) -> np.ndarray:
-    """``|v - median(ref)| / max(σ, floor)``, σ the median absolute deviation of ``ref`` over 0.6745."""
+    """``|v - median(ref)| / max(σ, floor)``, σ the median absolute deviation of ``ref`` scaled to a normal's
+    standard deviation."""
+    from scipy.stats import median_abs_deviation
+
     if not len(ref):
         return np.zeros(len(v))
-    c = float(np.median(ref))
-    return np.abs(v - c) / max(float(np.median(np.abs(ref - c))) / 0.6745, floor)
+    return np.abs(v - float(np.median(ref))) / max(float(median_abs_deviation(ref, scale="normal")), floor)
 
 
 def shape_z(feats, recording=None, p: ClassParams = ClassParams()) -> np.ndarray:
