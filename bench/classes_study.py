@@ -1,13 +1,15 @@
 """The beat-class rule (:mod:`beatflow.score.classes`) chosen by cross-validation across patients.
 
 Every record is segmented and embedded as ``beatflow evaluate`` does it (:func:`beatflow.score.evaluate.record_beats`);
-each kept beat gets its deviation from its record's template and its timing; the AAMI label of the annotation
-matched to it is used only to judge. A grid of the rule's thresholds is searched on the training records of each
-of 5 folds (records, never beats, split) for the best ``min(Se, +P)`` of V plus that of S, and the choice is
-judged on the fold's held-out records. The table: the folds' choices, each fold's held-out figures, the pooled
-held-out figures (every record judged by a rule chosen without it), and the defaults' figures per record.
+each kept beat gets its shape features against its record's template (:func:`~beatflow.score.classes.features`:
+deviation, amplitude, area; ``--shape deviation``: the deviation alone) and its timing; the AAMI label of the
+annotation matched to it is used only to judge. On the training records of each of 5 folds (records, never
+beats, split) a grid of the V thresholds is searched for the best pooled ``min(Se, +P)`` of V, then, given
+that V, a grid of the S thresholds for the best of S; the choice is judged on the fold's held-out records.
+The table: the folds' choices, each fold's held-out figures, the pooled held-out figures (every record judged
+by a rule chosen without it), each record's held-out counts and those of the defaults.
 
-    python bench/classes_study.py [--data ../shared/data/mitdb] [--folds 5] [--seed 0]
+    python bench/classes_study.py [--data ../shared/data/mitdb] [--folds 5] [--seed 0] [--shape deviation]
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ V_GRID = {"z_low": (0.25,), "v_dev": (0.3, np.inf), "v_dev_z": (1.0, 2.0), "v_mi
           "v_z": (3.0, 4.0, 5.0, 6.0), "v_z_alone": (6.0, 8.0, 12.0), "v_amp": (0.0, 0.5, 1.0),
           "v_area": (0.0, 0.5, 1.0),
           "v_irregular": (np.inf,), "v_compensation": (0.0, 1.5, 1.7, 1.8)}
+# (also searched, no fold choosing them: v_dev 0.4 and 0.6, v_dev_z 3, v_irregular 0.2 and 0.3)
 #: the S thresholds searched, given the chosen V (for the best min(Se, +P) of S)
 S_GRID = {"s_premature": (0.15,), "s_irregular": (0.1, 0.15, 0.2, 0.3), "s_corr": (0.7, 0.8), "s_spread": (1.0, 2.0, 3.0),
           "irregular_beats": (16,)}
