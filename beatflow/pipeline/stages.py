@@ -347,8 +347,8 @@ def sample_rows(embedded: list, picks: list) -> list:
 def score(embedded: list, engine_path: str, scale: float, dominants: list, at: list | None = None,
           context: tuple | None = None, top: int = 0, pad: int = 0, templates: list | None = None,
           beat_window: tuple[float, int] | None = None) -> tuple[list, int]:
-    """``(scores, latent means, class deviations)`` of every partition's rows through the built engine
-    (:func:`score_partition`; the deviations from ``templates``, each partition's recording's, with
+    """``(scores, latent means, class shape features)`` of every partition's rows through the built engine
+    (:func:`score_partition`; the features against ``templates``, each partition's recording's, with
     ``beat_window``, else None),
     each partition on the worker holding the future at its place in ``at`` (its partition: not the home worker,
     which training gave a copy of every partition's rows; :func:`map_partitions`); and how many workers scored.
