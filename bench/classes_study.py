@@ -1,13 +1,15 @@
 """The beat-class rule (:mod:`beatflow.score.classes`) chosen by cross-validation across patients.
 
 Every record is segmented and embedded as ``beatflow evaluate`` does it (:func:`beatflow.score.evaluate.record_beats`);
-each kept beat gets its deviation from its record's template and its timing; the AAMI label of the annotation
-matched to it is used only to judge. A grid of the rule's thresholds is searched on the training records of each
-of 5 folds (records, never beats, split) for the best ``min(Se, +P)`` of V plus that of S, and the choice is
-judged on the fold's held-out records. The table: the folds' choices, each fold's held-out figures, the pooled
-held-out figures (every record judged by a rule chosen without it), and the defaults' figures per record.
+each kept beat gets its shape features against its record's template (:func:`~beatflow.score.classes.features`:
+deviation, amplitude, area; ``--shape deviation``: the deviation alone) and its timing; the AAMI label of the
+annotation matched to it is used only to judge. On the training records of each of 5 folds (records, never
+beats, split) a grid of the V thresholds is searched for the best pooled ``min(Se, +P)`` of V, then, given
+that V, a grid of the S thresholds for the best of S; the choice is judged on the fold's held-out records.
+The table: the folds' choices, each fold's held-out figures, the pooled held-out figures (every record judged
+by a rule chosen without it), each record's held-out counts and those of the defaults.
 
-    python bench/classes_study.py [--data ../shared/data/mitdb] [--folds 5] [--seed 0]
+    python bench/classes_study.py [--data ../shared/data/mitdb] [--folds 5] [--seed 0] [--shape deviation]
 """
 from __future__ import annotations
 
@@ -24,30 +26,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_header, print_table  # noqa: E402
 from beatflow.params import SegmentParams  # noqa: E402
-from beatflow.score.classes import ClassParams, assign, morphology, rhythm, template  # noqa: E402
+from beatflow.score.classes import ClassParams, judge, morphology, rhythm, shape_z, template  # noqa: E402
+from beatflow.score.classes import features as shape_features  # noqa: E402
 from beatflow.score.evaluate import PACED_RECORDS, list_records, load_record, record_beats  # noqa: E402
 
-#: the thresholds searched, with the values tried
-GRID = {"v_dev": (0.2, 0.25, 0.3, 0.4), "v_dev_z": (0.0, 1.0, 1.5, 2.0), "v_z": (3.0,), "v_z_alone": (8.0,),
-        "s_premature": (0.15,), "s_irregular": (0.2, 0.3), "s_corr": (0.7, 0.75, 0.8), "s_spread": (1.0, 2.0, 3.0),
-        "irregular_beats": (16,)}
-# (v_z 2/3/4, v_z_alone 5/8/off and s_premature 0.1/0.15/0.2 were searched with the others: every fold chose
-# 3, 8 and 0.15; irregular_beats 8/16: every fold chose 16; s_irregular 0.1/0.15: no fold chose either)
+#: the V thresholds searched, with the values tried (searched first, for the best min(Se, +P) of V)
+V_GRID = {"z_low": (0.25,), "v_dev": (0.3, np.inf), "v_dev_z": (1.0, 2.0), "v_min_dev": (0.05,),
+          "v_z": (3.0, 4.0, 5.0, 6.0), "v_z_alone": (6.0, 8.0, 12.0), "v_amp": (0.0, 0.5, 1.0),
+          "v_area": (0.0, 0.5, 1.0),
+          "v_irregular": (np.inf,), "v_compensation": (0.0, 1.5, 1.7, 1.8)}
+# (also searched, no fold choosing them: v_dev 0.4 and 0.6, v_dev_z 3, v_irregular 0.2 and 0.3)
+#: the S thresholds searched, given the chosen V (for the best min(Se, +P) of S)
+S_GRID = {"s_premature": (0.15,), "s_irregular": (0.1, 0.15, 0.2, 0.3), "s_corr": (0.7, 0.8), "s_spread": (1.0, 2.0, 3.0),
+          "irregular_beats": (16,)}
+GRID = {**V_GRID, **S_GRID}
+#: ``--shape deviation``: the deviation alone (no amplitude or area), the V grid without their weights
+DEVIATION_ONLY = {"v_amp": (0.0,), "v_area": (0.0,)}
 
 
-def features(stem: str) -> dict:
+def features(stem: str, shape: str = "features") -> dict:
     rec = load_record(stem)
     b = record_beats(rec)
     pre = SegmentParams().samples(rec.fs).pre
-    dev = morphology(b.rows, template(b.rows, rec.fs, pre), rec.fs, pre)
+    tmpl = template(b.rows, rec.fs, pre)
+    f = np.asarray(shape_features(b.rows, tmpl, rec.fs, pre) if shape == "features" else morphology(b.rows, tmpl, rec.fs, pre))
     timing = {k: rhythm(b.peaks, b.kept_peak, rec.fs, ClassParams(irregular_beats=k)) for k in GRID["irregular_beats"]}
-    return {"name": rec.name, "label": b.label, "dev": np.asarray(dev), "timing": timing}
+    z = {q: shape_z(f, None, ClassParams(z_low=q)) for q in GRID["z_low"]}
+    return {"name": rec.name, "label": b.label, "dev": f[:, 0] if f.ndim == 2 else f, "z": z, "timing": timing}
 
 
-def counts(recs: list[dict], p: ClassParams) -> dict:
-    out = {c: [0, 0, 0] for c in "NSV"}  # tp, reference, assigned (among labelled beats)
+def counts(recs: list[dict], p: ClassParams, only: str = "NSV") -> dict:
+    out = {c: [0, 0, 0] for c in only}  # tp, reference, assigned (among labelled beats)
     for r in recs:
-        got = assign(r["dev"], r["timing"][p.irregular_beats], None, p)
+        got = judge(r["dev"], r["z"][p.z_low], r["timing"][p.irregular_beats], p)
         lab = r["label"] != ""
         for c in out:
             out[c][0] += int(((got == c) & (r["label"] == c)).sum())
@@ -60,12 +71,14 @@ def se_ppv(c: list) -> tuple[float, float]:
     return c[0] / max(1, c[1]), c[0] / max(1, c[2])
 
 
-def objective(cnt: dict) -> float:
-    return min(se_ppv(cnt["V"])) + min(se_ppv(cnt["S"]))
+def grid_of(base: ClassParams, grid: dict) -> list[ClassParams]:
+    return [replace(base, **dict(zip(grid, v))) for v in itertools.product(*grid.values())]
 
 
-def choose(recs: list[dict], grid: list[ClassParams]) -> ClassParams:
-    return max(grid, key=lambda p: objective(counts(recs, p)))
+def choose(recs: list[dict], v_grid: dict, base: ClassParams) -> ClassParams:
+    """The V thresholds with the best min(Se, +P) of V on ``recs``, then the S ones with the best of S."""
+    pv = max(grid_of(base, v_grid), key=lambda p: min(se_ppv(counts(recs, p, "V")["V"])))
+    return max(grid_of(pv, S_GRID), key=lambda p: min(se_ppv(counts(recs, p, "S")["S"])))
 
 
 def main(argv=None) -> int:
@@ -73,19 +86,22 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "mitdb"))
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shape", choices=("features", "deviation"), default="features",
+                    help="the beats' shape: deviation, amplitude and area (the flow's), or the deviation alone")
     a = ap.parse_args(argv)
     print_header("bench/classes_study.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     stems = [s for s in list_records(a.data) if Path(s).name not in PACED_RECORDS]
-    recs = [features(s) for s in stems]
+    recs = [features(s, a.shape) for s in stems]
     base = ClassParams()
-    grid = [replace(base, **dict(zip(GRID, v))) for v in itertools.product(*GRID.values())]
+    v_grid = {**V_GRID, **(DEVIATION_ONLY if a.shape == "deviation" else {})}
     order = np.random.default_rng(a.seed).permutation(len(recs))
     folds = [sorted(order[k :: a.folds]) for k in range(a.folds)]
-    rows, held, chosen = [], {c: [0, 0, 0] for c in "NSV"}, []
+    rows, held, chosen, rule_of = [], {c: [0, 0, 0] for c in "NSV"}, [], {}
     for k, test in enumerate(folds):
         train = [recs[i] for i in range(len(recs)) if i not in test]
-        p = choose(train, grid)
+        p = choose(train, v_grid, base)
         chosen.append(tuple(getattr(p, g) for g in GRID))
+        rule_of.update({i: p for i in test})
         cnt = counts([recs[i] for i in test], p)
         for c in held:
             held[c] = [x + y for x, y in zip(held[c], cnt[c])]
@@ -102,11 +118,12 @@ def main(argv=None) -> int:
     print(f"the defaults (beatflow.score.classes.ClassParams): "
           + ", ".join(f"{g}={getattr(base, g)}" for g in GRID))
     per = []
-    for r in recs:
-        cnt = counts([r], base)
-        per.append([r["name"], *(f"{cnt[c][0]}/{cnt[c][1]}/{cnt[c][2]}" for c in "VS")])
+    for i, r in enumerate(recs):
+        cnt, dflt = counts([r], rule_of[i]), counts([r], base)
+        per.append([r["name"], *(f"{x[c][0]}/{x[c][1]}/{x[c][2]}" for x in (cnt, dflt) for c in "VS")])
     print()
-    print_table(["record (defaults)", "V: right / reference / assigned", "S: right / reference / assigned"], per)
+    print_table(["record", "V held out: right / reference / assigned", "S held out", "V (defaults)", "S (defaults)"],
+                per)
     return 0
 
 

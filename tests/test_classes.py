@@ -159,3 +159,93 @@ def test_classes_on_cupy_equal_numpy():
     dd = C.morphology(cp.asarray(rows), td, FS, PRE)
     np.testing.assert_allclose(cp.asnumpy(td), t, atol=1e-6)
     np.testing.assert_allclose(cp.asnumpy(dd), d, atol=1e-5)
+    f = C.features(rows, t, FS, PRE)
+    fd = C.features(cp.asarray(rows), td, FS, PRE)
+    assert isinstance(fd, cp.ndarray) and fd.shape == f.shape
+    np.testing.assert_allclose(cp.asnumpy(fd), f, atol=1e-4)
+    np.testing.assert_array_equal(C.assign(fd, C.rhythm(peaks, peaks, FS)), C.assign(f, C.rhythm(peaks, peaks, FS)))
+
+
+def test_features_against_a_loop(rng=np.random.default_rng(8)):
+    p = C.ClassParams()
+    a, b, lag = p.window(FS, PRE)
+    rows = rng.normal(scale=0.2, size=(30, 256)).astype(np.float32)
+    rows[:15] += 3 * _qrs(256, shift=2).astype(np.float32)
+    rows[15:] += 2 * _qrs(256, wide=2.0, sign=-1.0).astype(np.float32)
+    tmpl = (2 * _qrs(256)).astype(np.float32)
+    got = C.features(rows, tmpl, FS, PRE)
+    assert got.shape == (30, len(C.FEATURES)) and got.dtype == np.float32
+    np.testing.assert_allclose(got[:, 0], C.morphology(rows, tmpl, FS, PRE), atol=1e-6)
+    for i in range(len(rows)):
+        corr, l = naive.best_aligned_corr(rows[i], tmpl, a, b, lag)
+        w = [float(x) for x in rows[i][a + l : b + l]]
+        t = [float(x) for x in tmpl[a:b]]
+        mean_w, mean_t = sum(w) / len(w), sum(t) / len(t)
+        sd_w = math.sqrt(sum((x - mean_w) ** 2 for x in w) / len(w))
+        sd_t = math.sqrt(sum((x - mean_t) ** 2 for x in t) / len(t))
+        assert got[i, 0] == pytest.approx(1 - corr, abs=2e-5)
+        assert got[i, 1] == pytest.approx(math.log(sd_w / sd_t), abs=1e-4)
+        assert got[i, 2] == pytest.approx(sum(w) / sum(abs(x) for x in t), abs=1e-4)
+    # the upright beats' area is positive (1.5 times the template's), the inverted wide ones' negative
+    assert (got[:15, 2] > 0.5).all() and (got[15:, 2] < 0).all()
+
+
+def test_shape_z_against_a_loop(rng=np.random.default_rng(9)):
+    p = C.ClassParams()
+    n = 300
+    f = np.stack([rng.lognormal(-4, 0.5, n), rng.normal(0, 0.1, n), rng.normal(1, 0.1, n)], axis=1)
+    f[::5, 0] = rng.uniform(0.2, 0.6, len(f[::5]))  # a fifth of the beats unlike the template
+    rec = np.repeat([0, 1, 2], [120, 100, 80])
+    got = C.shape_z(f, rec, p)
+    lo_q, span = 0.05, float(__import__("scipy.stats").stats.norm.ppf(p.z_low) - __import__("scipy.stats").stats.norm.ppf(0.05))
+    for r in range(3):
+        idx = [i for i in range(n) if rec[i] == r]
+        logd = [math.log(min(max(f[i, 0], 1e-4), 2.0)) for i in idx]
+        lo, mid, half = (float(np.quantile(logd, q)) for q in (lo_q, p.z_low, 0.5))
+        dom = [i for i, d in zip(idx, logd) if d <= half]
+        for k, i in enumerate(idx):
+            assert got[i, 0] == pytest.approx((logd[k] - mid) / max((mid - lo) / span, 0.05), rel=1e-9)
+        for col in (1, 2):
+            ref = sorted(f[j, col] for j in dom)
+            med = float(np.median(ref))
+            mad = float(np.median([abs(x - med) for x in ref])) * 1.482602218505602
+            for i in idx:
+                assert got[i, col] == pytest.approx(abs(f[i, col] - med) / max(mad, 0.01), rel=1e-9)
+    # the deviation alone: the amplitude's and area's z are 0
+    assert (C.shape_z(f[:, 0], rec, p)[:, 1:] == 0).all()
+    with pytest.raises(ValueError, match="recording labels"):
+        C.shape_z(f, rec[:10], p)
+
+
+def test_a_recording_of_many_v_beats_keeps_its_normal_spread(rng=np.random.default_rng(10)):
+    """208-like: 45 % of the beats V, deviating only about 0.3 from the template, not premature (a V beat in
+    place of a normal one): the normal beats' spread (the dominant half's) finds every one of them."""
+    n = 800
+    kind = np.where(rng.random(n) < 0.45, "V", "N")
+    peaks = np.round(np.cumsum(0.8 + rng.normal(scale=0.01, size=n)) * FS).astype(np.int64)
+    rows = np.stack([_qrs(256, wide=1.6) if k == "V" else _qrs(256) for k in kind]).astype(np.float32)
+    rows += rng.normal(scale=0.03, size=rows.shape).astype(np.float32)
+    f = C.features(rows, C.template(rows, FS, PRE), FS, PRE)
+    assert np.median(f[kind == "V", 0]) < 0.4
+    got, _ = C.classify({0: peaks}, peaks, np.zeros(n, np.int64), f, FS)
+    inner = slice(25, -25)
+    assert (got[inner] == kind[inner]).mean() > 0.98
+
+
+def test_compensation_keeps_an_aberrant_atrial_beat_from_v():
+    """An early beat of a changed QRS with a non-compensatory pause (it resets the sinus rhythm) is V without the
+    compensation gate and S with it; one with a full compensatory pause stays V."""
+    peaks, rows, kind = _stream()
+    s = np.flatnonzero(kind == "S")
+    rows = rows.copy()
+    rows[s] = 0.7 * rows[s] + 0.3 * _qrs(256, wide=2.2, sign=-1.0).astype(np.float32)  # aberrant (deviation 0.16)
+    f = C.features(rows, C.template(rows, FS, PRE), FS, PRE)
+    rec = np.zeros(len(peaks), np.int64)
+    plain, timing = C.classify({0: peaks}, peaks, rec, f, FS, C.ClassParams(v_z_alone=np.inf))
+    gated, _ = C.classify({0: peaks}, peaks, rec, f, FS, C.ClassParams(v_z_alone=np.inf, v_compensation=1.8))
+    comp = (timing["rr_prev_s"] + timing["rr_next_s"]) / timing["local_rr_s"]
+    inner = s[(s > 25) & (s < len(peaks) - 25)]
+    assert (plain[inner] == "V").all() and (comp[inner] < 1.8).all()
+    assert (gated[inner] == "S").all()
+    v = np.flatnonzero(kind == "V")[5:-5]
+    assert (gated[v] == "V").all()

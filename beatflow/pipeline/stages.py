@@ -347,8 +347,8 @@ def sample_rows(embedded: list, picks: list) -> list:
 def score(embedded: list, engine_path: str, scale: float, dominants: list, at: list | None = None,
           context: tuple | None = None, top: int = 0, pad: int = 0, templates: list | None = None,
           beat_window: tuple[float, int] | None = None) -> tuple[list, int]:
-    """``(scores, latent means, class deviations)`` of every partition's rows through the built engine
-    (:func:`score_partition`; the deviations from ``templates``, each partition's recording's, with
+    """``(scores, latent means, class shape features)`` of every partition's rows through the built engine
+    (:func:`score_partition`; the features against ``templates``, each partition's recording's, with
     ``beat_window``, else None),
     each partition on the worker holding the future at its place in ``at`` (its partition: not the home worker,
     which training gave a copy of every partition's rows; :func:`map_partitions`); and how many workers scored.
@@ -524,7 +524,7 @@ def _engine(path: str):
 def score_partition(embedded, dominant=None, tmpl=None, core=None, left=None, right=None, first: int = 0,
                     start=None, length=None, *, engine_path: str, scale: float, top: int = 0, pad: int = 0,
                     beat_window: tuple[float, int] | None = None):
-    """Anomaly score, latent mean and class deviation (:func:`beatflow.score.classes.morphology` from
+    """Anomaly score, latent mean and class shape (:func:`beatflow.score.classes.features` from
     ``tmpl``, the class template of the partition's recording, with ``beat_window = (fs, pre)``; else None)
     of each kept beat of a partition, through the built engine; with ``top``, also the signal around the
     partition's ``top`` highest-scoring beats.
@@ -539,13 +539,13 @@ def score_partition(embedded, dominant=None, tmpl=None, core=None, left=None, ri
     beats that this partition owns. Cut here, the report's top anomalies need no second round trip
     to the partitions after the scores (a Prefect task and a Dask map: 0.066 s of a warm GPU run).
     """
-    from beatflow.score.classes import morphology
+    from beatflow.score.classes import features
     from beatflow.score.rule import model_input
 
     rows, _ = embedded
     engine = _engine(engine_path)
     with device_memory(f"scoring {rows.shape[0]:,} beats", int(rows.nbytes), engine.on_gpu):
-        dev = (to_host(morphology(rows, tmpl, *beat_window)) if tmpl is not None and beat_window is not None
+        dev = (to_host(features(rows, tmpl, *beat_window)) if tmpl is not None and beat_window is not None
                else None)  # (on the rows' device, before they become the model's input)
         score, mu = engine.infer(model_input(rows if engine.on_gpu else to_host(rows), scale, dominant))
     score, mu = to_host(score), to_host(mu)

@@ -17,13 +17,25 @@ two left out), *prematurity* ``1 - rr_prev / local RR``, the *pause* ``rr_next /
 *irregularity* (the median absolute difference of successive intervals over ``irregular_beats`` either side,
 over the local RR; atrial fibrillation is irregular throughout, and its beats are N for AAMI).
 
-**The rule** (:func:`assign`), per recording (the deviation is judged against that recording's own
-spread, the lower half of its log deviations, robust to up to half of its beats being abnormal):
+**Shape features** (:func:`features`, array code beside the deviation): the QRS window's *amplitude* (log of
+its standard deviation over the template's) and signed *area* (in template units; negative for a beat of the
+other polarity), both at the beat's best lag.
 
-* **V**: a deviation above ``v_dev`` (a QRS unlike the patient's) that also lies ``v_dev_z`` robust
-  deviations above the recording's median (a noisy lead's normal beats deviate a lot too), or a deviation above ``v_min_dev`` that
-  lies ``v_z`` robust deviations above the recording's median *and* comes early or before a pause (``v_premature``,
-  ``v_pause``) or lies ``v_z_alone`` deviations out;
+**Within the recording** (:func:`shape_z`, on the host): every feature is judged against the recording's
+*dominant* beats, the half of its beats least unlike the template (all normal wherever half of the beats are):
+the log deviation's robust z above its ``z_low`` quantile (the spread from the 5 % quantile to that one: a
+recording whose normal beats deviate a lot, a noisy lead, judges by its own spread; a recording of 45 %
+ventricular and fusion beats, 208, keeps its normal beats' spread), the amplitude's and area's absolute robust z
+(median, median absolute deviation of the dominant beats).
+
+**The rule** (:func:`assign`, :func:`judge`), per recording:
+
+* **V**: a deviation above ``v_dev`` whose z exceeds ``v_dev_z`` (off by default: no fold chose it), or a
+  deviation above ``v_min_dev`` whose *shape z* (the largest of the deviation's z and ``v_amp``, ``v_area``
+  times the amplitude's and area's) exceeds ``v_z_alone``, or exceeds ``v_z`` for an *early* beat (premature
+  by ``v_premature`` or before a pause ``v_pause``; with, where set, a regular local rhythm, irregularity below
+  ``v_irregular``, and a compensatory pause, ``(rr_prev + rr_next) / local RR`` above ``v_compensation``: an
+  atrial beat resets the sinus node, a ventricular one does not);
 * **S**: not V, premature by more than ``s_premature`` and by more than ``s_spread`` times the local
   irregularity (earlier than the beat-to-beat variation around it explains), its QRS correlating above
   ``s_corr`` with the template, in a regular local rhythm (irregularity below ``s_irregular``);
@@ -32,9 +44,10 @@ spread, the lower half of its log deviations, robust to up to half of its beats 
   evaluation under the class they are assigned).
 
 The thresholds were chosen by 5-fold cross-validation across the 22 non-paced MIT-BIH records of the shared
-set (patients, never beats, split), the rule chosen on each fold's training records being judged on its
-held-out records: ``bench/classes_study.py`` (the table, its command and the figures:
-``bench/results/accuracy.md``). Each default is the value most folds chose for it.
+set (patients, never beats, split), the rule chosen on each fold's training records (the V thresholds for the
+best min(Se, +P) of V, then the S ones for that of S) being judged on its held-out records:
+``bench/classes_study.py`` (the table, its command and the figures: ``bench/results/accuracy.md``). Each
+default is the value most folds chose for it.
 """
 from __future__ import annotations
 
@@ -59,13 +72,18 @@ class ClassParams:
     max_lag_s: float = 0.04
     local_beats: int = 20
     irregular_beats: int = 16
-    v_dev: float = 0.3
+    z_low: float = 0.25
+    v_dev: float = np.inf
     v_dev_z: float = 1.0
+    v_amp: float = 0.0
+    v_area: float = 0.5
     v_min_dev: float = 0.05
     v_z: float = 3.0
     v_z_alone: float = 8.0
     v_premature: float = 0.05
     v_pause: float = 1.1
+    v_irregular: float = np.inf
+    v_compensation: float = 0.0
     s_premature: float = 0.15
     s_irregular: float = 0.3
     s_spread: float = 2.0
@@ -141,6 +159,29 @@ def morphology(rows, tmpl, fs: float, pre: int, p: ClassParams = ClassParams()):
     return (1.0 - best).astype(xp.float32)
 
 
+#: the columns of :func:`features`
+FEATURES = ("deviation", "amplitude", "area")
+
+
+def features(rows, tmpl, fs: float, pre: int, p: ClassParams = ClassParams()):
+    """Each row's shape against the template, ``(n, 3)`` float32 in the rows' namespace, the columns
+    :data:`FEATURES`: the *deviation* (:func:`morphology`), the *amplitude* (the log of the standard deviation of
+    the row's QRS window, at its best lag, over the template's) and the *area* (the sum of that window over the
+    template window's absolute sum: the signed QRS area in template units; a beat of the other polarity is
+    negative). The rows' scale must be the template's (the rows the template was made of)."""
+    a, b, lag = p.window(fs, pre)
+    xp = namespace_of(rows)
+    t = xp.asarray(tmpl).astype(xp.float32)
+    best, at = _best_lag(rows, t, a, b, lag)
+    cols = (a + at.astype(xp.int64))[:, None] + xp.arange(b - a)[None, :]
+    win = xp.take_along_axis(rows, cols, axis=1).astype(xp.float32)
+    tw = t[a:b]
+    ts = float(tw.std()) + 1e-12
+    amp = xp.log(xp.maximum(win.std(axis=1), 1e-3 * ts) / ts)
+    area = win.sum(axis=1) / (float(xp.abs(tw).sum()) + 1e-12)
+    return xp.stack([1.0 - best, amp, area], axis=1).astype(xp.float32)
+
+
 # --- rhythm (host) -----------------------------------------------------------------------------------
 
 def _around(rr: np.ndarray, idx: np.ndarray, k: int) -> np.ndarray:
@@ -195,35 +236,72 @@ def rhythm(peaks, beat_peaks, fs: float, p: ClassParams = ClassParams()) -> dict
 
 # --- the rule (host) ---------------------------------------------------------------------------------
 
-def _lower_half_z(v: np.ndarray) -> np.ndarray:
-    """``(v - median) / σ`` with σ from the lower half (median minus first quartile, over 0.6745)."""
-    if not len(v):
-        return v
-    med = np.median(v)
-    sd = (med - np.quantile(v, 0.25)) / 0.6745
-    return (v - med) / max(float(sd), 1e-6)
+def _robust_z(v: np.ndarray, ref: np.ndarray, floor: float) -> np.ndarray:
+    """``|v - median(ref)| / max(σ, floor)``, σ the median absolute deviation of ``ref`` scaled to a normal's
+    standard deviation."""
+    from scipy.stats import median_abs_deviation
+
+    if not len(ref):
+        return np.zeros(len(v))
+    return np.abs(v - float(np.median(ref))) / max(float(median_abs_deviation(ref, scale="normal")), floor)
+
+
+def shape_z(feats, recording=None, p: ClassParams = ClassParams()) -> np.ndarray:
+    """Each beat's shape judged within its recording, ``(n, 3)``, against the recording's *dominant* beats
+    (the half of its beats least unlike the template: all normal where half of them are; a recording of
+    45 % ventricular and fusion beats, 208, keeps its normal beats' spread):
+
+    * column 0, the log deviation above the recording's ``z_low`` quantile of it (the dominant beats' middle)
+      in units of its spread from the 5 % quantile to that one (one-sided: for normal values, a standard
+      deviation), so a recording whose normal beats deviate a lot (a noisy lead) judges by its own spread;
+    * columns 1 and 2, the absolute robust z (median, median absolute deviation) of the amplitude and the
+      area (:func:`features`) against the dominant beats' (a beat unlike the usual either way).
+
+    ``feats``: :func:`features` (or the deviation alone, ``(n,)``: the other two are 0)."""
+    from scipy.stats import norm
+
+    f = np.asarray(to_host(feats), np.float64)
+    if f.ndim == 1:
+        f = np.stack([f, np.zeros_like(f), np.ones_like(f)], axis=1)
+    n = f.shape[0]
+    rec = np.zeros(n, np.int64) if recording is None else np.asarray(to_host(recording))
+    if rec.shape != (n,):
+        raise ValueError(f"{rec.size} recording labels for {n} beats")
+    z = np.zeros((n, 3))
+    logd = np.log(np.clip(f[:, 0], 1e-4, 2.0))
+    span = float(norm.ppf(p.z_low) - norm.ppf(0.05))
+    for r in np.unique(rec):
+        m = np.flatnonzero(rec == r)
+        d = logd[m]
+        lo, mid, half = np.quantile(d, [0.05, p.z_low, 0.5])
+        z[m, 0] = (d - mid) / max((mid - lo) / span, 0.05)
+        dom = m[d <= half]
+        z[m, 1] = _robust_z(f[m, 1], f[dom, 1], 0.01)
+        z[m, 2] = _robust_z(f[m, 2], f[dom, 2], 0.01)
+    return z
 
 
 def assign(deviation, timing: dict, recording=None, p: ClassParams = ClassParams()) -> np.ndarray:
-    """The class (``"N"``, ``"S"`` or ``"V"``) of each beat, from its deviation (:func:`morphology`) and timing
-    (:func:`rhythm`), the deviation judged within each recording (``recording``: each beat's; None: one)."""
-    dev = np.asarray(to_host(deviation), np.float64)
-    n = len(dev)
-    rec = np.zeros(n, np.int64) if recording is None else np.asarray(recording)
-    if rec.shape != dev.shape:
-        raise ValueError(f"{rec.size} recording labels for {n} beats")
-    z = np.empty(n)
-    logd = np.log(np.clip(dev, 1e-4, 2.0))
-    for r in np.unique(rec):
-        m = rec == r
-        z[m] = _lower_half_z(logd[m])
+    """The class (``"N"``, ``"S"`` or ``"V"``) of each beat, from its shape (:func:`features`, or the deviation
+    alone: :func:`morphology`) and timing (:func:`rhythm`), the shape judged within each recording
+    (``recording``: each beat's; None: one; :func:`shape_z`)."""
+    f = np.asarray(to_host(deviation), np.float64)
+    return judge(f[:, 0] if f.ndim == 2 else f, shape_z(f, recording, p), timing, p)
+
+
+def judge(dev: np.ndarray, z: np.ndarray, timing: dict, p: ClassParams = ClassParams()) -> np.ndarray:
+    """:func:`assign`'s classes from each beat's deviation, its :func:`shape_z` and its timing."""
+    shape = np.maximum(z[:, 0], np.maximum(p.v_amp * z[:, 1], p.v_area * z[:, 2]))
     prem = np.nan_to_num(timing["prematurity"], nan=0.0)
     pause = np.nan_to_num(timing["pause"], nan=1.0)
     irr = np.nan_to_num(timing["irregularity"], nan=np.inf)
-    early = (prem > p.v_premature) | (pause > p.v_pause)
-    v = ((dev > p.v_dev) & (z > p.v_dev_z)) | ((dev > p.v_min_dev) & (z > p.v_z) & (early | (z > p.v_z_alone)))
+    with np.errstate(all="ignore"):
+        comp = np.nan_to_num((timing["rr_prev_s"] + timing["rr_next_s"]) / timing["local_rr_s"], nan=2.0)
+    early = ((prem > p.v_premature) | (pause > p.v_pause)) & (irr < p.v_irregular) & (comp > p.v_compensation)
+    v = (((dev > p.v_dev) & (z[:, 0] > p.v_dev_z))
+         | ((dev > p.v_min_dev) & (shape > p.v_z) & (early | (shape > p.v_z_alone))))
     s = ~v & (prem > np.maximum(p.s_premature, p.s_spread * irr)) & (1.0 - dev > p.s_corr) & (irr < p.s_irregular)
-    out = np.full(n, "N", dtype="<U1")
+    out = np.full(len(dev), "N", dtype="<U1")
     out[v] = "V"
     out[s] = "S"
     return out

@@ -350,10 +350,10 @@ def class_metrics(assigned, labels) -> dict:
 def record_classes(rec: Record, b: RecordBeats, params: SegmentParams | None = None) -> np.ndarray:
     """The class of each kept beat of a record (:mod:`beatflow.score.classes`, against the record's own
     template and rhythm, as the flow classes a recording)."""
-    from beatflow.score.classes import assign, morphology, rhythm, template
+    from beatflow.score.classes import assign, features, rhythm, template
 
     pre = (params or SegmentParams()).samples(rec.fs).pre
-    dev = morphology(b.rows, template(b.rows, rec.fs, pre), rec.fs, pre)
+    dev = features(b.rows, template(b.rows, rec.fs, pre), rec.fs, pre)
     return assign(dev, rhythm(b.peaks, b.kept_peak, rec.fs))
 
 

@@ -252,10 +252,10 @@ def score_recording(x, fs: float, infer, scale: float, threshold: float, width: 
     kb, peak, start, length, rows, _ = beat_rows(x, peaks, s, x.shape[0], baseline_samples=max(1, s.pre // 2))
     if kb.shape[0] == 0:
         raise InputError(f"{name}: no heartbeats found (flat line or no QRS-like peaks)")
-    from beatflow.score.classes import classify, morphology, template
+    from beatflow.score.classes import classify, features, template
 
     rows = np.asarray(rows)
-    dev = morphology(rows, template(rows, fs, s.pre), fs, s.pre)
+    dev = features(rows, template(rows, fs, s.pre), fs, s.pre)
     classes, timing = classify({0: np.asarray(peaks)}, peak, np.zeros(len(peak), np.int64), dev, fs)
     score, _ = infer(model_input(rows, scale))  # (the recording's own dominant beat)
     return anomaly_table(kb, np.zeros(kb.shape[0], np.int64), peak, start, length, score, fs, threshold, [name],
