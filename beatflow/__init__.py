@@ -4,7 +4,7 @@ From Python: ``beatflow.run(input=..., out=..., **options)`` runs the flow of ``
 its outputs; ``beatflow.read(path, ...)`` reads an input as the flow does (:mod:`beatflow.api`).
 """
 
-__version__ = "0.1.0"
+from beatflow.version import __version__  # noqa: F401
 
 __all__ = ["Result", "Signal", "read", "run"]
 

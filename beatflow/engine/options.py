@@ -67,6 +67,19 @@ def cache_dir(path: Union[str, os.PathLike, None] = None) -> Path:
     return Path(os.path.expanduser(os.fspath(p)))
 
 
+def compiler_caches() -> None:
+    """Put PyTorch Inductor's and Triton's on-disk caches (compiled training steps, compiled and AOTI
+    engines) in beatflow's cache folder, ``<user cache>/beatflow/inductor`` and ``.../triton``, unless
+    ``TORCHINDUCTOR_CACHE_DIR`` or ``TRITON_CACHE_DIR`` say otherwise. (Their default, a folder under
+    /tmp, goes with the machine's temporary files.) Called before anything is compiled; both read the
+    variables when they first compile."""
+    from platformdirs import user_cache_dir
+
+    root = Path(user_cache_dir("beatflow"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+
+
 def normalize_device(device: Union[str, int, None]) -> str:
     """``"cpu"`` or ``"cuda:N"`` for ``cpu``, ``gpu[:N]``, ``cuda[:N]``, ``auto`` (a CUDA device
     when torch sees one)."""

@@ -12,7 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
-import beatflow
+from beatflow.version import __version__
 
 
 def _files_digest(paths) -> str:
@@ -27,7 +27,7 @@ def code_version() -> str:
     """Hash of the sources of the package (a change invalidates the caches)."""
     root = Path(beatflow.__file__).parent
     files = sorted(root.rglob("*.py"))
-    return f"{beatflow.__version__}-{_files_digest(files)[:12]}"
+    return f"{__version__}-{_files_digest(files)[:12]}"
 
 
 def input_digest(path) -> str:
