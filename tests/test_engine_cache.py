@@ -83,7 +83,8 @@ def cache(tmp_path):
 
 
 def entries(folder):
-    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+    # (engines, sidecars and anything left behind; not the stored validation references)
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("reference-")) if folder.exists() else []
 
 
 def build(trained, cache, **kw):
@@ -101,6 +102,7 @@ def test_build_then_cache_hit_without_export(trained, cache, exports):
     assert 0 <= info["max_abs_err"] < TOLERANCES["fp32"].atol and info["throughput_beats_per_s"] > 0
     stem = f"onnxruntime-fp32-{info['key']}"
     assert entries(cache) == [f"{stem}.json", f"{stem}.onnx"]  # no temporary files left
+    assert len(list(cache.glob("reference-*.npz"))) == 1  # the validation reference, stored with the engines
     meta = json.loads((cache / f"{stem}.json").read_text())
     assert meta["key"] == info["key"] and meta["material"]["batch_profile"] == list(PROFILE)
     assert set(meta["material"]["versions"]) >= {"torch", "onnxruntime", "onnx"}
@@ -152,9 +154,22 @@ def test_a_hit_in_the_same_process_reuses_the_loaded_engine(trained, cache, expo
     engines._LOADED.clear()  # another process
     engines._REFERENCES.clear()
     eng3, info3 = build(trained, cache)
-    assert info3["cache"] == "hit" and eng3 is not eng and info3["phases_s"]["reference"] == "computed"
+    # another process reads the reference stored with the engines, equal to the computed one
+    assert info3["cache"] == "hit" and eng3 is not eng and info3["phases_s"]["reference"] == "stored"
+    assert info3["max_abs_err"] == info["max_abs_err"]
     x = trained[1][:30]
     np.testing.assert_array_equal(eng3.infer(x)[0], eng.infer(x)[0])
+    # a damaged stored reference is computed again (and stored anew)
+    refs = sorted(Path(info["path"]).parent.glob("reference-*.npz"))
+    assert len(refs) == 1
+    refs[0].write_bytes(b"not a npz")
+    engines._LOADED.clear()
+    engines._REFERENCES.clear()
+    _, info4 = build(trained, cache)
+    assert info4["phases_s"]["reference"] == "computed" and info4["max_abs_err"] == info["max_abs_err"]
+    engines._LOADED.clear()
+    engines._REFERENCES.clear()
+    assert build(trained, cache)[1]["phases_s"]["reference"] == "stored"
 
 
 @pytest.mark.parametrize("change", ["batch_profile", "weights", "versions", "device_name"])
@@ -311,15 +326,17 @@ def test_load_engine_on_a_worker_checks_the_file(trained, cache, exports):
 def test_engine_clean_cli(trained, cache, exports, capsys):
     from beatflow.cli import main
 
+    engines._REFERENCES.clear()  # (computed here, so stored with the engine)
     _, info = build(trained, cache)
+    assert len(list(cache.glob("reference-*.npz"))) == 1
     (cache / ".tmp-leftover.onnx").write_bytes(b"x")
     (cache / "notes.txt").write_text("not ours")
     assert main(["engine", "list", "--cache-dir", str(cache)]) == 0
     assert os.path.basename(info["path"]) in capsys.readouterr().out
     assert main(["engine", "clean", "--cache-dir", str(cache)]) == 0
     out = capsys.readouterr().out
-    assert f"removed {info['path']}" in out and "removed 3 file(s)" in out
-    assert entries(cache) == ["notes.txt"]
+    assert f"removed {info['path']}" in out and "removed 4 file(s)" in out
+    assert sorted(p.name for p in cache.iterdir()) == ["notes.txt"]
     assert main(["engine", "clean", "--cache-dir", str(cache)]) == 0
     assert "removed 0 file(s)" in capsys.readouterr().out
 

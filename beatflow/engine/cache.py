@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import io
 import json
 import logging
 import os
@@ -230,6 +231,30 @@ def _read_entry(engine_path: Path, meta_path: Path, key: str, material: dict) ->
               "rebuilding")
         return None
     return meta
+
+
+def _reference_name(ref_key: tuple, device_name: str, versions: dict) -> str:
+    text = json.dumps([ref_key[0], ref_key[1], list(ref_key[2]), device_name, versions], sort_keys=True, default=str)
+    return f"reference-{hashlib.sha256(text.encode()).hexdigest()[:16]}.npz"
+
+
+def _read_reference(path: Path, n: int):
+    """A stored validation reference ``(score, mu)`` for ``n`` beats, or None (missing or unreadable)."""
+    try:
+        with np.load(path) as z:
+            score, mu = z["score"], z["mu"]
+    except (OSError, ValueError, KeyError, EOFError):
+        return None
+    return (score, mu) if len(score) == n and len(mu) == n else None
+
+
+def _write_reference(path: Path, score, mu) -> None:
+    buf = io.BytesIO()
+    np.savez(buf, score=np.asarray(score), mu=np.asarray(mu))
+    try:
+        _atomic_write_bytes(path, buf.getvalue())
+    except OSError as e:  # a read-only cache still validates: the next process computes it again
+        log.info("engine cache: cannot store the validation reference (%s)", e)
 
 
 def _remove_entry(*paths: Path) -> None:
@@ -475,23 +500,31 @@ def _build_or_load(model_path, validation_beats, backend: str, precision: str, d
     report: dict = {}
 
     # the eager scorer's output on the validation beats, a pure function of the weights and the
-    # beats: kept per process, so that a standing worker's next run with the same model (a cache
-    # hit) does not compute it again (0.2-0.4 s on one CPU thread for 4096 beats)
+    # beats (and of the device and PyTorch that computed it): kept per process, so that a standing
+    # worker's next run with the same model (a cache hit) does not compute it again (0.2-0.4 s on one
+    # CPU thread for 4096 beats), and stored with the engines, so that a new process loading a cached
+    # engine (beatflow score) does not either (seconds on a GPU, whose eager scorer starts cold)
     ref_key = (model_sha, hashlib.sha256(check.tobytes()).hexdigest(), check.shape)
+    ref_path = folder / _reference_name(ref_key, dname, versions)
     phases: dict = {}
 
     def validate(engine: Engine) -> float:
         t = time.perf_counter()
         with _LOADED_LOCK:
             reference = _REFERENCES.get(ref_key)
+        source = "kept"
+        if reference is None:
+            reference, source = _read_reference(ref_path, check.shape[0]), "stored"
         try:
             return validate_engine(engine, scorer, check, atol=tol.atol, rtol=tol.rtol, mu_atol=tol.mu_atol,
                                    mu_rtol=tol.mu_rtol, report=report, reference=reference)
         finally:  # (also when the engine fails: the reference is right either way)
             if "ref_score" in report:
                 _keep(_REFERENCES, ref_key, (report["ref_score"], report["ref_mu"]))
+                if reference is None:
+                    _write_reference(ref_path, report["ref_score"], report["ref_mu"])
             phases["validate"] = time.perf_counter() - t
-            phases["reference"] = "kept" if reference is not None else "computed"
+            phases["reference"] = source if reference is not None else "computed"
 
     engine, status, meta = None, "built", _read_entry(engine_path, meta_path, key, material)
     phases["prepare"] = time.perf_counter() - t0

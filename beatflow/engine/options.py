@@ -212,10 +212,12 @@ _KEY_LEN = 24
 _ENTRY_RE = re.compile(r"^(%s)-(%s)-([0-9a-f]{%d})\.(%s|json)$"
                        % ("|".join(BACKENDS), "|".join(PRECISIONS), _KEY_LEN, "|".join(EXTENSIONS.values())))
 _TMP_PREFIX = ".tmp-"
+#: the stored validation references (:mod:`beatflow.engine.cache`): ``reference-<16 hex>.npz``
+REFERENCE_RE = re.compile(r"^reference-[0-9a-f]{16}\.npz$")
 
 
 def _ours(p: Path) -> bool:
-    return bool(_ENTRY_RE.match(p.name)) or p.name.startswith(_TMP_PREFIX)
+    return bool(_ENTRY_RE.match(p.name) or REFERENCE_RE.match(p.name)) or p.name.startswith(_TMP_PREFIX)
 
 
 def list_cache(path=None) -> list[dict]:
@@ -237,7 +239,7 @@ def list_cache(path=None) -> list[dict]:
 
 
 def clean_cache(path=None) -> list[Path]:
-    """Remove every engine, sidecar and leftover temporary file from the cache folder.
+    """Remove every engine, sidecar, stored validation reference and leftover temporary file from the cache folder.
 
     Files that do not look like cache entries are left alone (the folder may have been pointed
     somewhere else by mistake). Returns the removed paths.
