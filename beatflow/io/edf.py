@@ -70,8 +70,8 @@ class EdfHeader:
     def signals(self) -> list[int]:
         """The signals pyedflib reads, as indices of the header's: an EDF+/BDF+ file's annotation
         channels are none of them (EDFlib's own rule)."""
-        return [i for i, label in enumerate(self.labels)
-                if not (self.plus and label.strip().lower() in ANNOTATION_LABELS)]
+        own = "BDF Annotations" if self.kind.startswith("BDF") else "EDF Annotations"
+        return [i for i, label in enumerate(self.labels) if not (self.plus and label == own)]
 
 
 def _field(path: Path, raw: bytes, name: str, kind=int):
@@ -119,15 +119,23 @@ def read_header(path: Path) -> EdfHeader:
                          f"gaps in time); beatflow reads continuous recordings (EDF+C, BDF+C or plain EDF/BDF)")
     n_records = _field(path, fixed[236:244], "number of data records")
     record_s = _field(path, fixed[244:252], "data record duration", float)
+    if n_records == -1:
+        raise InputError(f"{path}: the header gives -1 data records (the recorder did not finish the file)")
     if n_records <= 0:
-        why = " (-1: the recorder did not finish the file)" if n_records == -1 else ""
-        raise InputError(f"{path}: no samples ({n_records} data records{why})")
+        raise InputError(f"{path}: no samples ({n_records} data records)")
     hdr = EdfHeader(kind=("BDF" if bdf else "EDF") + "+" * plus, header_bytes=header_bytes, n_records=n_records,
                     record_s=record_s,
                     labels=tuple(b.decode("latin-1").strip() for b in fields["label"]),
                     dimensions=tuple(b.decode("latin-1").strip() for b in fields["dimension"]),
                     samples_per_record=tuple(_field(path, b, "samples per data record")
                                              for b in fields["samples_per_record"]))
+    if not record_s > 0:
+        raise InputError(f"{path}: data record duration {record_s:g} s; the sampling rates "
+                         f"(samples per data record / duration) are not positive")
+    for label, spr in zip(hdr.labels, hdr.samples_per_record):
+        if spr <= 0:
+            raise InputError(f"{path}: channel {label!r} has {spr} samples per data record; "
+                             f"its sampling rate is not positive")
     record_bytes = sum(hdr.samples_per_record) * hdr.bytes_per_sample
     need = header_bytes + n_records * record_bytes
     if size < need:
@@ -171,7 +179,7 @@ def open_channel(path, lead: Lead, option: str = "--lead") -> EdfChannel:
     k = pick_channel(str(path), labels, lead, option, skip=annotations)
     i = signals[k]
     spr = hdr.samples_per_record[i]
-    fs = spr / hdr.record_s if hdr.record_s > 0 else float("nan")
+    fs = spr / hdr.record_s
     reason = check_fs(fs)
     if reason:
         raise InputError(f"{path}: channel {k} {labels[k]!r}: {spr} samples per {hdr.record_s:g} s data record; "
