@@ -10,6 +10,7 @@ from beatflow.errors import InputError
 from beatflow.io.sources import EdfSource, open_second_lead, open_source
 from beatflow.params import check_fs
 from conftest import run_cli
+from test_score_new import trained_store  # noqa: F401 (the fixture: a store with a model trained at 250 Hz)
 
 pyedflib = pytest.importorskip("pyedflib")
 from pyedflib import highlevel  # noqa: E402
@@ -377,3 +378,40 @@ def test_run_on_an_edf_file(prefect_server, tmp_path):
     truth = int((~ecg.beat_unreadable).sum())  # (no beats are kept in the unreadable episodes)
     assert abs(s["beats_detected"] - truth) <= 0.02 * truth, (s["beats_detected"], truth)
     assert (out / "report.html").exists() and (out / "anomalies.parquet").exists()
+
+
+# ---- the command line's lead options, the inbox
+
+def test_lead_options_take_an_index_or_a_label():
+    import argparse
+
+    from beatflow.io.channels import parse_lead
+
+    assert parse_lead("2") == 2 and parse_lead(" 0 ") == 0 and parse_lead("-1") == -1
+    assert parse_lead("MLII") == "MLII" and parse_lead(" ECG V5 ") == "ECG V5"
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_lead("  ")
+
+
+def test_score_an_inbox_of_edf_files(prefect_server, trained_store, tmp_path):
+    """``beatflow score --lead ECG --confirm-lead ECG2``: an EDF file at the model's rate is scored on its
+    ECG channel checked by the second one; one at another rate goes to failed/."""
+    from beatflow.io.store import Store
+    from beatflow.io.synth import synthesize_ecg
+    from beatflow.pipeline.inbox_flow import score_new_recordings
+
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    ecg = synthesize_ecg(hours=0.05, fs=250.0, seed=2).signal.astype(np.float64)
+    write(inbox / "night.edf", [ecg * 1000.0, ecg * 800.0], labels=["ECG", "ECG2"], rates=[250, 250],
+          dims=["uV", "uV"], phys=[(-8000.0, 8000.0)] * 2)
+    fast = synthesize_ecg(hours=0.05, fs=360.0, seed=2).signal.astype(np.float64)
+    write(inbox / "fast.bdf", [fast, fast], labels=["ECG", "ECG2"], rates=[360, 360], dims=["mV", "mV"],
+          phys=[(-8.0, 8.0)] * 2)
+    res = score_new_recordings(inbox=str(inbox), store=str(trained_store), lead="ECG", confirm_lead="ECG2")
+    status = {r["item"]: r["status"] for r in res["processed"]}
+    assert status == {"night.edf": "done", "fast.bdf": "failed"}, res
+    assert "model was trained on 256" in (inbox / "failed" / "fast.bdf.reason.txt").read_text()
+    night = [r for r in res["processed"] if r["item"] == "night.edf"][0]
+    df = Store(trained_store).read_results()
+    assert len(df) == night["beats"] > 200 and set(df["recording"].astype(str)) == {"night"}
