@@ -48,9 +48,9 @@ def _run_parser(sub) -> None:
     p.add_argument("--lead", type=parse_lead, default=0, metavar="N|LABEL",
                    help="WFDB or EDF channel: its index or its label, e.g. MLII (default 0)")
     p.add_argument("--confirm-lead", type=parse_lead, metavar="N|LABEL",
-                   help="a second WFDB or EDF channel (index or label) that checks the first one's beats (beatflow.detect.leads: flutter on "
-                        "either lead, weak peaks with no QRS on the second lead are dropped, a noise peak "
-                        "beside a QRS of the second lead is moved to it)")
+                   help="a second WFDB or EDF channel (index or label) that checks the first one's beats "
+                        "(beatflow.detect.leads: flutter on either lead, weak peaks with no QRS on the second lead "
+                        "are dropped, a noise peak beside a QRS of the second lead is moved to it)")
     p.add_argument("--confirm-column", metavar="NAME",
                    help="the same for CSV/Parquet input: the column of the second lead")
     p.add_argument("--hours", type=float, default=20.0, help="length of the synthetic ECG (default 20)")

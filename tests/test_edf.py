@@ -286,7 +286,8 @@ def _bad(tmp_path, case):
         return p, 0, f"{p}: 600 bytes, the header of {ns} signals takes {header}: truncated?"
     if case == "not edf":
         p.write_text("heartbeats\n" + "0.1\n" * 100)
-        return p, 0, f"{p}: not an EDF or BDF file (the version field is b'heartbea', not b'0       ' or b'\\xffBIOSEMI')"
+        return p, 0, (f"{p}: not an EDF or BDF file (the version field is b'heartbea', not b'0       ' or "
+                      f"b'\\xffBIOSEMI')")
     if case == "edf+d":
         patch(p, 192, "EDF+D")
         return p, 0, (f"{p}: a discontinuous EDF+ file (EDF+D: its data records have gaps in time); beatflow reads "

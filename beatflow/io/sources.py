@@ -518,7 +518,8 @@ def _folder_kind(path: Path) -> str:
     heads = any(path.glob("*.hea"))
     edfs = any(p.suffix.lower() in EDF_SUFFIXES for p in path.iterdir() if p.is_file())
     if heads and edfs:
-        raise InputError(f"{path}: holds both WFDB records (.hea) and EDF/BDF files; put each kind in a folder of its own")
+        raise InputError(f"{path}: holds both WFDB records (.hea) and EDF/BDF files; put each kind in a folder "
+                         f"of its own")
     if not heads and not edfs:
         raise InputError(f"{path}: no WFDB records (.hea files) in this folder, nor EDF/BDF files (.edf, .bdf)")
     return "wfdb" if heads else "edf"
@@ -707,7 +708,8 @@ def open_second_lead(source: Source, path, fs: float | None = None, *, lead: Lea
             raise InputError(f"--confirm-column {confirm_column}: the second lead must differ from the first")
         second = open_source(path, column=confirm_column, fs=fs)
     else:
-        raise InputError(f"{source.path}: a .npy stream has one lead; a second lead needs WFDB, EDF or CSV/Parquet input")
+        raise InputError(f"{source.path}: a .npy stream has one lead; a second lead needs WFDB, EDF or "
+                         f"CSV/Parquet input")
     a = [(r.name, r.n_samples, r.fs) for r in source.recordings]
     b = [(r.name, r.n_samples, r.fs) for r in second.recordings]
     if a != b:

@@ -28,8 +28,8 @@ def score_inbox_item(item: str, store: str, engine_path: str, meta: dict, fs: fl
     """Claim one file or WFDB record of the inbox, score it, append its beats to the store, move it away.
 
     ``column``: of a CSV/Parquet file with several. A second lead checks the beats
-    (:mod:`beatflow.detect.leads`): ``confirm_lead`` for WFDB records and EDF files, ``confirm_column`` for CSV/Parquet
-    files; an item without it fails. Bad input goes to ``failed/`` with a ``.reason.txt``; it never
+    (:mod:`beatflow.detect.leads`): ``confirm_lead`` for WFDB records and EDF files, ``confirm_column`` for
+    CSV/Parquet files; an item without it fails. Bad input goes to ``failed/`` with a ``.reason.txt``; it never
     stops the other recordings. Content scored before (the same sha256) is a ``duplicate``: no rows,
     moved to ``done/`` with the reason.
 

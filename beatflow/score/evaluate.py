@@ -594,8 +594,9 @@ def register(sub) -> dict:
     p.add_argument("--lead", type=parse_lead, default=0, metavar="N|LABEL",
                    help="WFDB channel: its index or its signal name, e.g. MLII (default 0)")
     p.add_argument("--confirm-lead", type=parse_lead, metavar="N|LABEL",
-                   help="a second WFDB channel (index or signal name) that checks the first one's beats (beatflow.detect.leads: flutter on "
-                        "either lead, peaks with no QRS on the second lead dropped, misplaced ones moved)")
+                   help="a second WFDB channel (index or signal name) that checks the first one's beats "
+                        "(beatflow.detect.leads: flutter on either lead, peaks with no QRS on the second lead dropped, "
+                        "misplaced ones moved)")
     p.add_argument("--out", help="write the metrics to this JSON file")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=1024)
