@@ -15,6 +15,7 @@ import sys
 from contextlib import contextmanager
 
 from beatflow.errors import InputError
+from beatflow.io.channels import parse_lead
 from beatflow.params import TRAIN_BEATS
 
 
@@ -40,14 +41,16 @@ def _long_lived_imports():
 
 def _run_parser(sub) -> None:
     p = sub.add_parser("run", help="find abnormal heartbeats in an ECG (synthetic 20 h by default)")
-    p.add_argument("--input", help="CSV (header + float rows), Parquet, .npy, or a folder of WFDB records")
+    p.add_argument("--input", help="CSV (header + float rows), Parquet, .npy, WFDB, EDF/BDF, or a folder of WFDB "
+                   "records or of EDF/BDF files")
     p.add_argument("--column", help="column of a CSV/Parquet file with several")
     p.add_argument("--fs", type=float, help="sampling rate in Hz of CSV/Parquet/npy input (default 250)")
-    p.add_argument("--lead", type=int, default=0, help="WFDB channel (default 0)")
-    p.add_argument("--confirm-lead", type=int, metavar="N",
-                   help="a second WFDB channel that checks the first one's beats (beatflow.detect.leads: flutter on "
-                        "either lead, weak peaks with no QRS on the second lead are dropped, a noise peak "
-                        "beside a QRS of the second lead is moved to it)")
+    p.add_argument("--lead", type=parse_lead, default=0, metavar="N|LABEL",
+                   help="WFDB or EDF channel: its index or its label, e.g. MLII (default 0)")
+    p.add_argument("--confirm-lead", type=parse_lead, metavar="N|LABEL",
+                   help="a second WFDB or EDF channel (index or label) that checks the first one's beats "
+                        "(beatflow.detect.leads: flutter on either lead, weak peaks with no QRS on the second lead "
+                        "are dropped, a noise peak beside a QRS of the second lead is moved to it)")
     p.add_argument("--confirm-column", metavar="NAME",
                    help="the same for CSV/Parquet input: the column of the second lead")
     p.add_argument("--hours", type=float, default=20.0, help="length of the synthetic ECG (default 20)")
@@ -185,14 +188,15 @@ def _find_service(args, explicit_device: str | None = None):
 
 def _score_parser(sub) -> None:
     p = sub.add_parser("score", help="score new recordings in an inbox with the latest trained model")
-    p.add_argument("--inbox", required=True, help="folder of new CSV/Parquet/npy files or WFDB records")
+    p.add_argument("--inbox", required=True, help="folder of new CSV/Parquet/npy/EDF/BDF files or WFDB records")
     p.add_argument("--store", default=os.environ.get("BEATFLOW_STORE", ".beatflow"),
                    help="results store holding the trained model (default $BEATFLOW_STORE or .beatflow)")
     p.add_argument("--fs", type=float, help="sampling rate of CSV/Parquet/npy files (default 250)")
-    p.add_argument("--lead", type=int, default=0)
+    p.add_argument("--lead", type=parse_lead, default=0, metavar="N|LABEL",
+                   help="WFDB or EDF channel: its index or its label (default 0)")
     p.add_argument("--column", help="column of CSV/Parquet files with several")
-    p.add_argument("--confirm-lead", type=int, metavar="N",
-                   help="a second WFDB channel that checks the beats (as beatflow run --confirm-lead)")
+    p.add_argument("--confirm-lead", type=parse_lead, metavar="N|LABEL",
+                   help="a second WFDB or EDF channel that checks the beats (as beatflow run --confirm-lead)")
     p.add_argument("--confirm-column", metavar="NAME", help="the same for CSV/Parquet files: a second column")
     _no_service_flag(p)
     _verbose_flag(p)

@@ -1,4 +1,5 @@
-"""Reading ECG streams: one-column CSV, Parquet, WFDB record folders, and ``.npy`` (synthetic).
+"""Reading ECG streams: one-column CSV, Parquet, WFDB records, EDF/EDF+/BDF files (:mod:`beatflow.io.edf`),
+each alone or a folder of them, and ``.npy`` (synthetic).
 
 A source is opened and checked once (cheaply: headers and metadata), then planned into partitions
 that workers read independently, so no process holds the whole stream. Every problem is an
@@ -18,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from beatflow.errors import InputError
+from beatflow.io.channels import Lead, describe, pick_channel
+from beatflow.io.edf import BDF_MAGIC, EDF_SUFFIXES, EdfChannel, looks_like_edf, open_channel, read_channel
 from beatflow.params import DEFAULT_FS, check_fs
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -194,20 +197,41 @@ class ParquetSource(Source):
 
 @dataclass(frozen=True)
 class WfdbSource(Source):
-    """A folder of WFDB records (``.hea`` + signal files), one channel (``lead``) of each."""
+    """A folder of WFDB records (``.hea`` + signal files), one channel (``lead``: an index, or a label
+    of the headers' signal names) of each: ``channels[k]`` in record ``k``."""
 
-    lead: int = 0
+    lead: Lead = 0
     record_paths: tuple[str, ...] = field(default=())
+    channels: tuple[int, ...] = field(default=())
 
     def read(self, spec: PartitionSpec) -> np.ndarray:
         import wfdb
 
         rec_path = self.record_paths[spec.recording]
+        channel = self.channels[spec.recording] if self.channels else int(self.lead)
         try:
-            rec = wfdb.rdrecord(rec_path, sampfrom=spec.start, sampto=spec.stop, channels=[self.lead])
+            rec = wfdb.rdrecord(rec_path, sampfrom=spec.start, sampto=spec.stop, channels=[channel])
         except Exception as e:  # wfdb raises many kinds
             raise InputError(f"{rec_path}: cannot read WFDB record ({type(e).__name__}: {e})".splitlines()[0]) from None
         return _check_values(np.asarray(rec.p_signal[:, 0]), lambda i: f"{rec_path}: sample {spec.start + i}")
+
+
+@dataclass(frozen=True)
+class EdfSource(Source):
+    """EDF/EDF+/BDF files (one, or a folder of them), one channel of each (``lead``: an index or a
+    label): ``files[k]`` is recording ``k``'s channel, read by sample range with pyedflib."""
+
+    lead: Lead = 0
+    files: tuple[EdfChannel, ...] = field(default=())
+
+    @property
+    def channels(self) -> tuple[int, ...]:
+        return tuple(f.channel for f in self.files)
+
+    def read(self, spec: PartitionSpec) -> np.ndarray:
+        ch = self.files[spec.recording]
+        return _check_values(read_channel(ch, spec.start, spec.stop),
+                             lambda i: f"{ch.path}: channel {describe(ch.label)}: sample {spec.start + i}")
 
 
 def _csv_fields(line: str) -> list[str]:
@@ -489,7 +513,19 @@ def _check_wfdb_files(h: Path, hdr) -> None:
             raise InputError(f"{fp}: {size} bytes, the header needs {shape} in format {fmt}{extra} ({need} bytes)")
 
 
-def _open_wfdb(path: Path, lead: int) -> WfdbSource:
+def _folder_kind(path: Path) -> str:
+    """What a folder input holds: ``"wfdb"`` (``.hea`` files) or ``"edf"`` (``.edf``/``.bdf`` files)."""
+    heads = any(path.glob("*.hea"))
+    edfs = any(p.suffix.lower() in EDF_SUFFIXES for p in path.iterdir() if p.is_file())
+    if heads and edfs:
+        raise InputError(f"{path}: holds both WFDB records (.hea) and EDF/BDF files; put each kind in a folder "
+                         f"of its own")
+    if not heads and not edfs:
+        raise InputError(f"{path}: no WFDB records (.hea files) in this folder, nor EDF/BDF files (.edf, .bdf)")
+    return "wfdb" if heads else "edf"
+
+
+def _open_wfdb(path: Path, lead: Lead) -> WfdbSource:
     import wfdb
 
     if path.is_dir():
@@ -498,15 +534,19 @@ def _open_wfdb(path: Path, lead: int) -> WfdbSource:
             raise InputError(f"{path}: no WFDB records (.hea files) in this folder")
     else:
         heads = [path.with_suffix(".hea")]
-    recs, paths = [], []
+    recs, paths, channels = [], [], []
     for h in heads:
         stem = str(h.with_suffix(""))
         try:
             hdr = wfdb.rdheader(stem)
         except Exception as e:
             raise InputError(f"{h}: unreadable WFDB header ({type(e).__name__}: {e})".splitlines()[0]) from None
-        if hdr.n_sig is None or lead >= hdr.n_sig or lead < 0:
+        if isinstance(lead, str):  # a label: the header's signal names
+            channel = pick_channel(str(h), [str(n) for n in (hdr.sig_name or [])], lead)
+        elif hdr.n_sig is None or lead >= hdr.n_sig or lead < 0:
             raise InputError(f"{h}: lead {lead} does not exist (record has {hdr.n_sig} signals)")
+        else:
+            channel = lead
         if not hdr.sig_len:
             raise InputError(f"{h}: record has no samples")
         reason = check_fs(hdr.fs)
@@ -515,10 +555,31 @@ def _open_wfdb(path: Path, lead: int) -> WfdbSource:
         _check_wfdb_files(h, hdr)
         recs.append(Recording(h.stem, float(hdr.fs), int(hdr.sig_len)))
         paths.append(stem)
+        channels.append(channel)
     rates = {r.fs for r in recs}
     if len(rates) > 1:
         raise InputError(f"{path}: records have different sampling rates {sorted(rates)}")
-    return WfdbSource(str(path), tuple(recs), lead=lead, record_paths=tuple(paths))
+    return WfdbSource(str(path), tuple(recs), lead=lead, record_paths=tuple(paths), channels=tuple(channels))
+
+
+def _open_edf(path: Path, lead: Lead, option: str = "--lead") -> EdfSource:
+    """An EDF/BDF file, or a folder of them (each a recording, by name), channel ``lead`` of each."""
+    if path.is_dir():
+        files = sorted((p for p in path.iterdir() if p.is_file() and p.suffix.lower() in EDF_SUFFIXES),
+                       key=lambda p: p.name)
+    else:
+        files = [path]
+    chans = [open_channel(p, lead, option) for p in files]
+    stems = [p.stem for p in files]
+    twice = sorted({s for s in stems if stems.count(s) > 1})
+    if twice:  # a.edf and a.bdf would make two recordings of one name
+        raise InputError(f"{path}: two files for recording {twice[0]!r} (.edf and .bdf); keep one")
+    rates = {c.fs for c in chans}
+    if len(rates) > 1:
+        raise InputError(f"{path}: recordings have different sampling rates on {option} {describe(lead)}: "
+                         f"{sorted(rates)}")
+    recs = tuple(Recording(p.stem, c.fs, c.n_samples) for p, c in zip(files, chans))
+    return EdfSource(str(path), recs, lead=lead, files=tuple(chans))
 
 
 def _check_rate(fs) -> float:
@@ -533,20 +594,25 @@ def _check_rate(fs) -> float:
     return rate
 
 
-def open_source(path, *, column: str | None = None, fs: float | None = None, lead: int = 0) -> Source:
+def open_source(path, *, column: str | None = None, fs: float | None = None, lead: Lead = 0,
+                option: str = "--lead") -> Source:
     """Open and check an input (cheap: headers, metadata and the first few KB only).
 
     Parameters
     ----------
     path : str or Path
-        A CSV file (header line, float rows), a Parquet file, a ``.npy`` array, a folder of WFDB
-        records, or a WFDB record path (with or without ``.hea``).
+        A CSV file (header line, float rows), a Parquet file, a ``.npy`` array, a WFDB record path
+        (with or without ``.hea``), an EDF/EDF+/BDF file (``.edf``, ``.bdf``), or a folder of WFDB
+        records or of EDF/BDF files.
     column : str, optional
         Column to read from a CSV or Parquet file with several.
     fs : float, optional
-        Sampling rate of CSV/Parquet/npy input (default 250 Hz); WFDB headers carry their own.
-    lead : int
-        WFDB channel.
+        Sampling rate of CSV/Parquet/npy input (default 250 Hz); WFDB and EDF headers carry their own
+        (an EDF file's: that of the chosen channel).
+    lead : int or str
+        WFDB or EDF channel: its index, or its label (WFDB: the header's signal name).
+    option : str
+        The option that gave ``lead``, to name in messages (``--confirm-lead`` for the second lead).
 
     Returns
     -------
@@ -557,11 +623,14 @@ def open_source(path, *, column: str | None = None, fs: float | None = None, lea
     InputError
         A sampling rate out of range, a missing path, an empty, compressed, binary or truncated file,
         a file whose content is not what its suffix says, a header only, an unknown or non-numeric
-        column, a folder without records, a WFDB signal file missing or shorter than its header says...
+        column, a folder without records, a WFDB signal file missing or shorter than its header says,
+        an unknown channel (listing the labels), an EDF+D file...
     """
     p = Path(path)
     rate = _check_rate(fs) if fs is not None else DEFAULT_FS
-    if p.is_dir() or p.suffix == ".hea" or (not p.exists() and p.with_suffix(".hea").exists()):
+    if p.is_dir():
+        return _open_wfdb(p, lead) if _folder_kind(p) == "wfdb" else _open_edf(p, lead, option)
+    if p.suffix == ".hea" or (not p.exists() and p.with_suffix(".hea").exists()):
         return _open_wfdb(p, lead)
     if not p.exists():
         raise InputError(f"{p}: no such file or folder")
@@ -577,6 +646,11 @@ def open_source(path, *, column: str | None = None, fs: float | None = None, lea
         raise InputError(f"{p}: named {suffix} but not {what} (starts with {head[:16]!r}); "
                          f"rename it to what it holds")
     is_parquet, is_npy = suffix in (".parquet", ".pq"), suffix == ".npy"
+    if suffix in EDF_SUFFIXES:
+        return _open_edf(p, lead, option)
+    if looks_like_edf(head):
+        rename = p.with_suffix(".bdf" if head.startswith(BDF_MAGIC) else ".edf").name
+        raise InputError(f"{p}: an EDF/BDF file under another suffix; rename it to {rename}")
     if head.startswith(_PARQUET_MAGIC) and not is_parquet:
         raise InputError(f"{p}: a Parquet file (PAR1 magic) under another suffix; rename it to "
                          f"{p.with_suffix('.parquet').name}")
@@ -589,11 +663,16 @@ def open_source(path, *, column: str | None = None, fs: float | None = None, lea
     return _open_csv(p, column, rate, head)
 
 
-def open_second_lead(source: Source, path, fs: float | None = None, *, lead: int = 0, column: str | None = None,
-                     confirm_lead: int | None = None, confirm_column: str | None = None) -> Source | None:
-    """The second lead of ``source`` that checks its beats (:mod:`beatflow.detect.leads`): WFDB channel
-    ``confirm_lead`` or CSV/Parquet column ``confirm_column`` of the same input, with the same
-    recordings and lengths; None when neither is given.
+def open_second_lead(source: Source, path, fs: float | None = None, *, lead: Lead = 0, column: str | None = None,
+                     confirm_lead: Lead | None = None, confirm_column: str | None = None) -> Source | None:
+    """The second lead of ``source`` that checks its beats (:mod:`beatflow.detect.leads`): WFDB or EDF
+    channel ``confirm_lead`` (an index or a label) or CSV/Parquet column ``confirm_column`` of the same
+    input, with the same recordings, lengths and rates; None when neither is given.
+
+    A channel of an EDF file sampled at another rate than the first lead is refused rather than
+    resampled: the partitions are sample ranges of the first lead, and resampling each one alone
+    (``scipy.signal.resample_poly``) would make the second lead's samples near a cut depend on where
+    the cuts fall, so that the beats would depend on the partition count.
 
     Raises
     ------
@@ -604,13 +683,24 @@ def open_second_lead(source: Source, path, fs: float | None = None, *, lead: int
     if confirm_lead is None and not confirm_column:
         return None
     if confirm_lead is not None and confirm_column:
-        raise InputError("give --confirm-lead (WFDB) or --confirm-column (CSV/Parquet), not both")
-    if source.kind == "wfdb":
+        raise InputError("give --confirm-lead (WFDB, EDF) or --confirm-column (CSV/Parquet), not both")
+    if source.kind in ("wfdb", "edf"):
+        name = source.kind.upper()
         if confirm_lead is None:
-            raise InputError(f"{source.path}: WFDB input takes --confirm-lead N, not --confirm-column")
+            raise InputError(f"{source.path}: {name} input takes --confirm-lead N or LABEL, not --confirm-column")
         if confirm_lead == lead:
             raise InputError(f"--confirm-lead {confirm_lead}: the second lead must differ from --lead {lead}")
-        second = open_source(path, fs=fs, lead=confirm_lead)
+        second = open_source(path, fs=fs, lead=confirm_lead, option="--confirm-lead")
+        same = [r.name for r, a, b in zip(source.recordings, source.channels, second.channels) if a == b]
+        if same:
+            raise InputError(f"--confirm-lead {confirm_lead}: the second lead must differ from --lead {lead} "
+                             f"(the same channel in {same[0]})")
+        if source.kind == "edf":
+            for first, other in zip(source.files, second.files):
+                if first.fs != other.fs:
+                    raise InputError(f"{first.path}: --confirm-lead {describe(confirm_lead)} ({other.label!r}) is "
+                                     f"sampled at {other.fs:g} Hz, --lead {describe(lead)} ({first.label!r}) at "
+                                     f"{first.fs:g} Hz; the second lead needs the first one's rate")
     elif source.kind in ("csv", "parquet"):
         if not confirm_column:
             raise InputError(f"{source.path}: {source.kind.upper()} input takes --confirm-column NAME, not --confirm-lead")
@@ -618,7 +708,8 @@ def open_second_lead(source: Source, path, fs: float | None = None, *, lead: int
             raise InputError(f"--confirm-column {confirm_column}: the second lead must differ from the first")
         second = open_source(path, column=confirm_column, fs=fs)
     else:
-        raise InputError(f"{source.path}: a .npy stream has one lead; a second lead needs WFDB or CSV/Parquet input")
+        raise InputError(f"{source.path}: a .npy stream has one lead; a second lead needs WFDB, EDF or "
+                         f"CSV/Parquet input")
     a = [(r.name, r.n_samples, r.fs) for r in source.recordings]
     b = [(r.name, r.n_samples, r.fs) for r in second.recordings]
     if a != b:

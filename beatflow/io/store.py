@@ -301,12 +301,12 @@ class Store:
 
 
 # -- inbox ---------------------------------------------------------------------------------------
-RECORDING_SUFFIXES = (".csv", ".parquet", ".npy")
+RECORDING_SUFFIXES = (".csv", ".parquet", ".npy", ".edf", ".bdf")
 OWNER = ".owner.json"  # (hidden: never an inbox item nor a record's companion)
 
 
 def list_inbox(inbox) -> list[Path]:
-    """New recordings in an inbox folder: CSV/Parquet/npy files and WFDB records (their ``.hea``)."""
+    """New recordings in an inbox folder: CSV/Parquet/npy/EDF/BDF files and WFDB records (their ``.hea``)."""
     inbox = Path(inbox)
     if not inbox.is_dir():
         raise InputError(f"{inbox}: inbox folder does not exist")

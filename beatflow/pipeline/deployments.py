@@ -20,7 +20,7 @@ from beatflow.pipeline.flow import ecg_anomaly_flow
 @flow(name="train-and-score", log_prints=True)
 def train_and_score(input: str | None = None, device: str = "auto", workers: int = 2, hours: float = 20.0,
                     seed: int = 0, out: str | None = None, epochs: int = 10, store: str | None = ".beatflow",
-                    lead: int = 0, column: str | None = None, confirm_lead: int | None = None,
+                    lead: int | str = 0, column: str | None = None, confirm_lead: int | str | None = None,
                     confirm_column: str | None = None) -> dict:
     """Run the full pipeline (segment, embed, train, build the engine, score, report); ``lead`` /
     ``column`` choose the input's lead, ``confirm_lead`` / ``confirm_column`` a second one that checks

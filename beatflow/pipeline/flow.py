@@ -71,7 +71,7 @@ class _Stopwatch:
 
 @flow(name="beatflow", log_prints=True)
 def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: float | None = None,
-                     lead: int = 0, confirm_lead: int | None = None, confirm_column: str | None = None,
+                     lead: int | str = 0, confirm_lead: int | str | None = None, confirm_column: str | None = None,
                      hours: float = 20.0, seed: int = 0, out: str | None = None,
                      device: str = "cpu", workers: int | None = 2, partitions: int | None = None,
                      epochs: int = 10, batch_size: int = 1024, train_beats: int | None = TRAIN_BEATS,
@@ -86,11 +86,13 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
     Parameters
     ----------
     input : str, optional
-        CSV / Parquet / ``.npy`` file or WFDB folder; synthetic ECG (``hours`` long) when omitted.
+        CSV / Parquet / ``.npy`` / EDF / BDF file or a WFDB or EDF folder; synthetic ECG (``hours`` long)
+        when omitted.
     column, fs, lead : optional
-        Column of a CSV/Parquet file, its sampling rate (default 250 Hz), WFDB channel.
+        Column of a CSV/Parquet file, its sampling rate (default 250 Hz), WFDB or EDF channel (an index
+        or a label).
     confirm_lead, confirm_column : optional
-        A second lead of the input (WFDB channel, or CSV/Parquet column) that checks the first one's
+        A second lead of the input (WFDB or EDF channel, or CSV/Parquet column) that checks the first one's
         beats (:mod:`beatflow.detect.leads`: flutter seen on either lead, weak peaks with no QRS on the second
         lead are dropped, a noise peak beside a QRS seen on the second lead is moved to it); default:
         one lead.

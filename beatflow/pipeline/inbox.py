@@ -22,14 +22,14 @@ def _engine(path: str):
 
 
 @task(name="score-recording", cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=2)
-def score_inbox_item(item: str, store: str, engine_path: str, meta: dict, fs: float | None, lead: int,
-                     done: str, failed: str, column: str | None = None, confirm_lead: int | None = None,
+def score_inbox_item(item: str, store: str, engine_path: str, meta: dict, fs: float | None, lead: int | str,
+                     done: str, failed: str, column: str | None = None, confirm_lead: int | str | None = None,
                      confirm_column: str | None = None) -> dict | None:
     """Claim one file or WFDB record of the inbox, score it, append its beats to the store, move it away.
 
     ``column``: of a CSV/Parquet file with several. A second lead checks the beats
-    (:mod:`beatflow.detect.leads`): ``confirm_lead`` for WFDB records, ``confirm_column`` for CSV/Parquet
-    files; an item without it fails. Bad input goes to ``failed/`` with a ``.reason.txt``; it never
+    (:mod:`beatflow.detect.leads`): ``confirm_lead`` for WFDB records and EDF files, ``confirm_column`` for
+    CSV/Parquet files; an item without it fails. Bad input goes to ``failed/`` with a ``.reason.txt``; it never
     stops the other recordings. Content scored before (the same sha256) is a ``duplicate``: no rows,
     moved to ``done/`` with the reason.
 
@@ -83,7 +83,7 @@ def _score_item(p: Path, engine_path: str, meta: dict, fs, lead, column, confirm
 
     src = open_source(p, fs=fs, lead=lead, column=column)
     second = open_second_lead(src, p, fs, lead=lead, column=column,
-                              confirm_lead=confirm_lead if src.kind == "wfdb" else None,
+                              confirm_lead=confirm_lead if src.kind in ("wfdb", "edf") else None,
                               confirm_column=confirm_column if src.kind in ("csv", "parquet") else None)
     engine = _engine(engine_path)
     tables = []

@@ -58,8 +58,8 @@ def _load_error(e: Exception) -> str:
 
 
 @flow(name="score-new-recordings", log_prints=True)
-def score_new_recordings(inbox: str, store: str = ".beatflow", fs: float | None = None, lead: int = 0,
-                         column: str | None = None, confirm_lead: int | None = None,
+def score_new_recordings(inbox: str, store: str = ".beatflow", fs: float | None = None, lead: int | str = 0,
+                         column: str | None = None, confirm_lead: int | str | None = None,
                          confirm_column: str | None = None) -> dict:
     """Score every new recording in ``inbox`` and move it to ``inbox/done`` or ``inbox/failed``.
 
@@ -67,9 +67,9 @@ def score_new_recordings(inbox: str, store: str = ".beatflow", fs: float | None 
     (``done``, ``failed``, ``duplicate``), ``reason``, ``beats``, ``flagged``, ``sha256`` and
     ``moved_to`` (items another scorer took are left out).
 
-    ``lead`` / ``column``: the WFDB channel / CSV or Parquet column to read. ``confirm_lead`` (WFDB) and
-    ``confirm_column`` (CSV/Parquet): a second lead that checks the beats, as ``beatflow run
-    --confirm-lead`` does (:mod:`beatflow.detect.leads`)."""
+    ``lead`` / ``column``: the WFDB or EDF channel (index or label) / CSV or Parquet column to read.
+    ``confirm_lead`` (WFDB, EDF) and ``confirm_column`` (CSV/Parquet): a second lead that checks the beats,
+    as ``beatflow run --confirm-lead`` does (:mod:`beatflow.detect.leads`)."""
     front_sigterm()  # (a command's SIGTERM before Prefect's handler: beatflow.terminal)
     log = get_run_logger()
     st = Store(store)

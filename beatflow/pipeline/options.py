@@ -14,8 +14,8 @@ class RunOptions:
     input: str | None = None
     column: str | None = None
     fs: float | None = None
-    lead: int = 0
-    confirm_lead: int | None = None
+    lead: int | str = 0  # an index or a label (WFDB, EDF)
+    confirm_lead: int | str | None = None
     confirm_column: str | None = None
     hours: float = 20.0
     seed: int = 0

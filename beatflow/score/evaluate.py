@@ -33,6 +33,7 @@ import numpy as np
 from beatflow.embed import embed
 from beatflow.embed.beats import beats_from_peaks, kept_mask, row_lengths
 from beatflow.errors import InputError
+from beatflow.io.channels import parse_lead, pick_channel
 from beatflow.score.metrics import TOLERANCE_S, Detection, match_beats, pr_auc, roc_auc
 from beatflow.params import QualityParams, SegmentParams
 from beatflow.score.rule import dominant_beat, input_scale, model_input, robust_threshold
@@ -109,18 +110,21 @@ def list_records(folder, names: list[str] | None = None) -> list[str]:
     return [have[n] for n in names]
 
 
-def load_record(stem: str, lead: int = 0, max_seconds: float | None = None, second: int | None = None) -> Record:
-    """Read one lead and the ``atr`` annotations of a WFDB record (optionally only its start), and
-    the lead ``second`` as :attr:`Record.second` when given."""
+def load_record(stem: str, lead: int | str = 0, max_seconds: float | None = None,
+                second: int | str | None = None) -> Record:
+    """Read one lead (an index, or a signal name of the header) and the ``atr`` annotations of a WFDB
+    record (optionally only its start), and the lead ``second`` as :attr:`Record.second` when given."""
     import wfdb
 
-    leads = [lead] if second is None else [lead, second]
     try:
         hdr = wfdb.rdheader(stem)
+        names = [str(n) for n in (hdr.sig_name or [])]
+        leads = [pick_channel(f"{stem}.hea", names, c, option) if isinstance(c, str) else c
+                 for c, option in ((lead, "--lead"), (second, "--confirm-lead")) if c is not None]
         for c in leads:
             if c < 0 or c >= (hdr.n_sig or 0):
                 raise InputError(f"{stem}.hea: lead {c} does not exist (record has {hdr.n_sig} signals)")
-        if second is not None and second == lead:
+        if second is not None and leads[1] == leads[0]:
             raise InputError(f"{stem}: the confirming lead must differ from lead {lead}")
         n = int(hdr.sig_len)
         if max_seconds is not None:
@@ -587,10 +591,12 @@ def register(sub) -> dict:
     p.add_argument("--test", required=True, help="folder of WFDB records to segment and score (disjoint from --train)")
     p.add_argument("--train-records", help="comma-separated record names within --train (default: all)")
     p.add_argument("--test-records", help="comma-separated record names within --test (default: all)")
-    p.add_argument("--lead", type=int, default=0, help="WFDB channel (default 0)")
-    p.add_argument("--confirm-lead", type=int, metavar="N",
-                   help="a second WFDB channel that checks the first one's beats (beatflow.detect.leads: flutter on "
-                        "either lead, peaks with no QRS on the second lead dropped, misplaced ones moved)")
+    p.add_argument("--lead", type=parse_lead, default=0, metavar="N|LABEL",
+                   help="WFDB channel: its index or its signal name, e.g. MLII (default 0)")
+    p.add_argument("--confirm-lead", type=parse_lead, metavar="N|LABEL",
+                   help="a second WFDB channel (index or signal name) that checks the first one's beats "
+                        "(beatflow.detect.leads: flutter on either lead, peaks with no QRS on the second lead dropped, "
+                        "misplaced ones moved)")
     p.add_argument("--out", help="write the metrics to this JSON file")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=1024)
@@ -611,9 +617,10 @@ def cmd_evaluate(args) -> int:
         v = getattr(args, name)
         if v is not None and not v > 0:
             raise InputError(f"--{name.replace('_', '-')} must be positive, got {v}")
-    if args.lead < 0:
+    if isinstance(args.lead, int) and args.lead < 0:
         raise InputError(f"--lead must be >= 0, got {args.lead}")
-    if args.confirm_lead is not None and (args.confirm_lead < 0 or args.confirm_lead == args.lead):
+    if args.confirm_lead is not None and ((isinstance(args.confirm_lead, int) and args.confirm_lead < 0)
+                                          or args.confirm_lead == args.lead):
         raise InputError(f"--confirm-lead must be >= 0 and differ from --lead, got {args.confirm_lead}")
     train_paths = list_records(args.train, _names(args.train_records))
     test_paths = list_records(args.test, _names(args.test_records))
