@@ -29,6 +29,8 @@
 #   pair     flow cpuflow flow ratio
 #   ownflow  `beatflow run` on its own cluster, cold, as a user runs it [OWN "gpu"; "gpu cpu" adds a fresh
 #            WORKERS-worker CPU cluster] -> $OUT/own-*/
+#   serve    `beatflow serve --device gpu --detach`, then SERVE_RUNS [3] `beatflow run --device gpu` on it, each timed
+#            from command to prompt, then `beatflow serve --stop` -> $OUT/serve/ (summaries, the service's lines)
 #   oom      a pool too small for a partition: the run must stop with one line naming the sizes, no output folder
 #   multi    bench/gpu_multi.py: the flow on 1, 2 and all GPUs (a several-GPU kind) -> $OUT/multi/
 #   engine   bench/engine_bench.py --device cuda [ENGINE_ARGS "--hours 2 --epochs 10 --latency-calls 3000"]
@@ -40,7 +42,7 @@ t0=$(date +%s)
 OUT=${OUT:-bench/out}
 PY=${PY:-python3}
 export OUT PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
-STEPS="setup tests check mitdb detect train flow cpuflow ratio pair ownflow oom multi engine"
+STEPS="setup tests check mitdb detect train flow cpuflow ratio pair ownflow serve oom multi engine"
 
 el() { echo "$(( $(date +%s) - t0 )) s"; }
 left() { echo $(( ${LIMIT:-570} - ($(date +%s) - t0) )); }
@@ -201,6 +203,28 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "own-*", "summary.json"))):
 if rows:
     print_table(["run", "device", "workers"] + stages + ["d2h MB", "pool peak GB", "Se", "PPV", "AUC"], rows)
 PY
+}
+
+step_serve() {
+  enough serve 120 || return 0
+  mkdir -p "$OUT/serve"
+  export BEATFLOW_DATA_DIR=/tmp/bf-serve-data
+  echo "== beatflow serve --device gpu --detach ($(el))"
+  local t1=$(date +%s.%N)
+  timeout "$(budget 30)" $PY -m beatflow.cli serve --device gpu --detach > "$OUT/serve/serve.txt" 2>&1
+  echo "rc $? in $(python3 -c "import time; print(round(time.time() - $t1, 1))") s"; tail -3 "$OUT/serve/serve.txt"
+  for k in $(seq 1 "${SERVE_RUNS:-3}"); do
+    enough "serve run $k" 60 || break
+    rm -rf "/tmp/bf-serve-$k"
+    t1=$(date +%s.%N)
+    timeout "$(budget 20)" $PY -m beatflow.cli run --hours "${HOURS:-20}" --device gpu --out "/tmp/bf-serve-$k" \
+      > "$OUT/serve/run-$k.txt" 2>&1
+    echo "run $k: rc $? in $(python3 -c "import time; print(round(time.time() - $t1, 1))") s (command to prompt)"
+    [ -f "/tmp/bf-serve-$k/summary.json" ] && cp "/tmp/bf-serve-$k/summary.json" "$OUT/serve/summary-$k.json"
+  done
+  grep -h -E "total time|service|classes|engine" "$OUT"/serve/run-*.txt | cut -c1-160 | tail -8
+  timeout 60 $PY -m beatflow.cli serve --stop >> "$OUT/serve/serve.txt" 2>&1; echo "stop rc $?"
+  unset BEATFLOW_DATA_DIR
 }
 
 step_oom() {
