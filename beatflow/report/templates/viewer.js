@@ -191,9 +191,11 @@
         g.fillStyle = COLORS[cls];
         g.fillRect(Math.round(xb0), mt + ph + 2, cls ? 2 : 1, cls ? 8 : 5);
       }
-      if (flag) {
+      if (flag && some) {
         g.fillStyle = "#c62828";
         g.beginPath(); g.moveTo(xb0 - 4, 2); g.lineTo(xb0 + 4, 2); g.lineTo(xb0, 10); g.closePath(); g.fill();
+      } else if (flag) {  // (thousands in view: a thin tick each)
+        g.fillStyle = "#c62828"; g.fillRect(Math.round(xb0), 3, 1, 8);
       }
       if (few) {
         g.fillStyle = COLORS[cls]; g.font = "bold 11px system-ui, sans-serif";
