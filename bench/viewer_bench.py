@@ -40,6 +40,40 @@ def _b64_bytes(s: str) -> int:
     return len(base64.b64decode(s))
 
 
+def _build_times(stream: Path, p: dict, repeats: int) -> None:
+    """The viewer's data made in this process from the stream (8 partitions, their finest level as the
+    workers make it, then the report task's part: the pyramid, the quantisation and the base64 of
+    :func:`beatflow.report.viewer.viewer_payload`), beats and raw windows as the page holds them."""
+    import time
+
+    import numpy as np
+
+    from beatflow.report import viewer as V
+    from beatflow.report.envelope import column_minmax
+
+    x = np.load(stream, mmap_mode="r")
+    x = np.asarray(x if x.ndim == 1 else x[:, 0], np.float32)
+    total, n0 = x.size, V.finest_columns(x.size)
+    bounds = np.linspace(0, total, 9).astype(np.int64)
+    starts = np.frombuffer(base64.b64decode(p["beats"]["start"]), "<u4")
+    codes = np.frombuffer(base64.b64decode(p["beats"]["code"]), "u1")
+    ra = np.frombuffer(base64.b64decode(p["raw"]["start"]), "<u4").astype(np.int64)
+    rn = np.frombuffer(base64.b64decode(p["raw"]["len"]), "<u4").astype(np.int64)
+    pieces = [(a, x[a:a + n]) for a, n in zip(ra, rn)]
+    workers, task = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        parts = [column_minmax(x[a:b], a, total, n0) for a, b in zip(bounds[:-1], bounds[1:])]
+        t1 = time.perf_counter()
+        V.viewer_payload(total, p["fs"], parts, pieces, (starts, codes), [], ["r"], [0], p["top"])
+        t2 = time.perf_counter()
+        workers.append(1e3 * (t1 - t0))
+        task.append(1e3 * (t2 - t1))
+    print(f"making the viewer's data, {repeats} repeats (median, min-max), ms: the finest level over 8 partitions "
+          f"{statistics.median(workers):.0f} ({min(workers):.0f}-{max(workers):.0f}), the pyramid, quantisation "
+          f"and base64 {statistics.median(task):.0f} ({min(task):.0f}-{max(task):.0f})")
+
+
 def main() -> int:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
@@ -59,6 +93,10 @@ def main() -> int:
     print(f"  viewer data {json_bytes:,} bytes: levels {levels:,} ({len(p['levels'])}: {bins} bins), raw {raw:,} "
           f"({_b64_bytes(p['raw']['data']) // 2:,} samples in {_b64_bytes(p['raw']['len']) // 4:,} windows), "
           f"beats {beats:,} ({_b64_bytes(p['beats']['code']):,}); the figures' PNGs {pngs:,} (base64)")
+
+    stream = page.parent / "input.npy"
+    if stream.exists():  # the page's data made again from the run's input (synthetic runs keep it)
+        _build_times(stream, p, repeats)
 
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
