@@ -328,3 +328,63 @@ def test_screenshot_shows_a_trace_and_red_marks(page):
     assert red > 50 and trace > 5_000, (red, trace)
     paint = d.execute_script("return performance.getEntriesByType('paint').map(e => [e.name, e.startTime])")
     assert dict(paint).get("first-contentful-paint", 0) > 0
+
+
+# ---------------------------------------------------------------------------
+# the viewer of a real run
+# ---------------------------------------------------------------------------
+
+
+def test_flow_report_holds_the_viewer_of_its_own_stream(tmp_path):
+    """A flow run's page: its viewer's levels are the input's min/max by a plain loop, its beats and flagged
+    beats the anomaly table's, its raw windows the input's samples, its top rows the table's top ranks."""
+    import json
+    import re
+
+    import pandas as pd
+    from prefect.testing.utilities import prefect_test_harness
+
+    from beatflow.pipeline.cluster import make_task_runner
+    from beatflow.pipeline.flow import ecg_anomaly_flow
+
+    out = tmp_path / "run"
+    with prefect_test_harness(server_startup_timeout=120):
+        ecg_anomaly_flow.with_options(task_runner=make_task_runner("cpu", 2))(
+            out=str(out), device="cpu", workers=2, hours=0.25, seed=3, epochs=2, partitions=3)
+    doc = (out / "report.html").read_text(encoding="utf-8")
+    p = json.loads(re.search(r'<script type="application/json" id="bf-viewer-data">(.*?)</script>', doc, re.S)[1])
+    x = np.load(out / "input.npy").astype(np.float32).reshape(-1)
+    assert p["total"] == x.size and p["fs"] == 250.0
+    n = p["levels"][1]["n"]
+    lo = np.frombuffer(base64.b64decode(p["levels"][1]["lo"]), np.int8)
+    hi = np.frombuffer(base64.b64decode(p["levels"][1]["hi"]), np.int8)
+    rmin, rmax = _naive_level(x.astype(np.float64), n)
+    inside = (lo > -127) & (hi < 127)
+    assert inside.mean() > 0.99
+    tol = p["scale"] / 2 + 1e-5
+    np.testing.assert_allclose(p["off"] + lo[inside] * p["scale"], rmin[inside], atol=tol)
+    np.testing.assert_allclose(p["off"] + hi[inside] * p["scale"], rmax[inside], atol=tol)
+    table = pd.read_parquet(out / "anomalies.parquet")
+    starts = np.frombuffer(base64.b64decode(p["beats"]["start"]), "<u4")
+    codes = np.frombuffer(base64.b64decode(p["beats"]["code"]), np.uint8)
+    t = table.sort_values("start", kind="stable")
+    np.testing.assert_array_equal(starts, t["start"].to_numpy())
+    np.testing.assert_array_equal(codes >= 4, t["flagged"].to_numpy())
+    np.testing.assert_array_equal(np.array(["N", "S", "V"])[codes & 3], t["class"].astype(str).to_numpy())
+    ra = np.frombuffer(base64.b64decode(p["raw"]["start"]), "<u4")
+    rn = np.frombuffer(base64.b64decode(p["raw"]["len"]), "<u4")
+    raw = np.frombuffer(base64.b64decode(p["raw"]["data"]), "<i2")
+    assert len(ra) > 0 and rn.sum() == raw.size <= V.RAW_SAMPLES
+    at = np.concatenate([[0], np.cumsum(rn)]).astype(np.int64)
+    for a, k, b in zip(ra.tolist(), at[:-1].tolist(), at[1:].tolist()):
+        np.testing.assert_allclose(p["off"] + raw[k:b] * p["raw_scale"], x[a:a + (b - k)], atol=p["raw_scale"])
+    covered = np.zeros(x.size, bool)
+    for a, k in zip(ra, rn):
+        covered[a:a + k] = True
+    flagged = t[t["flagged"]]
+    assert covered[flagged["start"].to_numpy()].all()  # (a short run: the budget holds every flagged beat)
+    ranked = table.sort_values("rank")
+    top = [tuple(r) for r in p["top"]]
+    rows = ranked[ranked["class"].astype(str).isin(["V", "S"])].head(len(top))
+    assert top == list(zip(rows["start"].tolist(), rows["length"].tolist()))
+    assert doc.count('data-top="') == len(top) > 0
