@@ -585,8 +585,8 @@ def _report(run: _Run, ld: _Loaded, seg: _Segmented, trained: dict, engine: dict
     # while the figures are drawn: this run's transfer counts from the workers (their device work is done);
     # the top anomalies' artifact, an API call for the UI only, in the background (settled at the flow's end:
     # once the figures drew in 70 ms or less, its 10-50 ms here would have been the report's wait)
-    viewer = _viewer_request(ld, seg, sc)
     stats = run_on_workers(transfer_stats, run.run_id)  # (workers may serve many runs)
+    viewer = _viewer_request(ld, seg, sc)  # (its windows cut while the figures are awaited; after the counts)
     T.api_call_later(_publish_top, sc.top)
     ph.lap("stats_artifact")
     drawn = run.figures.collect(run.drawn)
