@@ -40,6 +40,7 @@ from beatflow.pipeline.options import RunOptions
 from beatflow.pipeline.outputs import default_out_dir, run_folder, write_in_background
 from beatflow.report import data as R
 from beatflow.report.data import N_COLUMNS, N_TOP
+from beatflow.report.viewer import beat_marks, finest_columns, raw_windows
 from beatflow.report.figures import EARLY_FIGURES, FIGURES
 from beatflow.report.pool import FigurePool, figure_pool
 from beatflow.score.classes import class_summary, classify
@@ -200,6 +201,7 @@ class _Loaded:
     overview: list  # futures of the partitions' columns of the whole-stream picture
     truth_path: str | None  # the synthetic ECG's truth
     base_token: str | None  # the cache key of the input and its reading
+    levels: list | None = None  # futures of the partitions' columns of the stream viewer's finest level
 
 
 @dataclass
@@ -301,12 +303,14 @@ def _load(run: _Run) -> _Loaded:
         rec_offset[r] = acc
         acc += n_samples.get(r, 0)
     # the whole-stream picture (per pixel column) is computed while the rest goes on
-    overview = T.map_partitions(T.stream_overview, parts,
-                                [rec_offset[sp.recording] + firsts[k] for k, sp in enumerate(specs)],
-                                name="stream-overview", total=total, ncols=N_COLUMNS)
+    at = [rec_offset[sp.recording] + firsts[k] for k, sp in enumerate(specs)]
+    overview = T.map_partitions(T.stream_overview, parts, at, name="stream-overview", total=total, ncols=N_COLUMNS)
+    # and the finest level of the report's stream viewer (beatflow.report.viewer), by the same reduction
+    levels = T.map_partitions(T.stream_overview, parts, at, name="viewer-levels", total=total,
+                              ncols=finest_columns(total))
     run.sw.lap("load")
     return _Loaded(source, second, fs, s, q, quality, specs, parts, lengths, lefts, rights, firsts, second_parts,
-                   n_samples, total, rec_offset, overview, truth_path, base_token)
+                   n_samples, total, rec_offset, overview, truth_path, base_token, levels)
 
 
 def _segment(run: _Run, ld: _Loaded) -> _Segmented:
@@ -534,6 +538,30 @@ def _score(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list, trained: dic
                    {k: v for k, v in beat_lists.items() if k != "top"})
 
 
+def _viewer_request(ld: _Loaded, seg: _Segmented, sc: _Scored) -> dict:
+    """What the report's task builds the stream viewer from (``beatflow.report.viewer``): the futures of the
+    finest level's columns and of the raw windows around the top, flagged and V/S beats (cut now on the
+    partitions' workers, gathered in the task), the beats' marks, the top anomalies' starts on the stream."""
+    plan, kb, fs = seg.plan, seg.kb, ld.fs
+    scores = sc.view["score_all"]
+    windows = raw_windows(plan, kb, scores, sc.flagged_mask, sc.classes,
+                          np.searchsorted(kb, [t["beat"] for t in sc.top_list]), fs)
+    owners = sorted(windows)
+    raw = T.map_partitions(T.partition_snippets, [ld.parts[k] for k in owners], [ld.lefts[k] for k in owners],
+                           [ld.rights[k] for k in owners], [ld.firsts[k] for k in owners],
+                           [windows[k] for k in owners], name="viewer-snippets",
+                           at=[ld.parts[k] for k in owners]) if owners else []
+    names = [r.name for r in ld.source.recordings]
+    starts = [ld.rec_offset[r] for r in range(len(names))]
+    return {"total": ld.total, "fs": fs, "levels": ld.levels, "raw": raw,
+            "raw_offsets": [ld.rec_offset[ld.specs[k].recording] for k in owners],
+            "beats": beat_marks(plan, kb, ld.rec_offset, sc.classes, sc.flagged_mask),
+            "unreadable_s": sc.view.get("unreadable_spans_s") or [], "recording_names": names,
+            "recording_starts": starts,
+            "top_starts": [(int(plan.start[t["beat"]]) + ld.rec_offset[int(plan.recording[t["beat"]])],
+                            int(plan.length[t["beat"]])) for t in sc.top_list]}
+
+
 def _report(run: _Run, ld: _Loaded, seg: _Segmented, trained: dict, engine: dict, sc: _Scored) -> dict:
     """The report: the summary, the figures that are left, the page; then ``summary.json`` and the UI's
     artifacts. Returns the summary."""
@@ -560,13 +588,14 @@ def _report(run: _Run, ld: _Loaded, seg: _Segmented, trained: dict, engine: dict
     # the top anomalies' artifact, an API call for the UI only, in the background (settled at the flow's end:
     # once the figures drew in 70 ms or less, its 10-50 ms here would have been the report's wait)
     stats = run_on_workers(transfer_stats, run.run_id)  # (workers may serve many runs)
+    viewer = _viewer_request(ld, seg, sc)  # (its windows cut while the figures are awaited; after the counts)
     T.api_call_later(_publish_top, sc.top)
     ph.lap("stats_artifact")
     drawn = run.figures.collect(run.drawn)
     ph.lap("figures_wait")
     sc.written.result()  # (its error, if it failed)
     run.detail["figures"] = FigurePool.timings(run.drawn)
-    T.write_report(str(run.work / "report.html"), data, drawn)
+    T.write_report(str(run.work / "report.html"), data, drawn, viewer)
     ph.lap("write")
     run.detail["report"] = ph.times
     run.sw.lap("report")

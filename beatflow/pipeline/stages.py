@@ -556,10 +556,20 @@ def score_partition(embedded, dominant=None, tmpl=None, core=None, left=None, ri
 
 
 @task(name="write-report", cache_policy=NO_CACHE, persist_result=False)
-def write_report(path: str, data, figures: dict | None = None) -> str:
+def write_report(path: str, data, figures: dict | None = None, viewer: dict | None = None) -> str:
     """Render ``report.html`` (self-contained) from the small results (``figures``: PNGs already
-    rendered while the flow went on, see ``beatflow.report.figures.render_figures``)."""
+    rendered while the flow went on, see ``beatflow.report.figures.render_figures``). ``viewer``: the
+    stream viewer's request (the flow's ``_viewer_request``): its partitions' futures are gathered here,
+    in this task, so that no stream data passes through a task's result."""
     from beatflow.report.html import write_report as render
 
-    render(path, data, figures)
+    payload = None
+    if viewer is not None:
+        from beatflow.report.viewer import viewer_payload
+
+        pieces = [(off + a, x) for off, got in zip(viewer["raw_offsets"], gather(viewer["raw"])) for a, x in got]
+        payload = viewer_payload(viewer["total"], viewer["fs"], gather(viewer["levels"]), pieces, viewer["beats"],
+                                 viewer["unreadable_s"], viewer["recording_names"], viewer["recording_starts"],
+                                 viewer["top_starts"])
+    render(path, data, figures, payload)
     return path

@@ -1,5 +1,6 @@
-"""The report's page: one self-contained HTML file (inline CSS, the figures as inline base64 PNGs, no
-external resources), rendered by Jinja2 from ``templates/report.html.j2`` with autoescaping on.
+"""The report's page: one self-contained HTML file (inline CSS, the figures as inline base64 PNGs, the
+stream viewer's script and data inline, no external resources), rendered by Jinja2 from
+``templates/report.html.j2`` with autoescaping on.
 
 The functions here turn a :class:`~beatflow.report.figures.ReportData` into what the template shows (texts,
 already formatted, and the figures); the template holds all of the markup and escapes every text.
@@ -249,11 +250,21 @@ def _top_pictures(left: str, right: str | None) -> dict:
             "right_share": f"{100 * wr / (wl + wr):.4f}"}
 
 
-def render_report_html(data: ReportData, figures: dict | None = None) -> str:
+def _viewer_note(viewer: dict) -> str:
+    """The viewer's raw windows in words: how many and how long in all."""
+    import base64  # noqa: PLC0415
+
+    n = len(base64.b64decode(viewer["raw"]["len"])) // 4
+    seconds = len(base64.b64decode(viewer["raw"]["data"])) // 2 / float(viewer["fs"])
+    return f"{n:,} window(s), {fmt_hms(seconds)} in all" if n else "none in this report"
+
+
+def render_report_html(data: ReportData, figures: dict | None = None, viewer: dict | None = None) -> str:
     """Build the complete, self-contained HTML document as a string.
 
     ``figures``: PNGs already rendered (``beatflow.report.figures.render_figures``); the others are
-    rendered here.
+    rendered here. ``viewer``: the stream viewer's data (:func:`beatflow.report.viewer.viewer_payload`), a
+    section at the top of the page; none without it.
     """
     d = data
     done = dict(figures or {})
@@ -283,14 +294,16 @@ def render_report_html(data: ReportData, figures: dict | None = None) -> str:
         top_pictures=None if top_left is None else _top_pictures(top_left, fig("top_right")),
         n_top=min(len(d.top or []), 12),
         top=_top(d),
+        viewer=viewer,
+        viewer_note=_viewer_note(viewer) if viewer else "",
     )
 
 
-def write_report(path, data: ReportData, figures: dict | None = None) -> None:
-    """Render ``data`` (with the ``figures`` already rendered) and write one self-contained HTML file
-    atomically."""
+def write_report(path, data: ReportData, figures: dict | None = None, viewer: dict | None = None) -> None:
+    """Render ``data`` (with the ``figures`` already rendered and the stream ``viewer``'s data, if any) and
+    write one self-contained HTML file atomically."""
     path = os.fspath(path)
-    doc = render_report_html(data, figures)
+    doc = render_report_html(data, figures, viewer)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = path + ".tmp"
