@@ -39,6 +39,8 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
     assert SUMMARY_KEYS <= set(saved)
     assert saved["samples"] == int(0.25 * 3600 * 250) and saved["partitions"] == 3
     assert saved["workers_reporting"] == 2  # the flow reached both Dask workers (transfer/RMM counters)
+    rss = saved["peak_rss_bytes"]  # the flow process's and the largest worker's peak memory (getrusage)
+    assert rss["workers"] == 2 and 50 * 2**20 < rss["flow"] < 8 * 2**30 and 50 * 2**20 < rss["largest_worker"] < 8 * 2**30
     assert saved["workers_scoring"] == 2  # scoring on the partitions' workers, not all on training's
     assert len(saved["train_loss"]) == 3 and saved["train_loss"][-1] < saved["train_loss"][0]
     assert saved["training"]["compiled"] is False  # too small a training to pay for compiling it on the CPU

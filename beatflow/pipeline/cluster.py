@@ -427,6 +427,15 @@ def flow_client():
         return None
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (``getrusage``; Linux counts it in KiB, macOS in bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
 def run_on_workers(fn, *args) -> dict:
     """``fn(*args)`` on every Dask worker of the current flow's cluster: ``{worker address: result}``.
 

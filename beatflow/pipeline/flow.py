@@ -35,7 +35,7 @@ from beatflow.params import (DEFAULT_FS, TRAIN_BEATS, TRAIN_FRACTION, QualityPar
                              SegmentSamples, compile_pays)
 from beatflow.pipeline import stages as T
 from beatflow.pipeline.caching import cached, code_version, input_digest, token
-from beatflow.pipeline.cluster import prepare_cluster, run_on_workers
+from beatflow.pipeline.cluster import peak_rss_bytes, prepare_cluster, run_on_workers
 from beatflow.pipeline.options import RunOptions
 from beatflow.pipeline.outputs import default_out_dir, run_folder, write_in_background
 from beatflow.report import data as R
@@ -588,6 +588,9 @@ def _report(run: _Run, ld: _Loaded, seg: _Segmented, trained: dict, engine: dict
     # the top anomalies' artifact, an API call for the UI only, in the background (settled at the flow's end:
     # once the figures drew in 70 ms or less, its 10-50 ms here would have been the report's wait)
     stats = run_on_workers(transfer_stats, run.run_id)  # (workers may serve many runs)
+    rss = run_on_workers(peak_rss_bytes)  # (a standing worker's: its peak since it started)
+    summary["peak_rss_bytes"] = {"flow": peak_rss_bytes(), "largest_worker": max(rss.values(), default=None),
+                                 "workers": len(rss)}
     viewer = _viewer_request(ld, seg, sc)  # (its windows cut while the figures are awaited; after the counts)
     T.api_call_later(_publish_top, sc.top)
     ph.lap("stats_artifact")
