@@ -158,6 +158,42 @@ class RunLog:
         status.stop()
 
 
+class Progress:
+    """Work in parts (a stage's partitions) for the status line: ``<stage>: <done>/<total> partitions,
+    ETA <s>``, the time left estimated from the parts done so far. :meth:`done` may be called from any
+    thread (the Dask client's callbacks); without a status line (no terminal, ``-v``) it only counts."""
+
+    def __init__(self, stage: str, total: int, what: str = "partitions"):
+        self.stage, self.total, self.what = stage, int(total), what
+        self.n = 0
+        self._t0 = time.monotonic()
+        self._lock = threading.Lock()
+
+    def text(self) -> str:
+        line = f"{self.stage}: {self.n}/{self.total} {self.what}"
+        if 0 < self.n < self.total:
+            left = (time.monotonic() - self._t0) / self.n * (self.total - self.n)
+            line += f", ETA {left:.0f} s" if left < 90 else f", ETA {left / 60:.1f} min"
+        return line
+
+    def done(self, *_) -> None:
+        with self._lock:
+            self.n += 1
+            text = self.text()
+        status_line(text)
+
+
+def status_line(text: str) -> None:
+    """Show ``text`` on the running command's status line, if it has one (see :meth:`RunLog.show_progress`)."""
+    log = _CURRENT
+    st = getattr(log, "_status", None) if log is not None else None
+    if st is not None:
+        try:
+            st[0].update(f"beatflow: {text[:110]}")
+        except Exception:  # (a status line stopped meanwhile)
+            pass
+
+
 class _StatusHandler(logging.Handler):
     def __init__(self, status):
         super().__init__(logging.INFO)

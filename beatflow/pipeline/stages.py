@@ -29,6 +29,7 @@ from prefect.cache_policies import NO_CACHE
 from beatflow.embed import partitions as P
 from beatflow.device import device_memory, namespace, to_host, to_namespace
 from beatflow.errors import BeatflowError
+from beatflow.terminal import Progress
 from beatflow.params import SegmentSamples
 from beatflow.io.sources import PartitionSpec, Source
 
@@ -208,13 +209,17 @@ def map_partitions(fn, *iterables, name: str, at: list | None = None, **constant
     n = len(iterables[0]) if iterables else 0
     keys = [f"{name}-{k}-{tag}" for k in range(n)]
     if at is None:
-        return client.map(fn, *iterables, key=keys, pure=False, **constants)
-    holders = client.who_has(at)
-    out = []
-    for f, key, args in zip(at, keys, zip(*iterables)):
-        where = sorted(holders.get(f.key, ()))[:1]
-        placed = {"workers": where, "allow_other_workers": True} if where else {}
-        out.append(client.submit(fn, *args, key=key, pure=False, **placed, **constants))
+        out = client.map(fn, *iterables, key=keys, pure=False, **constants)
+    else:
+        holders = client.who_has(at)
+        out = []
+        for f, key, args in zip(at, keys, zip(*iterables)):
+            where = sorted(holders.get(f.key, ()))[:1]
+            placed = {"workers": where, "allow_other_workers": True} if where else {}
+            out.append(client.submit(fn, *args, key=key, pure=False, **placed, **constants))
+    progress = Progress(name, n)  # the terminal's status line: this stage's partitions done, and the time left
+    for f in out:
+        f.add_done_callback(progress.done)
     return out
 
 
