@@ -111,6 +111,9 @@ def test_flow_on_synthetic_ecg_under_test_harness(harness, tmp_path):
         progress = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])))
         tables = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["table"])))
         notes = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["markdown"])))
+    # the UI's link to this run's report, at its final place (Prefect keeps a link artifact as markdown)
+    assert any(a.key == "beatflow-report" and f"]({(out / 'report.html').resolve().as_uri()})" in a.data
+               for a in notes), [a.key for a in notes]
     assert [a.data for a in progress if "VAE training" in (a.description or "")] == [100.0], progress
     # the top anomalies' table (published while the figures were drawn) and the run's summary
     top_rows = json.loads([a for a in tables if a.key == "beatflow-top-anomalies"][-1].data)

@@ -156,6 +156,7 @@ def ecg_anomaly_flow(input: str | None = None, column: str | None = None, fs: fl
             log.info("model registered in %s as %s", opts.store, summary["model_id"])
     log.info("outputs in %s", final)
     summary["out"] = str(final)
+    _publish_report_link(final / "report.html")
     return summary
 
 
@@ -636,6 +637,17 @@ def _publish_top(top) -> None:
     from prefect.artifacts import create_table_artifact
 
     create_table_artifact(R.top_table_rows(top), key="beatflow-top-anomalies", description="most anomalous beats")
+
+
+def _publish_report_link(report: Path) -> None:
+    """The Prefect UI's link to the run's report (a link artifact: the page is on this machine's disk)."""
+    from prefect.artifacts import create_link_artifact
+
+    try:
+        create_link_artifact(report.resolve().as_uri(), link_text=f"report.html ({report.parent.name})",
+                             key="beatflow-report", description="the run's report page, on the machine that ran it")
+    except Exception as e:  # the UI's link must not fail a run whose outputs are written
+        get_run_logger().warning("the report's link artifact failed: %s", e)
 
 
 def _publish_summary(summary: dict) -> None:
