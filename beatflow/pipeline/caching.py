@@ -25,7 +25,7 @@ def _files_digest(paths) -> str:
 
 def code_version() -> str:
     """Hash of the sources of the package (a change invalidates the caches)."""
-    root = Path(beatflow.__file__).parent
+    root = Path(__file__).resolve().parents[1]  # the beatflow package
     files = sorted(root.rglob("*.py"))
     return f"{__version__}-{_files_digest(files)[:12]}"
 
