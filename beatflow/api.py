@@ -127,9 +127,9 @@ def read(path, *, column: str | None = None, fs: float | None = None, lead: int 
 def _run_options() -> argparse.ArgumentParser:
     from beatflow.cli import _run_parser
 
-    parser = argparse.ArgumentParser(prog="beatflow")
-    _run_parser(parser.add_subparsers(dest="command"))
-    return parser._subparsers._group_actions[0].choices["run"]
+    sub = argparse.ArgumentParser(prog="beatflow").add_subparsers(dest="command")
+    _run_parser(sub)
+    return sub.choices["run"]
 
 
 def _argv(parser: argparse.ArgumentParser, options: dict) -> list[str]:
