@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmarks as named steps, run in the order given; each writes its output under $OUT.
-# From the repository root of the GPU machine, with the wheels of ../shared/device/wheels.sh carried as .whl:
+# From the repository root of the GPU machine, with the wheels of ../shared/device/wheels.sh carried as .whl and
+# those of bench/gpu_extra_wheels.sh as .whl-extra:
 #
 #   bash bench/gpu.sh setup tests detect train flow engine
 #   LIMIT=560 RUNS=6 CPU_RUNS=3 bash bench/gpu.sh pair      # the GPU flow, the CPU path, the GPU flow again, the ratio
@@ -56,11 +57,15 @@ enough() {  # enough NAME SECONDS: whether SECONDS are left for step NAME (else 
 step_setup() {
   if [ ! -f /tmp/site/.beatflow-wheels ]; then
     echo "== setup: bash .whl/install.sh ($(el))"
-    if bash .whl/install.sh > "$OUT/setup.txt" 2>&1; then
-      touch /tmp/site/.beatflow-wheels
-    else
+    if ! bash .whl/install.sh > "$OUT/setup.txt" 2>&1; then
       echo "!! setup failed:"; tail -5 "$OUT/setup.txt"; return 1
     fi
+    # wheels the device recipe leaves out (platformdirs; EDF input is not benched there): bench/gpu_extra_wheels.sh fills .whl-extra here
+    if ls .whl-extra/*.whl > /dev/null 2>&1 && ! python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target /tmp/site .whl-extra/*.whl >> "$OUT/setup.txt" 2>&1; then
+      echo "!! setup of .whl-extra failed:"; tail -5 "$OUT/setup.txt"; return 1
+    fi
+    touch /tmp/site/.beatflow-wheels
   fi
   $PY bench/common.py "bench/gpu.sh $*" | tee "$OUT/machine.md"
 }
