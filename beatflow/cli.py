@@ -89,8 +89,9 @@ def _run_parser(sub) -> None:
     p.add_argument("--train-compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile the training step (auto: on a GPU; on the CPU from 200 000 rows x epochs, "
                         "where a compiled epoch is ~2x faster once compiled: the 20 h default run)")
-    p.add_argument("--cache", default=os.environ.get("BEATFLOW_CACHE"),
-                   help="reuse segmentation/training results from this cache folder (default $BEATFLOW_CACHE)")
+    p.add_argument("--cache", default=None, metavar="DIR|off",
+                   help="reuse the segmentation and the trained model of an unchanged input and options from this "
+                        "folder (default $BEATFLOW_CACHE, else ~/.cache/beatflow/runs; off: none)")
     _verbose_flag(p)
 
 
@@ -308,7 +309,10 @@ def cmd_run(args) -> int:
     from beatflow.errors import DeviceError
     from beatflow.io.sources import open_source
 
+    from beatflow.pipeline.caching import run_cache
+
     _check_run_args(args)
+    args.cache = run_cache(args.cache)
     service = _find_service(args, args.device)
     args.service = service
     if service is not None:  # as if --scheduler were given (the service knows its device)
@@ -362,14 +366,36 @@ def _default_out():
 
 def _run_logged(args, device: str, final, log) -> int:
     """``beatflow run`` once its options and input are checked, with the run's log (:class:`RunLog`)."""
+    from beatflow.terminal import on_interrupt
+
+    existed = final.is_dir()
+    on_interrupt("out", lambda: _undo_out(final, existed))
+    service = getattr(args, "service", None)
+    early = _early_api_server(service)
+    try:
+        return _run_started(args, device, final, log, service, early)
+    finally:
+        if early is not None:
+            early.stop()
+
+
+def _early_api_server(service):
+    """The run's temporary Prefect API server, started now (beside the imports and the figure processes'
+    start) where the run would start one: :mod:`beatflow.pipeline.api_server`."""
+    if service is not None:
+        return None
+    from beatflow.pipeline import api_server
+
+    return api_server.start_early() if api_server.wanted() else None
+
+
+def _run_started(args, device: str, final, log, service, early) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from beatflow.report.pool import figure_pool
-    from beatflow.terminal import done_interrupt, on_interrupt
+    from beatflow.terminal import done_interrupt
 
-    existed = final.is_dir()
-    on_interrupt("out", lambda: _undo_out(final, existed))
     figure_pool()  # the report's figure processes start now, while Prefect, Dask and the flow are imported and set up
     with _long_lived_imports():  # (the task runner's prefect_dask with the rest: beatflow.pipeline.cluster)
         from beatflow.pipeline.flow import ecg_anomaly_flow
@@ -390,8 +416,7 @@ def _run_logged(args, device: str, final, log) -> int:
         workers = args.workers or max(2, os.cpu_count() or 2)
 
     log.show_progress()
-    service = getattr(args, "service", None)
-    with prefect_api(service["api_url"] if service else None):
+    with prefect_api(service["api_url"] if service else None, early=early):
         runner = make_task_runner(device, workers, scheduler=args.scheduler, rmm_pool_size=args.rmm_pool_size,
                                   gpus=args.gpus, rmm_allocator=args.rmm_allocator)
         summary = ecg_anomaly_flow.with_options(task_runner=runner)(

@@ -18,6 +18,8 @@ for _var, _prefix in (("BEATFLOW_CACHE_DIR", "beatflow-engine-cache-"), ("BEATFL
     if _var not in os.environ:
         os.environ[_var] = tempfile.mkdtemp(prefix=_prefix)
         _THROWAWAY.append(os.environ[_var])
+# no run cache (`beatflow run --cache`'s default folder) unless a test names one
+os.environ.setdefault("BEATFLOW_CACHE", "off")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -15,6 +15,27 @@ from pathlib import Path
 from beatflow.version import __version__
 
 
+#: ``--cache`` / ``$BEATFLOW_CACHE`` values that turn the run cache off
+CACHE_OFF = ("off", "none", "no", "0", "false")
+
+
+def run_cache(value: str | None = None) -> str | None:
+    """The run cache folder of ``beatflow run --cache``: ``value``, else ``$BEATFLOW_CACHE``, else
+    ``<user cache>/beatflow/runs`` (``~/.cache/beatflow/runs`` on Linux); None for ``off`` (or none, no, 0,
+    false, empty). A run of an unchanged input with unchanged options there reuses its segmentation and
+    its trained model (keyed by :func:`token`, with :func:`code_version`): a second run of the same
+    recording skips the training."""
+    import os
+
+    if value is None:
+        value = os.environ.get("BEATFLOW_CACHE")
+    if value is None:
+        from platformdirs import user_cache_dir
+
+        return str(Path(user_cache_dir("beatflow")) / "runs")
+    return None if value.strip().lower() in CACHE_OFF + ("",) else value
+
+
 def _files_digest(paths) -> str:
     h = hashlib.sha256()
     for p in sorted(paths):

@@ -17,7 +17,7 @@ from beatflow.errors import DeviceError, InputError
 
 
 @contextlib.contextmanager
-def prefect_api(url: str | None = None, standing: bool = False):
+def prefect_api(url: str | None = None, standing: bool = False, early=None):
     """Yield the Prefect API URL to use, starting one local server for the run if none is set.
 
     A configured ``PREFECT_API_URL`` (a running ``prefect server start``, or a test harness) is used
@@ -25,16 +25,27 @@ def prefect_api(url: str | None = None, standing: bool = False):
     is started on 127.0.0.1 for the duration: a temporary one (Prefect's ephemeral mode, no
     background services), or with ``standing``, the service's (:mod:`beatflow.pipeline.service`:
     Prefect's background services run, on the database that ``PREFECT_API_DATABASE_CONNECTION_URL``
-    names).
+    names). ``early``: that temporary server, already being started by the command
+    (:class:`beatflow.pipeline.api_server.EarlyServer`): waited for here, and stopped at the end (at
+    once where a configured API or ``url`` leaves it unused).
     """
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     current = get_current_settings().api.url
+    if early is not None and (current or url):
+        early.stop()
+        early = None
     if current:
         yield current
         return
-    server = None
-    if not url:
+    server = early
+    if early is not None:
+        url = early.wait()
+        import sys
+
+        print(f"beatflow: Prefect API {url}: the run's temporary server, ready {early.ready_after_s:.1f} s after its "
+              "start", file=sys.stderr, flush=True)  # (standard error: the run's log)
+    elif not url:
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         server = _server_class(ephemeral=not standing)()
         server.start(timeout=120)
