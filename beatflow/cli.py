@@ -397,6 +397,9 @@ def _run_started(args, device: str, final, log, service, early) -> int:
     from beatflow.terminal import done_interrupt
 
     figure_pool()  # the report's figure processes start now, while Prefect, Dask and the flow are imported and set up
+    from beatflow.device import import_in_background
+
+    import_in_background("scipy.stats")  # (1 s on 2 cores; the classes' rule, in this process, after the scores)
     with _long_lived_imports():  # (the task runner's prefect_dask with the rest: beatflow.pipeline.cluster)
         from beatflow.pipeline.flow import ecg_anomaly_flow
         from beatflow.pipeline.cluster import make_task_runner, parse_pool_size, prefect_api

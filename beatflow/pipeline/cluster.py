@@ -273,6 +273,7 @@ def cluster_spec(device: str = "cpu", workers: int | None = None, rmm_pool_size=
             "preload": [WORKER_PRELOAD],  # (dask-cuda appends its dask_cuda.initialize)
         }
     n = workers or max(2, os.cpu_count() or 2)
+    env = {**env, "BEATFLOW_WORKER_IMPORTS": "beatflow.engine.cache"}  # (worker_preload.WARM_IMPORTS_VAR)
     return "distributed.LocalCluster", {
         "n_workers": n,
         "threads_per_worker": 1,

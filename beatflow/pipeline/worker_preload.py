@@ -18,8 +18,22 @@ import atexit
 import gc
 
 
+#: the modules a CPU worker starts importing at once, in a thread (:data:`WARM_IMPORTS_VAR`)
+WARM_IMPORTS_VAR = "BEATFLOW_WORKER_IMPORTS"
+
+
 def dask_setup(worker) -> None:  # noqa: ARG001  (Dask's preload hook)
+    import os
+
     from beatflow.terminal import ignore_interrupts_in_child
 
     atexit.register(gc.freeze)
     ignore_interrupts_in_child()
+    # PyTorch and the engine's module (1.3 s of a 2-core worker) while the first stages run, not when the
+    # engine stage reaches the worker: a run whose training is a cache hit waited for them there
+    # (beatflow.pipeline.cluster.cluster_spec names them for CPU workers; a GPU worker's PyTorch must
+    # come after its RMM set-up)
+    from beatflow.device import import_in_background
+
+    for name in filter(None, os.environ.get(WARM_IMPORTS_VAR, "").split(",")):
+        import_in_background(name)
