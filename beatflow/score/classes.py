@@ -88,6 +88,16 @@ class ClassParams:
     s_irregular: float = 0.3
     s_spread: float = 2.0
     s_corr: float = 0.7
+    p_before_s: float = 0.25
+    p_after_s: float = 0.07
+    s_p_dev: float = -np.inf
+    s_compensation: float = np.inf
+    s_score_p: float = 0.5
+    s_score_min: float = np.inf
+    s_premature_p: float = 0.05
+    long_beats: int = 150
+    s_long: float = np.inf
+    s_p_long: float = 0.9
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -182,6 +192,46 @@ def features(rows, tmpl, fs: float, pre: int, p: ClassParams = ClassParams()):
     return xp.stack([1.0 - best, amp, area], axis=1).astype(xp.float32)
 
 
+# --- the P wave (array code, and host) -----------------------------------------------------------------
+
+def pre_qrs(x, x0: int, peaks, fs: float, p: ClassParams = ClassParams()):
+    """The raw signal before each beat, where its P wave is: ``x[peak - p_before_s : peak - p_after_s]``
+    (``(n, width)`` float32 in ``x``'s namespace, NumPy or CuPy), ``x`` a stretch of the stream whose first
+    sample is sample ``x0`` of ``peaks``' (a window reaching past either end repeats the end sample: a
+    partition's halos hold every window of its own beats). A beat row begins ``pre`` (100 ms) before the
+    peak, too late for the P wave, so the window comes from the stream itself."""
+    xp = namespace_of(x)
+    a, b = int(round(p.p_before_s * fs)), int(round(p.p_after_s * fs))
+    at = xp.asarray(peaks).astype(xp.int64) - int(x0)
+    idx = xp.clip(at[:, None] - a + xp.arange(a - b, dtype=xp.int64)[None, :], 0, int(x.shape[0]) - 1)
+    return x[idx].astype(xp.float32)
+
+
+def on_time(dev, timing: dict) -> np.ndarray:
+    """The beats whose pre-QRS window makes a recording's P reference (:func:`p_wave`): of the usual shape
+    (deviation at most the median's) and on time (prematurity within ±0.1)."""
+    d = np.asarray(to_host(dev), np.float64)
+    prem = np.nan_to_num(np.asarray(timing["prematurity"], np.float64), nan=1.0)
+    return (d <= np.median(d)) & (np.abs(prem) < 0.1) if len(d) else np.zeros(0, bool)
+
+
+def p_wave(windows, dominant) -> np.ndarray:
+    """Each beat's *P deviation*: one minus the correlation of its :func:`pre_qrs` window (mean removed) with
+    the median window of the recording's ``dominant`` beats (a mask: sinus beats of the usual shape, on
+    time). A sinus beat's P wave is the dominant's (0); an atrial beat's is of another shape or hidden in
+    the T wave before it, a junctional beat's absent or inverted (towards 1 and beyond). Host float64."""
+    w = np.asarray(to_host(windows), np.float64)
+    if not len(w):
+        return np.zeros(0)
+    w = w - w.mean(axis=1, keepdims=True)
+    dom = np.asarray(dominant, bool)
+    ref = np.median(w[dom] if dom.any() else w, axis=0)
+    ref = ref - ref.mean()
+    with np.errstate(all="ignore"):
+        c = (w @ ref) / (np.sqrt((w * w).sum(axis=1)) * np.sqrt(ref @ ref) + 1e-12)
+    return 1.0 - c
+
+
 # --- rhythm (host) -----------------------------------------------------------------------------------
 
 def _around(rr: np.ndarray, idx: np.ndarray, k: int) -> np.ndarray:
@@ -230,8 +280,18 @@ def rhythm(peaks, beat_peaks, fs: float, p: ClassParams = ClassParams()) -> dict
         irr = _row_median(np.abs(np.diff(near, axis=1))) / _row_median(near)
         prem = 1.0 - prev / local
         pause = nxt / local
+        long_rr = np.full(n, np.nan)
+        if len(rr):
+            from scipy.ndimage import median_filter
+
+            k, h, top = 2 * (p.long_beats // 2) + 1, p.long_beats // 2, len(rr) - 1
+            med = median_filter(rr, size=k, mode="nearest")  # (centred: med[j] over rr[j-h .. j+h])
+            before = med[np.clip(idx - 2 - h, 0, top)]  # the k intervals before rr_prev
+            after = med[np.clip(idx + 1 + h, 0, top)]  # the k intervals after rr_next
+            long_rr = np.maximum(before, after)
+        long_prem = 1.0 - prev / long_rr
     return {"rr_prev_s": prev, "rr_next_s": nxt, "local_rr_s": local, "prematurity": prem, "pause": pause,
-            "irregularity": irr}
+            "irregularity": irr, "long_prematurity": long_prem}
 
 
 # --- the rule (host) ---------------------------------------------------------------------------------
@@ -300,7 +360,16 @@ def judge(dev: np.ndarray, z: np.ndarray, timing: dict, p: ClassParams = ClassPa
     early = ((prem > p.v_premature) | (pause > p.v_pause)) & (irr < p.v_irregular) & (comp > p.v_compensation)
     v = (((dev > p.v_dev) & (z[:, 0] > p.v_dev_z))
          | ((dev > p.v_min_dev) & (shape > p.v_z) & (early | (shape > p.v_z_alone))))
-    s = ~v & (prem > np.maximum(p.s_premature, p.s_spread * irr)) & (1.0 - dev > p.s_corr) & (irr < p.s_irregular)
+    timed = prem > np.maximum(p.s_premature, p.s_spread * irr)
+    if "p_deviation" in timing:  # (without the P wave: the timing alone)
+        pdev = np.nan_to_num(np.asarray(timing["p_deviation"], np.float64), nan=0.0)
+        timed &= pdev > p.s_p_dev
+        timed |= ((prem > np.maximum(p.s_premature_p, p.s_spread * irr))
+                  & (prem + p.s_score_p * pdev > p.s_score_min))
+        if "long_prematurity" in timing:
+            timed |= (np.nan_to_num(timing["long_prematurity"], nan=0.0) > p.s_long) & (pdev > p.s_p_long)
+    normal = ~v & (1.0 - dev > p.s_corr)
+    s = normal & timed & (irr < p.s_irregular) & (comp < p.s_compensation)
     out = np.full(len(dev), "N", dtype="<U1")
     out[v] = "V"
     out[s] = "S"
@@ -342,16 +411,25 @@ def classify(peaks_of: dict, beat_peak, recording, deviation, fs: float, p: Clas
     """The class and timing of each beat of a stream of recordings.
 
     ``peaks_of``: each recording's sorted detected peaks (samples); ``beat_peak``, ``recording``,
-    ``deviation``: each classed beat's peak, recording and :func:`morphology` (its recording's beats in
-    peak order). Returns ``(classes, timing)``: :func:`assign`'s classes and :func:`rhythm`'s arrays, in
-    the beats' order."""
+    ``deviation``: each classed beat's peak, recording and :func:`features` (or :func:`morphology`), optionally
+    followed by the columns of its :func:`pre_qrs` window (its recording's beats in peak order). Returns
+    ``(classes, timing)``: :func:`assign`'s classes and :func:`rhythm`'s arrays (with a ``p_deviation``,
+    :func:`p_wave` against the recording's :func:`on_time` beats, where the windows came), in the beats'
+    order."""
     beat_peak = np.asarray(to_host(beat_peak), np.int64)
     rec = np.asarray(to_host(recording), np.int64)
-    keys = ("rr_prev_s", "rr_next_s", "local_rr_s", "prematurity", "pause", "irregularity")
-    timing = {k: np.full(len(beat_peak), np.nan) for k in keys}
+    f = np.asarray(to_host(deviation), np.float32)
+    windows = f[:, len(FEATURES):] if f.ndim == 2 and f.shape[1] > len(FEATURES) else None
+    if windows is not None:
+        f = f[:, : len(FEATURES)]
+    keys = ("rr_prev_s", "rr_next_s", "local_rr_s", "prematurity", "pause", "irregularity", "long_prematurity")
+    timing = {k: np.full(len(beat_peak), np.nan) for k in keys + (("p_deviation",) if windows is not None else ())}
+    dev = f[:, 0] if f.ndim == 2 else f
     for r in np.unique(rec):
         m = rec == r
         t = rhythm(peaks_of[int(r)], beat_peak[m], fs, p)
         for k in keys:
             timing[k][m] = t[k]
-    return assign(deviation, timing, rec, p), timing
+        if windows is not None:
+            timing["p_deviation"][m] = p_wave(windows[m], on_time(dev[m], t))
+    return assign(f, timing, rec, p), timing
