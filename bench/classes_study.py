@@ -2,12 +2,17 @@
 
 Every record is segmented and embedded as ``beatflow evaluate`` does it (:func:`beatflow.score.evaluate.record_beats`);
 each kept beat gets its shape features against its record's template (:func:`~beatflow.score.classes.features`:
-deviation, amplitude, area; ``--shape deviation``: the deviation alone) and its timing; the AAMI label of the
-annotation matched to it is used only to judge. On the training records of each of 5 folds (records, never
+deviation, amplitude, area; ``--shape deviation``: the deviation alone), its timing
+(:func:`~beatflow.score.classes.rhythm`) and its P deviation (:func:`~beatflow.score.classes.p_wave` of the
+record's signal before the peak, :func:`~beatflow.score.classes.pre_qrs`, for each P window searched); the AAMI
+label of the annotation matched to it is used only to judge. Each record's labels, shape features, peaks and
+signal are cached in ``bench/out/classes_cache`` (ignored; delete it after a change to the segmentation or to
+:func:`~beatflow.score.classes.features`). On the training records of each of 5 folds (records, never
 beats, split) a grid of the V thresholds is searched for the best pooled ``min(Se, +P)`` of V, then, given
 that V, a grid of the S thresholds for the best of S; the choice is judged on the fold's held-out records.
 The table: the folds' choices, each fold's held-out figures, the pooled held-out figures (every record judged
-by a rule chosen without it), each record's held-out counts and those of the defaults.
+by a rule chosen without it) with the ROC-AUC of S against N of :func:`~beatflow.score.classes.s_score`, each
+record's held-out counts and those of the defaults.
 
     python bench/classes_study.py [--data ../shared/data/mitdb] [--folds 5] [--seed 0] [--shape deviation]
 """
@@ -41,9 +46,9 @@ V_GRID = {"z_low": (0.25,), "v_dev": (0.3, np.inf), "v_dev_z": (1.0, 2.0), "v_mi
 #: the S thresholds searched, given the chosen V (for the best min(Se, +P) of S)
 S_GRID = {"s_premature": (0.15,), "s_irregular": (0.15, 0.2, 0.3), "s_corr": (0.7, 0.8), "s_spread": (1.0, 2.0),
           "irregular_beats": (16,), "p_before_s": (0.2, 0.25), "s_p_dev": (-np.inf, 0.1),
-          "s_compensation": (np.inf,), "s_score_min": (np.inf, 0.5, 0.6, 0.7), "s_score_p": (0.5,),
-          "s_premature_p": (0.0,), "s_long": (np.inf, 0.05, 0.1, 0.15, 0.2),
-          "s_p_long": (0.6, 0.9, 1.2)}
+          "s_score_min": (np.inf, 0.5, 0.6, 0.7), "s_score_p": (0.5,),
+          "s_premature_p": (0.0,), "s_long": (np.inf, 0.1, 0.15, 0.2),
+          "s_p_long": (0.4, 0.6, 0.9)}
 GRID = {**V_GRID, **S_GRID}
 #: ``--shape deviation``: the deviation alone (no amplitude or area), the V grid without their weights
 DEVIATION_ONLY = {"v_amp": (0.0,), "v_area": (0.0,)}

@@ -300,7 +300,7 @@ def _p_stream(rng, n=900, s_every=30, run_at=None, p_sign=-1.0, run=40):
 def test_the_p_wave_finds_atrial_beats_that_timing_alone_misses(rng=np.random.default_rng(12)):
     x, peaks, rows, kind = _p_stream(rng)
     f = C.features(rows, C.template(rows, FS, PRE), FS, PRE)
-    p = C.ClassParams(s_score_min=0.4, s_premature_p=0.05)
+    p = C.ClassParams()
     rec = np.zeros(len(peaks), np.int64)
     plain, _ = C.classify({0: peaks}, peaks, rec, f, FS, p)
     win = C.pre_qrs(x, 0, peaks, FS, p)
@@ -331,7 +331,7 @@ def test_pre_qrs_on_cupy_equals_numpy(rng=np.random.default_rng(14)):
     except Exception:
         pytest.skip("no CUDA device")
     x, peaks, rows, _ = _p_stream(rng, n=300)
-    p = C.ClassParams(s_score_min=0.4)
+    p = C.ClassParams()
     win = C.pre_qrs(x, 100, peaks + 100, FS, p)
     wd = C.pre_qrs(cp.asarray(x), 100, cp.asarray(peaks + 100), FS, p)
     assert isinstance(wd, cp.ndarray)

@@ -15,7 +15,17 @@ about 0.3 to 1 for a ventricular beat. Correlation ignores amplitude, so the dev
 after each beat, the *local RR* (the median of the ``local_beats`` intervals on either side, the beat's own
 two left out), *prematurity* ``1 - rr_prev / local RR``, the *pause* ``rr_next / local RR`` and the local
 *irregularity* (the median absolute difference of successive intervals over ``irregular_beats`` either side,
-over the local RR; atrial fibrillation is irregular throughout, and its beats are N for AAMI).
+over the local RR; atrial fibrillation is irregular throughout, and its beats are N for AAMI) and the *long
+prematurity* ``1 - rr_prev / long RR``, the long RR the larger of the medians of the ``long_beats`` intervals
+before the beat's own two and of those after them (a run of atrial or junctional beats sets the local RR
+itself, not the rhythm on both sides of it).
+
+**The P wave** (:func:`pre_qrs`, array code where the stream is: a beat row starts only 100 ms before the
+peak; :func:`p_wave` on the host): the raw signal from ``p_before_s`` to ``p_after_s`` before each peak, and
+the beat's *P deviation*, one minus its correlation with the median window of its recording's sinus beats of
+the usual shape, on time (:func:`on_time`): about 0 where the sinus P wave is, towards 1 and beyond where the
+P wave is of another shape, inverted, hidden in the T wave or absent. A graded *S score* (:func:`s_score`, for a
+ranking): the prematurity plus ``s_score_p`` times the P deviation.
 
 **Shape features** (:func:`features`, array code beside the deviation): the QRS window's *amplitude* (log of
 its standard deviation over the template's) and signed *area* (in template units; negative for a beat of the
@@ -36,16 +46,22 @@ ventricular and fusion beats, 208, keeps its normal beats' spread), the amplitud
   by ``v_premature`` or before a pause ``v_pause``; with, where set, a regular local rhythm, irregularity below
   ``v_irregular``, and a compensatory pause, ``(rr_prev + rr_next) / local RR`` above ``v_compensation``: an
   atrial beat resets the sinus node, a ventricular one does not);
-* **S**: not V, premature by more than ``s_premature`` and by more than ``s_spread`` times the local
-  irregularity (earlier than the beat-to-beat variation around it explains), its QRS correlating above
-  ``s_corr`` with the template, in a regular local rhythm (irregularity below ``s_irregular``);
+* **S**: not V, its QRS correlating above ``s_corr`` with the template, in a regular local rhythm
+  (irregularity below ``s_irregular``), and (a) premature by more than ``s_premature`` and by more than
+  ``s_spread`` times the local irregularity (earlier than the beat-to-beat variation around it explains),
+  with a P deviation above ``s_p_dev``; or (b) premature by more than ``s_premature_p`` and ``s_spread`` times
+  the irregularity with an S score above ``s_score_min`` (less early, but its P wave changed); or (c) long
+  premature by more than ``s_long`` with a P deviation above ``s_p_long`` (within a run of ectopic atrial or
+  junctional beats: faster than the rhythm around the run, without the sinus P wave). Where the P windows
+  are not given (:func:`classify` of the shape alone) only (a), without its P-wave condition;
 * **N**: the rest. F (fusion) and Q (paced, unclassifiable) are never assigned: a fusion beat lies between
   the patient's N and V shapes, and no rule here separates it from either (their beats are counted in the
   evaluation under the class they are assigned).
 
-The thresholds were chosen by 5-fold cross-validation across the 22 non-paced MIT-BIH records of the shared
-set (patients, never beats, split), the rule chosen on each fold's training records (the V thresholds for the
-best min(Se, +P) of V, then the S ones for that of S) being judged on its held-out records:
+The thresholds (the P window's start, ``p_before_s``, among them) were chosen by 5-fold cross-validation
+across the 22 non-paced MIT-BIH records of the shared set (patients, never beats, split), the rule chosen on
+each fold's training records (the V thresholds for the best min(Se, +P) of V, then the S ones for that of S)
+being judged on its held-out records:
 ``bench/classes_study.py`` (the table, its command and the figures: ``bench/results/accuracy.md``). Each
 default is the value most folds chose for it.
 """
@@ -85,19 +101,18 @@ class ClassParams:
     v_irregular: float = np.inf
     v_compensation: float = 0.0
     s_premature: float = 0.15
-    s_irregular: float = 0.3
+    s_irregular: float = 0.15
     s_spread: float = 2.0
     s_corr: float = 0.7
     p_before_s: float = 0.25
     p_after_s: float = 0.07
-    s_p_dev: float = -np.inf
-    s_compensation: float = np.inf
+    s_p_dev: float = 0.1
     s_score_p: float = 0.5
-    s_score_min: float = np.inf
-    s_premature_p: float = 0.05
+    s_score_min: float = 0.6
+    s_premature_p: float = 0.0
     long_beats: int = 150
-    s_long: float = np.inf
-    s_p_long: float = 0.9
+    s_long: float = 0.15
+    s_p_long: float = 0.6
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -360,20 +375,27 @@ def judge(dev: np.ndarray, z: np.ndarray, timing: dict, p: ClassParams = ClassPa
     early = ((prem > p.v_premature) | (pause > p.v_pause)) & (irr < p.v_irregular) & (comp > p.v_compensation)
     v = (((dev > p.v_dev) & (z[:, 0] > p.v_dev_z))
          | ((dev > p.v_min_dev) & (shape > p.v_z) & (early | (shape > p.v_z_alone))))
-    timed = prem > np.maximum(p.s_premature, p.s_spread * irr)
+    normal = ~v & (1.0 - dev > p.s_corr) & (irr < p.s_irregular)
+    early_s = prem > np.maximum(p.s_premature, p.s_spread * irr)
     if "p_deviation" in timing:  # (without the P wave: the timing alone)
         pdev = np.nan_to_num(np.asarray(timing["p_deviation"], np.float64), nan=0.0)
-        timed &= pdev > p.s_p_dev
-        timed |= ((prem > np.maximum(p.s_premature_p, p.s_spread * irr))
-                  & (prem + p.s_score_p * pdev > p.s_score_min))
+        early_s &= pdev > p.s_p_dev
+        early_s |= (prem > np.maximum(p.s_premature_p, p.s_spread * irr)) & (s_score(timing, p) > p.s_score_min)
         if "long_prematurity" in timing:
-            timed |= (np.nan_to_num(timing["long_prematurity"], nan=0.0) > p.s_long) & (pdev > p.s_p_long)
-    normal = ~v & (1.0 - dev > p.s_corr)
-    s = normal & timed & (irr < p.s_irregular) & (comp < p.s_compensation)
+            early_s |= (np.nan_to_num(timing["long_prematurity"], nan=0.0) > p.s_long) & (pdev > p.s_p_long)
+    s = normal & early_s
     out = np.full(len(dev), "N", dtype="<U1")
     out[v] = "V"
     out[s] = "S"
     return out
+
+
+def s_score(timing: dict, p: ClassParams = ClassParams()) -> np.ndarray:
+    """A graded supraventricular score (for a ranking, its ROC-AUC against N): the prematurity plus
+    ``s_score_p`` times the P deviation (a missing one counts as 0)."""
+    prem = np.nan_to_num(np.asarray(timing["prematurity"], np.float64), nan=0.0)
+    pdev = np.nan_to_num(np.asarray(timing.get("p_deviation", np.zeros(len(prem))), np.float64), nan=0.0)
+    return prem + p.s_score_p * pdev
 
 
 # --- what a Holter report counts ---------------------------------------------------------------------
