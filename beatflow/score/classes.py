@@ -277,7 +277,9 @@ def rhythm(peaks, beat_peaks, fs: float, p: ClassParams = ClassParams()) -> dict
     """Timing of the beats at ``beat_peaks`` among a recording's sorted detected ``peaks`` (samples).
 
     Returns float64 arrays (NaN where a neighbour is missing): ``rr_prev_s``, ``rr_next_s``, ``local_rr_s``,
-    ``prematurity``, ``pause``, ``irregularity`` (see the module's docstring)."""
+    ``prematurity``, ``pause``, ``irregularity``, ``long_prematurity`` (see the module's docstring; the long
+    RR's medians are over ``long_beats`` made odd, 151, intervals, each window clipped to the recording's
+    intervals, their ends repeated where a window still runs past them: ``scipy.ndimage.median_filter``)."""
     pk = np.asarray(to_host(peaks), np.int64)
     at = np.asarray(to_host(beat_peaks), np.int64)
     rr = np.diff(pk) / float(fs)
