@@ -2,12 +2,17 @@
 
 Every record is segmented and embedded as ``beatflow evaluate`` does it (:func:`beatflow.score.evaluate.record_beats`);
 each kept beat gets its shape features against its record's template (:func:`~beatflow.score.classes.features`:
-deviation, amplitude, area; ``--shape deviation``: the deviation alone) and its timing; the AAMI label of the
-annotation matched to it is used only to judge. On the training records of each of 5 folds (records, never
+deviation, amplitude, area; ``--shape deviation``: the deviation alone), its timing
+(:func:`~beatflow.score.classes.rhythm`) and its P deviation (:func:`~beatflow.score.classes.p_wave` of the
+record's signal before the peak, :func:`~beatflow.score.classes.pre_qrs`, for each P window searched); the AAMI
+label of the annotation matched to it is used only to judge. Each record's labels, shape features, peaks and
+signal are cached in ``bench/out/classes_cache`` (ignored; delete it after a change to the segmentation or to
+:func:`~beatflow.score.classes.features`). On the training records of each of 5 folds (records, never
 beats, split) a grid of the V thresholds is searched for the best pooled ``min(Se, +P)`` of V, then, given
 that V, a grid of the S thresholds for the best of S; the choice is judged on the fold's held-out records.
 The table: the folds' choices, each fold's held-out figures, the pooled held-out figures (every record judged
-by a rule chosen without it), each record's held-out counts and those of the defaults.
+by a rule chosen without it) with the ROC-AUC of S against N of :func:`~beatflow.score.classes.s_score`, each
+record's held-out counts and those of the defaults.
 
     python bench/classes_study.py [--data ../shared/data/mitdb] [--folds 5] [--seed 0] [--shape deviation]
 """
@@ -21,12 +26,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from sklearn.metrics import roc_auc_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_header, print_table  # noqa: E402
 from beatflow.params import SegmentParams  # noqa: E402
-from beatflow.score.classes import ClassParams, judge, morphology, rhythm, shape_z, template  # noqa: E402
+from beatflow.score.classes import (ClassParams, judge, morphology, on_time, p_wave, pre_qrs, rhythm,  # noqa: E402
+                                    s_score, shape_z, template)
 from beatflow.score.classes import features as shape_features  # noqa: E402
 from beatflow.score.evaluate import PACED_RECORDS, list_records, load_record, record_beats  # noqa: E402
 
@@ -37,28 +44,57 @@ V_GRID = {"z_low": (0.25,), "v_dev": (0.3, np.inf), "v_dev_z": (1.0, 2.0), "v_mi
           "v_irregular": (np.inf,), "v_compensation": (0.0, 1.5, 1.7, 1.8)}
 # (also searched, no fold choosing them: v_dev 0.4 and 0.6, v_dev_z 3, v_irregular 0.2 and 0.3)
 #: the S thresholds searched, given the chosen V (for the best min(Se, +P) of S)
-S_GRID = {"s_premature": (0.15,), "s_irregular": (0.1, 0.15, 0.2, 0.3), "s_corr": (0.7, 0.8), "s_spread": (1.0, 2.0, 3.0),
-          "irregular_beats": (16,)}
+S_GRID = {"s_premature": (0.15,), "s_irregular": (0.15, 0.2, 0.3), "s_corr": (0.7, 0.8), "s_spread": (1.0, 2.0),
+          "irregular_beats": (16,), "p_before_s": (0.2, 0.25), "s_p_dev": (-np.inf, 0.1),
+          "s_score_min": (np.inf, 0.5, 0.6, 0.7), "s_score_p": (0.5,),
+          "s_premature_p": (0.0,), "s_long": (np.inf, 0.1, 0.15, 0.2),
+          "s_p_long": (0.4, 0.6, 0.9)}
 GRID = {**V_GRID, **S_GRID}
 #: ``--shape deviation``: the deviation alone (no amplitude or area), the V grid without their weights
 DEVIATION_ONLY = {"v_amp": (0.0,), "v_area": (0.0,)}
 
 
-def features(stem: str, shape: str = "features") -> dict:
+#: the cached per-record arrays (``bench/out`` is ignored): segmentation and shape features take most of a run
+CACHE = Path(__file__).resolve().parent / "out" / "classes_cache"
+
+
+def cache_record(stem: str, shape: str = "features") -> dict:
+    """The record's beats' labels and shape features, its peaks and signal (cached by name)."""
+    path = CACHE / f"{Path(stem).name}-{shape}.npz"
+    if path.exists():
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}
     rec = load_record(stem)
     b = record_beats(rec)
     pre = SegmentParams().samples(rec.fs).pre
     tmpl = template(b.rows, rec.fs, pre)
     f = np.asarray(shape_features(b.rows, tmpl, rec.fs, pre) if shape == "features" else morphology(b.rows, tmpl, rec.fs, pre))
-    timing = {k: rhythm(b.peaks, b.kept_peak, rec.fs, ClassParams(irregular_beats=k)) for k in GRID["irregular_beats"]}
+    out = {"name": np.asarray(rec.name), "fs": np.asarray(rec.fs), "label": b.label, "f": f, "peaks": b.peaks,
+           "kept_peak": b.kept_peak, "signal": rec.signal}
+    CACHE.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **out)
+    return out
+
+
+def features(stem: str, shape: str = "features") -> dict:
+    c = cache_record(stem, shape)
+    fs, f = float(c["fs"]), c["f"]
+    dev = f[:, 0] if f.ndim == 2 else f
+    timing = {}
+    for k in GRID["irregular_beats"]:
+        t = rhythm(c["peaks"], c["kept_peak"], fs, ClassParams(irregular_beats=k))
+        dom = on_time(dev, t)
+        for pb in GRID["p_before_s"]:
+            win = pre_qrs(c["signal"], 0, c["kept_peak"], fs, ClassParams(p_before_s=pb))
+            timing[k, pb] = {**t, "p_deviation": p_wave(win, dom)}
     z = {q: shape_z(f, None, ClassParams(z_low=q)) for q in GRID["z_low"]}
-    return {"name": rec.name, "label": b.label, "dev": f[:, 0] if f.ndim == 2 else f, "z": z, "timing": timing}
+    return {"name": str(c["name"]), "label": c["label"], "dev": dev, "z": z, "timing": timing}
 
 
 def counts(recs: list[dict], p: ClassParams, only: str = "NSV") -> dict:
     out = {c: [0, 0, 0] for c in only}  # tp, reference, assigned (among labelled beats)
     for r in recs:
-        got = judge(r["dev"], r["z"][p.z_low], r["timing"][p.irregular_beats], p)
+        got = judge(r["dev"], r["z"][p.z_low], r["timing"][p.irregular_beats, p.p_before_s], p)
         lab = r["label"] != ""
         for c in out:
             out[c][0] += int(((got == c) & (r["label"] == c)).sum())
@@ -109,9 +145,15 @@ def main(argv=None) -> int:
                      *(f"{100 * v:.1f}" for c in "VS" for v in se_ppv(cnt[c]))])
     print_table(["fold", "held-out records", "chosen on the other folds", "V Se", "V +P", "S Se", "S +P"], rows)
     print()
-    print_table(["pooled held-out", "V Se", "V +P", "S Se", "S +P", "N Se", "N +P"],
+    y, sc = [], []
+    for i, r in enumerate(recs):  # the S score of each record's N and S beats, its weight chosen without it
+        m = np.isin(r["label"], ["N", "S"])
+        y.append(r["label"][m] == "S")
+        sc.append(s_score(r["timing"][rule_of[i].irregular_beats, rule_of[i].p_before_s], rule_of[i])[m])
+    auc = roc_auc_score(np.concatenate(y), np.concatenate(sc))
+    print_table(["pooled held-out", "V Se", "V +P", "S Se", "S +P", "N Se", "N +P", "S ROC-AUC (s_score)"],
                 [["every record judged by a rule chosen without it",
-                  *(f"{100 * v:.1f}" for c in "VSN" for v in se_ppv(held[c]))]])
+                  *(f"{100 * v:.1f}" for c in "VSN" for v in se_ppv(held[c])), f"{auc:.3f}"]])
     modes = [Counter(c[i] for c in chosen).most_common(1)[0] for i in range(len(GRID))]
     print("\neach threshold's value most folds chose: "
           + ", ".join(f"{g}={v} ({n} of {len(folds)})" for g, (v, n) in zip(GRID, modes)))

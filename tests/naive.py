@@ -443,3 +443,38 @@ def quality_features(x, first: int, q):
         e_high = sum(u * u for u in h)
         out[3][k] = sum(u * u for u in f) / e_high if e_high > 0 else 0.0
     return (*out, w0)
+
+
+def pre_qrs(x, x0: int, peaks, fs: float, before_s: float, after_s: float) -> np.ndarray:
+    """The window ``x[peak - before : peak - after]`` of each peak (global samples, ``x`` starting at ``x0``),
+    an index past either end taking the end sample, one sample at a time."""
+    a, b = int(round(before_s * fs)), int(round(after_s * fs))
+    out = np.zeros((len(peaks), a - b), np.float32)
+    for i, pk in enumerate(peaks):
+        for j in range(a - b):
+            out[i, j] = x[min(max(int(pk) - int(x0) - a + j, 0), len(x) - 1)]
+    return out
+
+
+def p_deviation(windows, dominant) -> np.ndarray:
+    """One minus ``np.corrcoef`` of each window with the elementwise median of the dominant windows (each
+    window's mean removed first), one window at a time."""
+    w = [np.asarray(r, np.float64) - np.mean(r) for r in windows]
+    ref = np.median(np.stack([r for r, d in zip(w, dominant) if d]), axis=0)
+    return np.asarray([1.0 - (float(np.corrcoef(r, ref)[0, 1]) if r.std() > 0 else 0.0) for r in w])
+
+
+def long_rr(peaks, at, fs: float, beats: int) -> np.ndarray:
+    """The larger of the medians of the ``beats`` (made odd) intervals before a beat's own two and of the
+    ``beats`` after them (the intervals' ends repeated where a window runs past them; centred windows clipped
+    to the ends), one beat at a time."""
+    rr = np.diff(np.asarray(peaks, np.int64)) / fs
+    h = beats // 2
+    pad = np.concatenate([np.full(h, rr[0]), rr, np.full(h, rr[-1])])
+    out = []
+    for q in at:
+        i = int(np.searchsorted(peaks, q))
+        b = min(max(i - 2 - h, 0), len(rr) - 1)
+        a = min(max(i + 1 + h, 0), len(rr) - 1)
+        out.append(max(np.median(pad[b : b + 2 * h + 1]), np.median(pad[a : a + 2 * h + 1])))
+    return np.asarray(out)

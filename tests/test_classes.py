@@ -58,6 +58,10 @@ def test_rhythm_against_a_loop(rng=np.random.default_rng(2)):
         w = np.asarray([d[key] for d in want])
         np.testing.assert_allclose(got[key], w, rtol=1e-12, equal_nan=True, err_msg=key)
     assert math.isnan(C.rhythm(peaks, peaks[:1], FS)["rr_prev_s"][0])  # the first beat has none before it
+    for beats in (p.long_beats, 31):  # (31: windows inside the 300 beats; 150: clipped at both ends)
+        t = C.rhythm(peaks, at, FS, C.ClassParams(long_beats=beats))
+        np.testing.assert_allclose(t["long_prematurity"], 1.0 - t["rr_prev_s"] / naive.long_rr(peaks, at, FS, beats),
+                                   rtol=1e-12, equal_nan=True)
 
 
 def _stream(n=600, every=7, rng=np.random.default_rng(3)):
@@ -249,3 +253,92 @@ def test_compensation_keeps_an_aberrant_atrial_beat_from_v():
     assert (gated[inner] == "S").all()
     v = np.flatnonzero(kind == "V")[5:-5]
     assert (gated[v] == "V").all()
+
+
+def test_pre_qrs_and_p_wave_against_a_loop(rng=np.random.default_rng(11)):
+    p = C.ClassParams()
+    x = rng.normal(size=3000).astype(np.float32)
+    x0 = 500  # (the stretch starts at sample 500 of the stream)
+    peaks = np.sort(rng.choice(np.arange(x0 + 10, x0 + 3000), size=60, replace=False))  # some windows clipped
+    got = C.pre_qrs(x, x0, peaks, FS, p)
+    want = naive.pre_qrs(x, x0, peaks, FS, p.p_before_s, p.p_after_s)
+    assert got.dtype == np.float32 and got.shape == (60, int(round(p.p_before_s * FS)) - int(round(p.p_after_s * FS)))
+    np.testing.assert_array_equal(got, want)
+    dom = rng.random(60) < 0.5
+    np.testing.assert_allclose(C.p_wave(got, dom), naive.p_deviation(got, dom), atol=1e-9)
+    assert C.p_wave(np.zeros((0, 10), np.float32), np.zeros(0, bool)).shape == (0,)
+
+
+def _p_stream(rng, n=900, s_every=30, run_at=None, p_sign=-1.0, run=40):
+    """A steady rhythm (0.8 s) whose sinus beats have an upright P wave 160 ms before the R peak; every
+    ``s_every``-th beat an atrial one, only 10 % early, its P wave ``p_sign`` (inverted: from low in the atria).
+    With ``run_at`` (and no ``s_every``), a run of ``run`` atrial beats there, 0.5 s after the beat before it,
+    then at 0.62 s. Returns the stream, the peaks, the rows and the
+    kinds."""
+    gaps, kind = [], []
+    for i in range(n):
+        if run_at is not None and run_at <= i < run_at + run:
+            gaps.append((0.5 if i == run_at else 0.62) + rng.normal(scale=0.004))
+            kind.append("S")
+        elif s_every and i % s_every == 15:
+            gaps += [0.72, 0.85]
+            kind += ["S", "N"]
+        else:
+            gaps.append(0.8 + rng.normal(scale=0.01))
+            kind.append("N")
+    peaks = np.round(np.cumsum(gaps) * FS).astype(np.int64)
+    x = rng.normal(scale=0.02, size=int(peaks[-1] + FS)).astype(np.float32)
+    t = np.arange(-40, 41)
+    for pk, k in zip(peaks, kind):
+        x[pk - 40 : pk + 41] += np.exp(-0.5 * (t / 3.0) ** 2)  # the QRS
+        at = pk - int(0.16 * FS)
+        x[at - 40 : at + 41] += (p_sign if k == "S" else 1.0) * 0.15 * np.exp(-0.5 * (t / 6.0) ** 2)
+    rows = np.stack([x[pk - PRE : pk - PRE + 256] for pk in peaks]).astype(np.float32)
+    return x, peaks, rows, np.asarray(kind)
+
+
+def test_the_p_wave_finds_atrial_beats_that_timing_alone_misses(rng=np.random.default_rng(12)):
+    x, peaks, rows, kind = _p_stream(rng)
+    f = C.features(rows, C.template(rows, FS, PRE), FS, PRE)
+    p = C.ClassParams()
+    rec = np.zeros(len(peaks), np.int64)
+    plain, _ = C.classify({0: peaks}, peaks, rec, f, FS, p)
+    win = C.pre_qrs(x, 0, peaks, FS, p)
+    got, timing = C.classify({0: peaks}, peaks, rec, np.concatenate([f, win], axis=1), FS, p)
+    s = kind == "S"
+    assert (plain[s] == "S").mean() < 0.1  # (10 % early: below s_premature)
+    assert (got[s] == "S").mean() > 0.9 and (got[~s] == "S").sum() <= 2
+    assert np.median(timing["p_deviation"][s]) > 1.0 > 0.2 > np.median(timing["p_deviation"][~s])
+    np.testing.assert_allclose(C.s_score(timing, p)[1:], (timing["prematurity"] + p.s_score_p * timing["p_deviation"])[1:])
+    assert C.s_score(timing, p)[0] == p.s_score_p * timing["p_deviation"][0]  # (the first beat has no prematurity)
+    # irregular (atrial fibrillation: no P wave, f waves) stays N
+    gaps = rng.uniform(0.45, 1.1, size=800)
+    pk = np.round(np.cumsum(gaps) * FS).astype(np.int64)
+    xf = (0.05 * np.sin(2 * np.pi * 6.0 * np.arange(pk[-1] + 250) / FS) + rng.normal(scale=0.02, size=pk[-1] + 250))
+    tq = np.arange(-40, 41)
+    for q in pk:
+        xf[q - 40 : q + 41] += np.exp(-0.5 * (tq / 3.0) ** 2)
+    rf = np.stack([xf[q - PRE : q - PRE + 256] for q in pk]).astype(np.float32)
+    ff = np.concatenate([C.features(rf, C.template(rf, FS, PRE), FS, PRE), C.pre_qrs(xf.astype(np.float32), 0, pk, FS, p)], 1)
+    af, _ = C.classify({0: pk}, pk, np.zeros(len(pk), np.int64), ff, FS, p)
+    assert (af == "S").mean() < 0.02
+
+
+def test_pre_qrs_on_cupy_equals_numpy(rng=np.random.default_rng(14)):
+    cp = pytest.importorskip("cupy")
+    try:
+        cp.cuda.runtime.getDeviceCount()
+    except Exception:
+        pytest.skip("no CUDA device")
+    x, peaks, rows, _ = _p_stream(rng, n=300)
+    p = C.ClassParams()
+    win = C.pre_qrs(x, 100, peaks + 100, FS, p)
+    wd = C.pre_qrs(cp.asarray(x), 100, cp.asarray(peaks + 100), FS, p)
+    assert isinstance(wd, cp.ndarray)
+    np.testing.assert_array_equal(cp.asnumpy(wd), win)
+    f = C.features(cp.asarray(rows), C.template(cp.asarray(rows), FS, PRE), FS, PRE)
+    rec = np.zeros(len(peaks), np.int64)
+    got, t = C.classify({0: peaks}, peaks, rec, cp.concatenate([f, wd], axis=1), FS, p)
+    want, tw = C.classify({0: peaks}, peaks, rec, np.concatenate([cp.asnumpy(f), win], axis=1), FS, p)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(t["p_deviation"], tw["p_deviation"], atol=1e-6)

@@ -359,9 +359,10 @@ def score(embedded: list, engine_path: str, scale: float, dominants: list, at: l
     which training gave a copy of every partition's rows; :func:`map_partitions`); and how many workers scored.
 
     ``context``: the lists ``(parts, lefts, rights, firsts, starts, lengths)`` (the partitions and their
-    halos, each kept row's start and length): each partition's result then also holds the signal around its
-    ``top`` highest-scoring beats (``pad`` samples either side)."""
-    extra = list(context) if context is not None and top else []
+    halos, each kept row's start and length): the class features then hold each beat's P-wave window, and with
+    ``top`` each partition's result also holds the signal around its ``top`` highest-scoring beats (``pad``
+    samples either side)."""
+    extra = list(context) if context is not None else []  # (the stream for the P waves, and the snippets)
     templates = templates if templates is not None else [None] * len(embedded)
     futures = map_partitions(score_partition, embedded, dominants, templates, *extra, name="score-partition",
                              at=at, engine_path=engine_path, scale=scale, top=top if extra else 0, pad=pad,
@@ -530,8 +531,9 @@ def score_partition(embedded, dominant=None, tmpl=None, core=None, left=None, ri
                     start=None, length=None, *, engine_path: str, scale: float, top: int = 0, pad: int = 0,
                     beat_window: tuple[float, int] | None = None):
     """Anomaly score, latent mean and class shape (:func:`beatflow.score.classes.features` from
-    ``tmpl``, the class template of the partition's recording, with ``beat_window = (fs, pre)``; else None)
-    of each kept beat of a partition, through the built engine; with ``top``, also the signal around the
+    ``tmpl``, the class template of the partition's recording, with ``beat_window = (fs, pre)``; else None;
+    with the stream, ``core`` and its halos, and the rows' ``start``, followed by the columns of each beat's
+    P-wave window, :func:`beatflow.score.classes.pre_qrs`) of each kept beat of a partition, through the built engine; with ``top``, also the signal around the
     partition's ``top`` highest-scoring beats.
 
     The engine's input is :func:`beatflow.score.rule.model_input` of the rows, as in training: each row
@@ -544,14 +546,21 @@ def score_partition(embedded, dominant=None, tmpl=None, core=None, left=None, ri
     beats that this partition owns. Cut here, the report's top anomalies need no second round trip
     to the partitions after the scores (a Prefect task and a Dask map: 0.066 s of a warm GPU run).
     """
-    from beatflow.score.classes import features
+    from beatflow.score.classes import features, pre_qrs
     from beatflow.score.rule import model_input
 
     rows, _ = embedded
     engine = _engine(engine_path)
     with device_memory(f"scoring {rows.shape[0]:,} beats", int(rows.nbytes), engine.on_gpu):
-        dev = (to_host(features(rows, tmpl, *beat_window)) if tmpl is not None and beat_window is not None
-               else None)  # (on the rows' device, before they become the model's input)
+        dev = None
+        if tmpl is not None and beat_window is not None:  # (on the rows' device, before they become the model's input)
+            dev = to_host(features(rows, tmpl, *beat_window))
+            if core is not None and start is not None:  # the P wave's window, cut from the stream and its halos
+                xp = namespace(_device_of(core))
+                x = P.extend(core, to_namespace(left, xp), to_namespace(right, xp))
+                at = xp.asarray(np.asarray(to_host(start), np.int64) + int(beat_window[1]))
+                win = to_host(pre_qrs(x, first - int(left.shape[0]), at, float(beat_window[0])))
+                dev = np.concatenate([dev, win], axis=1)
         score, mu = engine.infer(model_input(rows if engine.on_gpu else to_host(rows), scale, dominant))
     score, mu = to_host(score), to_host(mu)
     if not top or core is None:

@@ -15,7 +15,17 @@ about 0.3 to 1 for a ventricular beat. Correlation ignores amplitude, so the dev
 after each beat, the *local RR* (the median of the ``local_beats`` intervals on either side, the beat's own
 two left out), *prematurity* ``1 - rr_prev / local RR``, the *pause* ``rr_next / local RR`` and the local
 *irregularity* (the median absolute difference of successive intervals over ``irregular_beats`` either side,
-over the local RR; atrial fibrillation is irregular throughout, and its beats are N for AAMI).
+over the local RR; atrial fibrillation is irregular throughout, and its beats are N for AAMI) and the *long
+prematurity* ``1 - rr_prev / long RR``, the long RR the larger of the medians of the ``long_beats`` intervals
+before the beat's own two and of those after them (a run of atrial or junctional beats sets the local RR
+itself, not the rhythm on both sides of it).
+
+**The P wave** (:func:`pre_qrs`, array code where the stream is: a beat row starts only 100 ms before the
+peak; :func:`p_wave` on the host): the raw signal from ``p_before_s`` to ``p_after_s`` before each peak, and
+the beat's *P deviation*, one minus its correlation with the median window of its recording's sinus beats of
+the usual shape, on time (:func:`on_time`): about 0 where the sinus P wave is, towards 1 and beyond where the
+P wave is of another shape, inverted, hidden in the T wave or absent. A graded *S score* (:func:`s_score`, for a
+ranking): the prematurity plus ``s_score_p`` times the P deviation.
 
 **Shape features** (:func:`features`, array code beside the deviation): the QRS window's *amplitude* (log of
 its standard deviation over the template's) and signed *area* (in template units; negative for a beat of the
@@ -36,16 +46,22 @@ ventricular and fusion beats, 208, keeps its normal beats' spread), the amplitud
   by ``v_premature`` or before a pause ``v_pause``; with, where set, a regular local rhythm, irregularity below
   ``v_irregular``, and a compensatory pause, ``(rr_prev + rr_next) / local RR`` above ``v_compensation``: an
   atrial beat resets the sinus node, a ventricular one does not);
-* **S**: not V, premature by more than ``s_premature`` and by more than ``s_spread`` times the local
-  irregularity (earlier than the beat-to-beat variation around it explains), its QRS correlating above
-  ``s_corr`` with the template, in a regular local rhythm (irregularity below ``s_irregular``);
+* **S**: not V, its QRS correlating above ``s_corr`` with the template, in a regular local rhythm
+  (irregularity below ``s_irregular``), and (a) premature by more than ``s_premature`` and by more than
+  ``s_spread`` times the local irregularity (earlier than the beat-to-beat variation around it explains),
+  with a P deviation above ``s_p_dev``; or (b) premature by more than ``s_premature_p`` and ``s_spread`` times
+  the irregularity with an S score above ``s_score_min`` (less early, but its P wave changed); or (c) long
+  premature by more than ``s_long`` with a P deviation above ``s_p_long`` (within a run of ectopic atrial or
+  junctional beats: faster than the rhythm around the run, without the sinus P wave). Where the P windows
+  are not given (:func:`classify` of the shape alone) only (a), without its P-wave condition;
 * **N**: the rest. F (fusion) and Q (paced, unclassifiable) are never assigned: a fusion beat lies between
   the patient's N and V shapes, and no rule here separates it from either (their beats are counted in the
   evaluation under the class they are assigned).
 
-The thresholds were chosen by 5-fold cross-validation across the 22 non-paced MIT-BIH records of the shared
-set (patients, never beats, split), the rule chosen on each fold's training records (the V thresholds for the
-best min(Se, +P) of V, then the S ones for that of S) being judged on its held-out records:
+The thresholds (the P window's start, ``p_before_s``, among them) were chosen by 5-fold cross-validation
+across the 22 non-paced MIT-BIH records of the shared set (patients, never beats, split), the rule chosen on
+each fold's training records (the V thresholds for the best min(Se, +P) of V, then the S ones for that of S)
+being judged on its held-out records:
 ``bench/classes_study.py`` (the table, its command and the figures: ``bench/results/accuracy.md``). Each
 default is the value most folds chose for it.
 """
@@ -85,9 +101,18 @@ class ClassParams:
     v_irregular: float = np.inf
     v_compensation: float = 0.0
     s_premature: float = 0.15
-    s_irregular: float = 0.3
+    s_irregular: float = 0.15
     s_spread: float = 2.0
     s_corr: float = 0.7
+    p_before_s: float = 0.25
+    p_after_s: float = 0.07
+    s_p_dev: float = 0.1
+    s_score_p: float = 0.5
+    s_score_min: float = 0.6
+    s_premature_p: float = 0.0
+    long_beats: int = 150
+    s_long: float = 0.15
+    s_p_long: float = 0.6
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -182,6 +207,46 @@ def features(rows, tmpl, fs: float, pre: int, p: ClassParams = ClassParams()):
     return xp.stack([1.0 - best, amp, area], axis=1).astype(xp.float32)
 
 
+# --- the P wave (array code, and host) -----------------------------------------------------------------
+
+def pre_qrs(x, x0: int, peaks, fs: float, p: ClassParams = ClassParams()):
+    """The raw signal before each beat, where its P wave is: ``x[peak - p_before_s : peak - p_after_s]``
+    (``(n, width)`` float32 in ``x``'s namespace, NumPy or CuPy), ``x`` a stretch of the stream whose first
+    sample is sample ``x0`` of ``peaks``' (a window reaching past either end repeats the end sample: a
+    partition's halos hold every window of its own beats). A beat row begins ``pre`` (100 ms) before the
+    peak, too late for the P wave, so the window comes from the stream itself."""
+    xp = namespace_of(x)
+    a, b = int(round(p.p_before_s * fs)), int(round(p.p_after_s * fs))
+    at = xp.asarray(peaks).astype(xp.int64) - int(x0)
+    idx = xp.clip(at[:, None] - a + xp.arange(a - b, dtype=xp.int64)[None, :], 0, int(x.shape[0]) - 1)
+    return x[idx].astype(xp.float32)
+
+
+def on_time(dev, timing: dict) -> np.ndarray:
+    """The beats whose pre-QRS window makes a recording's P reference (:func:`p_wave`): of the usual shape
+    (deviation at most the median's) and on time (prematurity within ±0.1)."""
+    d = np.asarray(to_host(dev), np.float64)
+    prem = np.nan_to_num(np.asarray(timing["prematurity"], np.float64), nan=1.0)
+    return (d <= np.median(d)) & (np.abs(prem) < 0.1) if len(d) else np.zeros(0, bool)
+
+
+def p_wave(windows, dominant) -> np.ndarray:
+    """Each beat's *P deviation*: one minus the correlation of its :func:`pre_qrs` window (mean removed) with
+    the median window of the recording's ``dominant`` beats (a mask: sinus beats of the usual shape, on
+    time). A sinus beat's P wave is the dominant's (0); an atrial beat's is of another shape or hidden in
+    the T wave before it, a junctional beat's absent or inverted (towards 1 and beyond). Host float64."""
+    w = np.asarray(to_host(windows), np.float64)
+    if not len(w):
+        return np.zeros(0)
+    w = w - w.mean(axis=1, keepdims=True)
+    dom = np.asarray(dominant, bool)
+    ref = np.median(w[dom] if dom.any() else w, axis=0)
+    ref = ref - ref.mean()
+    with np.errstate(all="ignore"):
+        c = (w @ ref) / (np.sqrt((w * w).sum(axis=1)) * np.sqrt(ref @ ref) + 1e-12)
+    return 1.0 - c
+
+
 # --- rhythm (host) -----------------------------------------------------------------------------------
 
 def _around(rr: np.ndarray, idx: np.ndarray, k: int) -> np.ndarray:
@@ -212,7 +277,9 @@ def rhythm(peaks, beat_peaks, fs: float, p: ClassParams = ClassParams()) -> dict
     """Timing of the beats at ``beat_peaks`` among a recording's sorted detected ``peaks`` (samples).
 
     Returns float64 arrays (NaN where a neighbour is missing): ``rr_prev_s``, ``rr_next_s``, ``local_rr_s``,
-    ``prematurity``, ``pause``, ``irregularity`` (see the module's docstring)."""
+    ``prematurity``, ``pause``, ``irregularity``, ``long_prematurity`` (see the module's docstring; the long
+    RR's medians are over ``long_beats`` made odd, 151, intervals, each window clipped to the recording's
+    intervals, their ends repeated where a window still runs past them: ``scipy.ndimage.median_filter``)."""
     pk = np.asarray(to_host(peaks), np.int64)
     at = np.asarray(to_host(beat_peaks), np.int64)
     rr = np.diff(pk) / float(fs)
@@ -230,8 +297,18 @@ def rhythm(peaks, beat_peaks, fs: float, p: ClassParams = ClassParams()) -> dict
         irr = _row_median(np.abs(np.diff(near, axis=1))) / _row_median(near)
         prem = 1.0 - prev / local
         pause = nxt / local
+        long_rr = np.full(n, np.nan)
+        if len(rr):
+            from scipy.ndimage import median_filter
+
+            k, h, top = 2 * (p.long_beats // 2) + 1, p.long_beats // 2, len(rr) - 1
+            med = median_filter(rr, size=k, mode="nearest")  # (centred: med[j] over rr[j-h .. j+h])
+            before = med[np.clip(idx - 2 - h, 0, top)]  # the k intervals before rr_prev
+            after = med[np.clip(idx + 1 + h, 0, top)]  # the k intervals after rr_next
+            long_rr = np.maximum(before, after)
+        long_prem = 1.0 - prev / long_rr
     return {"rr_prev_s": prev, "rr_next_s": nxt, "local_rr_s": local, "prematurity": prem, "pause": pause,
-            "irregularity": irr}
+            "irregularity": irr, "long_prematurity": long_prem}
 
 
 # --- the rule (host) ---------------------------------------------------------------------------------
@@ -300,11 +377,27 @@ def judge(dev: np.ndarray, z: np.ndarray, timing: dict, p: ClassParams = ClassPa
     early = ((prem > p.v_premature) | (pause > p.v_pause)) & (irr < p.v_irregular) & (comp > p.v_compensation)
     v = (((dev > p.v_dev) & (z[:, 0] > p.v_dev_z))
          | ((dev > p.v_min_dev) & (shape > p.v_z) & (early | (shape > p.v_z_alone))))
-    s = ~v & (prem > np.maximum(p.s_premature, p.s_spread * irr)) & (1.0 - dev > p.s_corr) & (irr < p.s_irregular)
+    normal = ~v & (1.0 - dev > p.s_corr) & (irr < p.s_irregular)
+    early_s = prem > np.maximum(p.s_premature, p.s_spread * irr)
+    if "p_deviation" in timing:  # (without the P wave: the timing alone)
+        pdev = np.nan_to_num(np.asarray(timing["p_deviation"], np.float64), nan=0.0)
+        early_s &= pdev > p.s_p_dev
+        early_s |= (prem > np.maximum(p.s_premature_p, p.s_spread * irr)) & (s_score(timing, p) > p.s_score_min)
+        if "long_prematurity" in timing:
+            early_s |= (np.nan_to_num(timing["long_prematurity"], nan=0.0) > p.s_long) & (pdev > p.s_p_long)
+    s = normal & early_s
     out = np.full(len(dev), "N", dtype="<U1")
     out[v] = "V"
     out[s] = "S"
     return out
+
+
+def s_score(timing: dict, p: ClassParams = ClassParams()) -> np.ndarray:
+    """A graded supraventricular score (for a ranking, its ROC-AUC against N): the prematurity plus
+    ``s_score_p`` times the P deviation (a missing one counts as 0)."""
+    prem = np.nan_to_num(np.asarray(timing["prematurity"], np.float64), nan=0.0)
+    pdev = np.nan_to_num(np.asarray(timing.get("p_deviation", np.zeros(len(prem))), np.float64), nan=0.0)
+    return prem + p.s_score_p * pdev
 
 
 # --- what a Holter report counts ---------------------------------------------------------------------
@@ -342,16 +435,25 @@ def classify(peaks_of: dict, beat_peak, recording, deviation, fs: float, p: Clas
     """The class and timing of each beat of a stream of recordings.
 
     ``peaks_of``: each recording's sorted detected peaks (samples); ``beat_peak``, ``recording``,
-    ``deviation``: each classed beat's peak, recording and :func:`morphology` (its recording's beats in
-    peak order). Returns ``(classes, timing)``: :func:`assign`'s classes and :func:`rhythm`'s arrays, in
-    the beats' order."""
+    ``deviation``: each classed beat's peak, recording and :func:`features` (or :func:`morphology`), optionally
+    followed by the columns of its :func:`pre_qrs` window (its recording's beats in peak order). Returns
+    ``(classes, timing)``: :func:`assign`'s classes and :func:`rhythm`'s arrays (with a ``p_deviation``,
+    :func:`p_wave` against the recording's :func:`on_time` beats, where the windows came), in the beats'
+    order."""
     beat_peak = np.asarray(to_host(beat_peak), np.int64)
     rec = np.asarray(to_host(recording), np.int64)
-    keys = ("rr_prev_s", "rr_next_s", "local_rr_s", "prematurity", "pause", "irregularity")
-    timing = {k: np.full(len(beat_peak), np.nan) for k in keys}
+    f = np.asarray(to_host(deviation), np.float32)
+    windows = f[:, len(FEATURES):] if f.ndim == 2 and f.shape[1] > len(FEATURES) else None
+    if windows is not None:
+        f = f[:, : len(FEATURES)]
+    keys = ("rr_prev_s", "rr_next_s", "local_rr_s", "prematurity", "pause", "irregularity", "long_prematurity")
+    timing = {k: np.full(len(beat_peak), np.nan) for k in keys + (("p_deviation",) if windows is not None else ())}
+    dev = f[:, 0] if f.ndim == 2 else f
     for r in np.unique(rec):
         m = rec == r
         t = rhythm(peaks_of[int(r)], beat_peak[m], fs, p)
         for k in keys:
             timing[k][m] = t[k]
-    return assign(deviation, timing, rec, p), timing
+        if windows is not None:
+            timing["p_deviation"][m] = p_wave(windows[m], on_time(dev[m], t))
+    return assign(f, timing, rec, p), timing

@@ -353,12 +353,13 @@ def class_metrics(assigned, labels) -> dict:
 
 def record_classes(rec: Record, b: RecordBeats, params: SegmentParams | None = None) -> np.ndarray:
     """The class of each kept beat of a record (:mod:`beatflow.score.classes`, against the record's own
-    template and rhythm, as the flow classes a recording)."""
-    from beatflow.score.classes import assign, features, rhythm, template
+    template, rhythm and P wave, as the flow classes a recording)."""
+    from beatflow.score.classes import classify, features, pre_qrs, template
 
     pre = (params or SegmentParams()).samples(rec.fs).pre
     dev = features(b.rows, template(b.rows, rec.fs, pre), rec.fs, pre)
-    return assign(dev, rhythm(b.peaks, b.kept_peak, rec.fs))
+    shape = np.concatenate([np.asarray(dev), pre_qrs(rec.signal, 0, b.kept_peak, rec.fs)], axis=1)
+    return classify({0: b.peaks}, b.kept_peak, np.zeros(len(b.kept_peak), np.int64), shape, rec.fs)[0]
 
 
 def anomaly_metrics(scores, labels) -> dict:
