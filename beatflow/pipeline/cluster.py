@@ -273,7 +273,9 @@ def cluster_spec(device: str = "cpu", workers: int | None = None, rmm_pool_size=
             "preload": [WORKER_PRELOAD],  # (dask-cuda appends its dask_cuda.initialize)
         }
     n = workers or max(2, os.cpu_count() or 2)
-    env = {**env, "BEATFLOW_WORKER_IMPORTS": "beatflow.engine.cache"}  # (worker_preload.WARM_IMPORTS_VAR)
+    from beatflow.pipeline.worker_preload import WARM_IMPORTS_VAR
+
+    env = {**env, WARM_IMPORTS_VAR: "beatflow.engine.cache"}
     return "distributed.LocalCluster", {
         "n_workers": n,
         "threads_per_worker": 1,
