@@ -13,6 +13,8 @@
 #   tests    the GPU tests under real CUDA [TESTS: tests/test_train_kernel.py tests/test_kernels.py
 #            tests/test_rhythm.py tests/test_leads.py tests/test_capture_arena.py tests/test_model.py] -> $OUT/tests.txt
 #   check    bench/gpu_check.py: CuPy = NumPy on the 20 h stream, zero copy, one RMM pool -> $OUT/gpu_check.{json,md}
+#   enginestart  bench/gpu_engine_start.py: a fresh process's engine-cache hit, cold and after warm_gpu_engine
+#            [ENGINE_START_RUNS 2] -> $OUT/engine_start.{txt,json}
 #   mitdb    bench/gpu_mitdb_check.py: MIT-BIH peaks, episodes, the second lead's rules on CuPy = NumPy
 #            (needs .devdata carried: bench/gpu_mitdb_check.py --prepare 108 203 207 here first)
 #   detect   bench/gpu_seg_timeline.py: segmentation + embedding of the 20 h stream
@@ -43,7 +45,7 @@ t0=$(date +%s)
 OUT=${OUT:-bench/out}
 PY=${PY:-python3}
 export OUT PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
-STEPS="setup tests check mitdb detect train flow cpuflow ratio pair ownflow serve oom multi engine"
+STEPS="setup tests check enginestart mitdb detect train flow cpuflow ratio pair ownflow serve oom multi engine"
 
 el() { echo "$(( $(date +%s) - t0 )) s"; }
 left() { echo $(( ${LIMIT:-570} - ($(date +%s) - t0) )); }
@@ -90,6 +92,14 @@ step_check() {
   timeout "$(budget 10)" $PY bench/gpu_check.py > "$OUT/check.txt" 2>&1
   echo "rc $?"
   grep -v -i warn "$OUT/check.txt" | tail -40
+}
+
+step_enginestart() {
+  enough enginestart 90 || return 0
+  echo "== bench/gpu_engine_start.py ($(el))"
+  timeout "$(budget 10)" $PY bench/gpu_engine_start.py --runs "${ENGINE_START_RUNS:-2}" > "$OUT/engine_start.txt" 2>&1
+  echo "rc $?"
+  grep -v -i warn "$OUT/engine_start.txt" | tail -20
 }
 
 step_mitdb() {

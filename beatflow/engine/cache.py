@@ -677,3 +677,35 @@ def load_engine(path: Union[str, os.PathLike], *, threads: Optional[int] = None,
     options = _runtime_options(meta["backend"], dev, threads or 1, profile, meta["precision"])
     return _load(meta["backend"], path, options, meta["sha256"])
 
+
+
+def warm_gpu_engine(width: int = 256, buckets=(8192,), compile: bool = True, device: str = "cuda") -> dict:
+    """Take a fresh GPU process's one-time costs of the engine stage off its first engine call: the
+    backends' probes, Inductor's imports and, with ``compile``, one ``torch.compile`` of a scorer of random
+    weights for ``buckets`` rows of ``width`` samples (Dynamo, Inductor's caches and Triton's kernel loads,
+    which the first compile of a process pays whatever its weights). Seconds per phase."""
+    out: dict = {}
+    t = time.perf_counter()
+    first = resolve_backend("auto", "fp32", device)
+    out["probe"] = time.perf_counter() - t
+    if first != "compiled" or not compile:
+        return out
+    import torch
+
+    from beatflow.model.vae import LightVAE, save_model
+
+    t = time.perf_counter()
+    engine_cls = _engine_class("compiled")
+    folder = tempfile.mkdtemp(prefix=_TMP_PREFIX + "warm-")
+    try:
+        path = os.path.join(folder, "warm.pt")
+        torch.save({"width": int(width), "state_dict": LightVAE(int(width)).state_dict()}, path)
+        engine = engine_cls.load(path, device=device)
+        with torch.no_grad():
+            for b in buckets:
+                engine.infer(torch.zeros((int(b), int(width)), device=engine.torch_device))
+        torch.cuda.synchronize()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    out["compile"] = time.perf_counter() - t
+    return out
