@@ -32,17 +32,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_header, print_table  # noqa: E402
 from beatflow.params import SegmentParams  # noqa: E402
-from beatflow.score.classes import (ClassParams, judge, morphology, on_time, p_wave, pre_qrs, rhythm,  # noqa: E402
+from beatflow.score.classes import (FEATURES, ClassParams, judge, morphology, on_time, p_wave, pre_qrs, rhythm,  # noqa: E402
                                     s_score, shape_z, template)
 from beatflow.score.classes import features as shape_features  # noqa: E402
 from beatflow.score.evaluate import PACED_RECORDS, list_records, load_record, record_beats  # noqa: E402
 
 #: the V thresholds searched, with the values tried (searched first, for the best min(Se, +P) of V)
 V_GRID = {"z_low": (0.25,), "v_dev": (0.3, np.inf), "v_dev_z": (1.0, 2.0), "v_min_dev": (0.05,),
-          "v_z": (3.0, 4.0, 5.0, 6.0), "v_z_alone": (6.0, 8.0, 12.0), "v_amp": (0.0, 0.5, 1.0),
-          "v_area": (0.0, 0.5, 1.0),
+          "v_z": (3.0, 4.0, 5.0, 6.0), "v_z_alone": (6.0, 8.0, 12.0), "v_amp": (0.0,),
+          "v_area": (0.0, 0.5, 1.0), "v_width": (0.0, 0.5, 1.0), "v_wide": (np.inf, 4.0, 8.0),
           "v_irregular": (np.inf,), "v_compensation": (0.0, 1.5, 1.7, 1.8)}
-# (also searched, no fold choosing them: v_dev 0.4 and 0.6, v_dev_z 3, v_irregular 0.2 and 0.3)
+# (also searched, no fold choosing them: v_dev 0.4 and 0.6, v_dev_z 3, v_irregular 0.2 and 0.3, v_amp 0.5 and 1)
 #: the S thresholds searched, given the chosen V (for the best min(Se, +P) of S)
 S_GRID = {"s_premature": (0.15,), "s_irregular": (0.15, 0.2, 0.3), "s_corr": (0.7, 0.8), "s_spread": (1.0, 2.0),
           "irregular_beats": (16,), "p_before_s": (0.2, 0.25), "s_p_dev": (-np.inf, 0.1),
@@ -51,7 +51,7 @@ S_GRID = {"s_premature": (0.15,), "s_irregular": (0.15, 0.2, 0.3), "s_corr": (0.
           "s_p_long": (0.4, 0.6, 0.9)}
 GRID = {**V_GRID, **S_GRID}
 #: ``--shape deviation``: the deviation alone (no amplitude or area), the V grid without their weights
-DEVIATION_ONLY = {"v_amp": (0.0,), "v_area": (0.0,)}
+DEVIATION_ONLY = {"v_amp": (0.0,), "v_area": (0.0,), "v_width": (0.0,), "v_wide": (np.inf,)}
 
 
 #: the cached per-record arrays (``bench/out`` is ignored): segmentation and shape features take most of a run
@@ -63,7 +63,9 @@ def cache_record(stem: str, shape: str = "features") -> dict:
     path = CACHE / f"{Path(stem).name}-{shape}.npz"
     if path.exists():
         with np.load(path) as z:
-            return {k: z[k] for k in z.files}
+            if shape != "features" or (z["f"].ndim == 2 and z["f"].shape[1] == len(FEATURES)):
+                return {k: z[k] for k in z.files}
+        # (a cache of fewer features than `features` gives now: filled again)
     rec = load_record(stem)
     b = record_beats(rec)
     pre = SegmentParams().samples(rec.fs).pre
@@ -108,7 +110,12 @@ def se_ppv(c: list) -> tuple[float, float]:
 
 
 def grid_of(base: ClassParams, grid: dict) -> list[ClassParams]:
-    return [replace(base, **dict(zip(grid, v))) for v in itertools.product(*grid.values())]
+    """The grid's rules, in order, each once: with ``v_dev`` off its ``v_dev_z`` is that of the first (the
+    same rule; the first of equal rules is the one chosen)."""
+    out = [replace(base, **dict(zip(grid, v))) for v in itertools.product(*grid.values())]
+    if "v_dev_z" in grid:
+        out = [q for q in out if q.v_dev < np.inf or q.v_dev_z == grid["v_dev_z"][0]]
+    return out
 
 
 def choose(recs: list[dict], v_grid: dict, base: ClassParams) -> ClassParams:

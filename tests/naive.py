@@ -478,3 +478,24 @@ def long_rr(peaks, at, fs: float, beats: int) -> np.ndarray:
         a = min(max(i + 1 + h, 0), len(rr) - 1)
         out.append(max(np.median(pad[b : b + 2 * h + 1]), np.median(pad[a : a + 2 * h + 1])))
     return np.asarray(out)
+
+
+def qrs_width(win, fs: float, k: int, lo: float = 0.1, hi: float = 0.9) -> float:
+    """The time (s) between the points where a window's cumulative absolute difference over ``k`` samples crosses
+    ``lo`` and ``hi`` of its total, linearly interpolated, one sample at a time (0 for a flat window)."""
+    w = [float(v) for v in win]
+    cum = [0.0]
+    for j in range(k, len(w)):
+        cum.append(cum[-1] + abs(w[j] - w[j - k]))
+    total = cum[-1]
+    if total <= 0:
+        return 0.0
+
+    def crossing(q):
+        for k in range(1, len(cum)):
+            if cum[k] / total >= q:
+                a, b = cum[k - 1] / total, cum[k] / total
+                return k - 1 + (q - a) / max(b - a, 1e-12)
+        return len(cum) - 2 + 1.0
+
+    return (crossing(hi) - crossing(lo)) / fs

@@ -168,11 +168,16 @@ def test_classes_on_cupy_equal_numpy():
     assert isinstance(fd, cp.ndarray) and fd.shape == f.shape
     np.testing.assert_allclose(cp.asnumpy(fd), f, atol=1e-4)
     np.testing.assert_array_equal(C.assign(fd, C.rhythm(peaks, peaks, FS)), C.assign(f, C.rhythm(peaks, peaks, FS)))
+    w = C.qrs_width(rows, FS)
+    wd = C.qrs_width(cp.asarray(rows), FS)
+    assert isinstance(wd, cp.ndarray) and wd.dtype == cp.float32
+    np.testing.assert_allclose(cp.asnumpy(wd), w, atol=1e-5)
 
 
 def test_features_against_a_loop(rng=np.random.default_rng(8)):
     p = C.ClassParams()
     a, b, lag = p.window(FS, PRE)
+    k = round(p.width_slope_s * FS)
     rows = rng.normal(scale=0.2, size=(30, 256)).astype(np.float32)
     rows[:15] += 3 * _qrs(256, shift=2).astype(np.float32)
     rows[15:] += 2 * _qrs(256, wide=2.0, sign=-1.0).astype(np.float32)
@@ -190,14 +195,40 @@ def test_features_against_a_loop(rng=np.random.default_rng(8)):
         assert got[i, 0] == pytest.approx(1 - corr, abs=2e-5)
         assert got[i, 1] == pytest.approx(math.log(sd_w / sd_t), abs=1e-4)
         assert got[i, 2] == pytest.approx(sum(w) / sum(abs(x) for x in t), abs=1e-4)
+        assert got[i, 3] == pytest.approx(naive.qrs_width(w, FS, k) - naive.qrs_width(t, FS, k), abs=1e-5)
     # the upright beats' area is positive (1.5 times the template's), the inverted wide ones' negative
     assert (got[:15, 2] > 0.5).all() and (got[15:, 2] < 0).all()
+
+
+def test_qrs_width_against_a_loop(rng=np.random.default_rng(15)):
+    win = rng.normal(size=(50, 60)).astype(np.float32)
+    win[:10] = np.cumsum(win[:10], axis=1)  # (random walks: their slope's mass anywhere)
+    win[10:20] = 3 * _qrs(60, shift=20 - PRE, wide=0.5 + 0.1 * np.arange(10)[:, None]).astype(np.float32)
+    win[20] = 0.0  # flat: 0
+    win[21, :] = 1.0
+    win[21, 17] = 4.0  # one spike: its mass is in the two differences over it, crossed at 0.2 and 0.8 of them
+    k = round(C.ClassParams().width_slope_s * FS)  # (2 samples)
+    got = C.qrs_width(win, FS)
+    assert got.shape == (50,) and got.dtype == np.float32
+    for i in range(len(win)):
+        assert got[i] == pytest.approx(naive.qrs_width(win[i], FS, k), abs=1e-5), i
+    assert got[20] == 0.0 and got[21] == pytest.approx(2.6 / FS, abs=1e-6)
+    one = C.qrs_width(win, FS, C.ClassParams(width_slope_s=1 / FS))
+    np.testing.assert_allclose(one, [naive.qrs_width(w, FS, 1) for w in win], atol=1e-5)
+    with pytest.raises(ValueError, match="too short"):
+        C.qrs_width(win[:, :2], FS)
+    # a wider QRS (the same shape stretched in time) is measured wider, in proportion
+    assert (np.diff(got[10:20]) > 0).all()
+    assert got[19] / got[10] == pytest.approx(1.4 / 0.5, rel=0.15)
+    assert C.qrs_width(np.zeros((0, 60), np.float32), FS).shape == (0,)
 
 
 def test_shape_z_against_a_loop(rng=np.random.default_rng(9)):
     p = C.ClassParams()
     n = 300
-    f = np.stack([rng.lognormal(-4, 0.5, n), rng.normal(0, 0.1, n), rng.normal(1, 0.1, n)], axis=1)
+    f = np.stack([rng.lognormal(-4, 0.5, n), rng.normal(0, 0.1, n), rng.normal(1, 0.1, n), rng.normal(0, 0.004, n)],
+                 axis=1)
+    f[::7, 3] += 0.04  # some of them wide
     f[::5, 0] = rng.uniform(0.2, 0.6, len(f[::5]))  # a fifth of the beats unlike the template
     rec = np.repeat([0, 1, 2], [120, 100, 80])
     got = C.shape_z(f, rec, p)
@@ -215,8 +246,15 @@ def test_shape_z_against_a_loop(rng=np.random.default_rng(9)):
             mad = float(np.median([abs(x - med) for x in ref])) * 1.482602218505602
             for i in idx:
                 assert got[i, col] == pytest.approx(abs(f[i, col] - med) / max(mad, 0.01), rel=1e-9)
-    # the deviation alone: the amplitude's and area's z are 0
+        med = float(np.median([f[j, 3] for j in dom]))
+        mad = float(np.median([abs(f[j, 3] - med) for j in dom])) * 1.482602218505602
+        for i in idx:  # (one-sided: a QRS narrower than the usual is 0)
+            want = (f[i, 3] - med) / max(mad, C.WIDTH_FLOOR_S) if f[i, 3] > med else 0.0
+            assert got[i, 3] == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert got[::7, 3].min() > 5 and (got[:, 3] == 0).mean() > 0.4
+    # the deviation alone: the amplitude's, area's and width's z are 0; the first three columns: the width's
     assert (C.shape_z(f[:, 0], rec, p)[:, 1:] == 0).all()
+    np.testing.assert_array_equal(C.shape_z(f[:, :3], rec, p), np.concatenate([got[:, :3], np.zeros((n, 1))], 1))
     with pytest.raises(ValueError, match="recording labels"):
         C.shape_z(f, rec[:10], p)
 
@@ -342,3 +380,40 @@ def test_pre_qrs_on_cupy_equals_numpy(rng=np.random.default_rng(14)):
     want, tw = C.classify({0: peaks}, peaks, rec, np.concatenate([cp.asnumpy(f), win], axis=1), FS, p)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(t["p_deviation"], tw["p_deviation"], atol=1e-6)
+
+
+def test_a_wide_qrs_has_a_large_width_z(rng=np.random.default_rng(16)):
+    """A tenth of the beats of a wider QRS (1.5 times), in noise: their width is larger than the narrow beats' by
+    its own measure, and their width's z is above nearly every narrow beat's."""
+    n = 900
+    kind = np.where(rng.random(n) < 0.1, "V", "N")
+    rows = np.stack([_qrs(256, wide=1.5) if k == "V" else _qrs(256) for k in kind]).astype(np.float32)
+    rows += rng.normal(scale=0.02, size=rows.shape).astype(np.float32)
+    f = C.features(rows, C.template(rows, FS, PRE), FS, PRE)
+    v = kind == "V"
+    a, b, _ = C.ClassParams().window(FS, PRE)
+    clean = C.qrs_width(np.stack([_qrs(256, wide=1.5), _qrs(256)])[:, a:b], FS)  # (no noise, no lag)
+    assert np.median(f[v, 3]) - np.median(f[~v, 3]) == pytest.approx(clean[0] - clean[1], rel=0.3)
+    assert clean[0] - clean[1] > 0.008
+    z = C.shape_z(f)
+    assert np.quantile(z[v, 3], 0.05) > np.quantile(z[~v, 3], 0.99) and np.median(z[v, 3]) > 5
+    assert np.median(z[~v, 3]) < 1 and (z[:, 3] >= 0).all()
+
+
+def test_the_width_paths_of_the_rule():
+    """On time, deviating (z 3.5: above ``v_z``, below ``v_z_alone``): N by default; V when also wide, by the
+    ``v_wide`` path or by the width's weight in the shape z, a narrow one staying N."""
+    n = 6
+    dev = np.full(n, 0.1)
+    z = np.zeros((n, 4))
+    z[:, 0] = 3.5
+    z[:3, 3], z[3:, 3] = 6.0, 0.5  # the first three wide
+    timing = {"prematurity": np.zeros(n), "pause": np.ones(n), "irregularity": np.full(n, 0.02),
+              "rr_prev_s": np.full(n, 0.8), "rr_next_s": np.full(n, 0.8), "local_rr_s": np.full(n, 0.8)}
+    assert (C.judge(dev, z, timing) == "N").all()
+    want = np.asarray(list("VVVNNN"))
+    np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(v_wide=4.0)), want)
+    np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(v_width=1.0, v_z_alone=5.0)), want)
+    assert (C.judge(dev, z, timing, C.ClassParams(v_wide=8.0)) == "N").all()
+    assert (C.judge(np.full(n, 0.04), z, timing, C.ClassParams(v_wide=4.0)) == "N").all()  # (below v_min_dev)
+    assert (C.judge(dev, z[:, :3], timing, C.ClassParams(v_wide=4.0)) == "N").all()  # (no width: none wide)
