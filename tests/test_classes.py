@@ -410,10 +410,10 @@ def test_the_width_paths_of_the_rule():
     z[:3, 3], z[3:, 3] = 6.0, 0.5  # the first three wide
     timing = {"prematurity": np.zeros(n), "pause": np.ones(n), "irregularity": np.full(n, 0.02),
               "rr_prev_s": np.full(n, 0.8), "rr_next_s": np.full(n, 0.8), "local_rr_s": np.full(n, 0.8)}
-    assert (C.judge(dev, z, timing) == "N").all()
+    assert (C.judge(dev, z, timing, C.ClassParams(v_z=3.0, v_z_alone=8.0, v_width=0.0)) == "N").all()
     want = np.asarray(list("VVVNNN"))
-    np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(v_wide=4.0)), want)
-    np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(v_width=1.0, v_z_alone=5.0)), want)
-    assert (C.judge(dev, z, timing, C.ClassParams(v_wide=8.0)) == "N").all()
-    assert (C.judge(np.full(n, 0.04), z, timing, C.ClassParams(v_wide=4.0)) == "N").all()  # (below v_min_dev)
-    assert (C.judge(dev, z[:, :3], timing, C.ClassParams(v_wide=4.0)) == "N").all()  # (no width: none wide)
+    np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(v_z=3.0, v_z_alone=8.0, v_width=0.0, v_wide=4.0)), want)
+    np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(v_z=3.0, v_width=1.0, v_z_alone=5.0)), want)
+    assert (C.judge(dev, z, timing, C.ClassParams(v_z=3.0, v_z_alone=8.0, v_width=0.0, v_wide=8.0)) == "N").all()
+    assert (C.judge(np.full(n, 0.04), z, timing, C.ClassParams(v_z=3.0, v_z_alone=8.0, v_width=0.0, v_wide=4.0)) == "N").all()  # (below v_min_dev)
+    assert (C.judge(dev, z[:, :3], timing, C.ClassParams(v_z=3.0, v_z_alone=8.0, v_width=0.0, v_wide=4.0)) == "N").all()  # (no width: none wide)

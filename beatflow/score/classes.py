@@ -28,21 +28,24 @@ P wave is of another shape, inverted, hidden in the T wave or absent. A graded *
 ranking): the prematurity plus ``s_score_p`` times the P deviation.
 
 **Shape features** (:func:`features`, array code beside the deviation): the QRS window's *amplitude* (log of
-its standard deviation over the template's) and signed *area* (in template units; negative for a beat of the
-other polarity), both at the beat's best lag.
+its standard deviation over the template's), signed *area* (in template units; negative for a beat of the
+other polarity) and *width* (:func:`qrs_width`: the span of the central 80 % of the window's absolute slope,
+taken over ``width_slope_s``, minus the template's; a ventricular QRS is wide), all at the beat's best lag.
 
 **Within the recording** (:func:`shape_z`, on the host): every feature is judged against the recording's
 *dominant* beats, the half of its beats least unlike the template (all normal wherever half of the beats are):
 the log deviation's robust z above its ``z_low`` quantile (the spread from the 5 % quantile to that one: a
 recording whose normal beats deviate a lot, a noisy lead, judges by its own spread; a recording of 45 %
 ventricular and fusion beats, 208, keeps its normal beats' spread), the amplitude's and area's absolute robust z
-(median, median absolute deviation of the dominant beats).
+(median, median absolute deviation of the dominant beats), and the width's one-sided robust z (0 for a QRS
+narrower than the dominant beats' median).
 
 **The rule** (:func:`assign`, :func:`judge`), per recording:
 
 * **V**: a deviation above ``v_dev`` whose z exceeds ``v_dev_z`` (off by default: no fold chose it), or a
-  deviation above ``v_min_dev`` whose *shape z* (the largest of the deviation's z and ``v_amp``, ``v_area``
-  times the amplitude's and area's) exceeds ``v_z_alone``, or exceeds ``v_z`` for an *early* beat (premature
+  deviation above ``v_min_dev`` whose *shape z* (the largest of the deviation's z and ``v_width``, ``v_amp``,
+  ``v_area`` times the width's, amplitude's and area's) exceeds ``v_z_alone``, or exceeds ``v_z`` for a *wide*
+  beat (width z above ``v_wide``; off by default: one fold chose it) or an *early* one (premature
   by ``v_premature`` or before a pause ``v_pause``; with, where set, a regular local rhythm, irregularity below
   ``v_irregular``, and a compensatory pause, ``(rr_prev + rr_next) / local RR`` above ``v_compensation``: an
   atrial beat resets the sinus node, a ventricular one does not);
@@ -93,20 +96,20 @@ class ClassParams:
     v_dev: float = np.inf
     v_dev_z: float = 1.0
     v_amp: float = 0.0
-    v_area: float = 0.5
-    v_width: float = 0.0
+    v_area: float = 1.0
+    v_width: float = 1.0
     v_wide: float = np.inf
     v_min_dev: float = 0.05
-    v_z: float = 3.0
-    v_z_alone: float = 8.0
+    v_z: float = 6.0
+    v_z_alone: float = 12.0
     v_premature: float = 0.05
     v_pause: float = 1.1
     v_irregular: float = np.inf
     v_compensation: float = 0.0
     s_premature: float = 0.15
     s_irregular: float = 0.15
-    s_spread: float = 2.0
-    s_corr: float = 0.7
+    s_spread: float = 1.0
+    s_corr: float = 0.8
     p_before_s: float = 0.25
     p_after_s: float = 0.07
     s_p_dev: float = 0.1
