@@ -77,6 +77,8 @@ def main() -> None:
     if a.child:
         print("RESULT " + json.dumps(child(*a.child)), flush=True)
         return
+    print("| variant | cache | backend | warm s | import s | engine call s | validate s | process s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     import numpy as np
     import torch
 
@@ -111,6 +113,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    print("| variant | cache | backend | warm s | import s | engine call s | validate s | process s |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
     main()

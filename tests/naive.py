@@ -492,10 +492,10 @@ def qrs_width(win, fs: float, k: int, lo: float = 0.1, hi: float = 0.9) -> float
         return 0.0
 
     def crossing(q):
-        for k in range(1, len(cum)):
-            if cum[k] / total >= q:
-                a, b = cum[k - 1] / total, cum[k] / total
-                return k - 1 + (q - a) / max(b - a, 1e-12)
+        for i in range(1, len(cum)):
+            if cum[i] / total >= q:
+                a, b = cum[i - 1] / total, cum[i] / total
+                return i - 1 + (q - a) / max(b - a, 1e-12)
         return len(cum) - 2 + 1.0
 
     return (crossing(hi) - crossing(lo)) / fs

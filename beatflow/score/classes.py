@@ -367,7 +367,7 @@ WIDTH_FLOOR_S = 0.002
 
 
 def shape_z(feats, recording=None, p: ClassParams = ClassParams()) -> np.ndarray:
-    """Each beat's shape judged within its recording, ``(n, 3)``, against the recording's *dominant* beats
+    """Each beat's shape judged within its recording, ``(n, 4)``, against the recording's *dominant* beats
     (the half of its beats least unlike the template: all normal where half of them are; a recording of
     45 % ventricular and fusion beats, 208, keeps its normal beats' spread):
 
