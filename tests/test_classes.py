@@ -52,11 +52,12 @@ def test_rhythm_against_a_loop(rng=np.random.default_rng(2)):
     peaks = np.cumsum(rng.integers(120, 260, size=300))
     at = np.sort(rng.choice(peaks, size=120, replace=False))
     p = C.ClassParams()
-    got = C.rhythm(peaks, at, FS, p)
     want = naive.beat_timing(peaks, at, FS, p.local_beats, p.irregular_beats)
-    for key in ("rr_prev_s", "rr_next_s", "local_rr_s", "prematurity", "pause", "irregularity"):
-        w = np.asarray([d[key] for d in want])
-        np.testing.assert_allclose(got[key], w, rtol=1e-12, equal_nan=True, err_msg=key)
+    for chunk in (65536, 7):  # (7: the neighbourhoods taken in chunks, some of one beat)
+        got = C.rhythm(peaks, at, FS, p, chunk=chunk)
+        for key in ("rr_prev_s", "rr_next_s", "local_rr_s", "prematurity", "pause", "irregularity"):
+            w = np.asarray([d[key] for d in want])
+            np.testing.assert_allclose(got[key], w, rtol=1e-12, equal_nan=True, err_msg=key)
     assert math.isnan(C.rhythm(peaks, peaks[:1], FS)["rr_prev_s"][0])  # the first beat has none before it
     for beats in (p.long_beats, 31):  # (31: windows inside the 300 beats; 150: clipped at both ends)
         t = C.rhythm(peaks, at, FS, C.ClassParams(long_beats=beats))
@@ -304,6 +305,7 @@ def test_pre_qrs_and_p_wave_against_a_loop(rng=np.random.default_rng(11)):
     np.testing.assert_array_equal(got, want)
     dom = rng.random(60) < 0.5
     np.testing.assert_allclose(C.p_wave(got, dom), naive.p_deviation(got, dom), atol=1e-9)
+    np.testing.assert_allclose(C.p_wave(got, dom, chunk=7), C.p_wave(got, dom), atol=1e-12)  # (in chunks: the same)
     assert C.p_wave(np.zeros((0, 10), np.float32), np.zeros(0, bool)).shape == (0,)
 
 

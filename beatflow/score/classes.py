@@ -269,21 +269,31 @@ def on_time(dev, timing: dict) -> np.ndarray:
     return (d <= np.median(d)) & (np.abs(prem) < 0.1) if len(d) else np.zeros(0, bool)
 
 
-def p_wave(windows, dominant) -> np.ndarray:
+def p_wave(windows, dominant, chunk: int = 65536) -> np.ndarray:
     """Each beat's *P deviation*: one minus the correlation of its :func:`pre_qrs` window (mean removed) with
     the median window of the recording's ``dominant`` beats (a mask: sinus beats of the usual shape, on
     time). A sinus beat's P wave is the dominant's (0); an atrial beat's is of another shape or hidden in
-    the T wave before it, a junctional beat's absent or inverted (towards 1 and beyond). Host float64."""
-    w = np.asarray(to_host(windows), np.float64)
-    if not len(w):
+    the T wave before it, a junctional beat's absent or inverted (towards 1 and beyond). Host float64,
+    ``chunk`` windows at a time: a 200 h recording's float64 copies of all its windows took 1.4 GB of the
+    flow's process at once."""
+    w = to_host(windows)
+    n = len(w)
+    if not n:
         return np.zeros(0)
-    w = w - w.mean(axis=1, keepdims=True)
     dom = np.asarray(dominant, bool)
-    ref = np.median(w[dom] if dom.any() else w, axis=0)
+    ref_rows = np.asarray(w[dom] if dom.any() else w, np.float64)
+    ref_rows -= ref_rows.mean(axis=1, keepdims=True)
+    ref = np.median(ref_rows, axis=0)
+    del ref_rows
     ref = ref - ref.mean()
-    with np.errstate(all="ignore"):
-        c = (w @ ref) / (np.sqrt((w * w).sum(axis=1)) * np.sqrt(ref @ ref) + 1e-12)
-    return 1.0 - c
+    ref_norm = np.sqrt(ref @ ref)
+    out = np.empty(n)
+    for i in range(0, n, chunk):
+        c = np.asarray(w[i:i + chunk], np.float64)
+        c -= c.mean(axis=1, keepdims=True)
+        with np.errstate(all="ignore"):
+            out[i:i + chunk] = 1.0 - (c @ ref) / (np.sqrt(np.einsum("ij,ij->i", c, c)) * ref_norm + 1e-12)
+    return out
 
 
 # --- rhythm (host) -----------------------------------------------------------------------------------
@@ -312,13 +322,14 @@ def _row_median(v: np.ndarray) -> np.ndarray:
     return out
 
 
-def rhythm(peaks, beat_peaks, fs: float, p: ClassParams = ClassParams()) -> dict:
+def rhythm(peaks, beat_peaks, fs: float, p: ClassParams = ClassParams(), chunk: int = 65536) -> dict:
     """Timing of the beats at ``beat_peaks`` among a recording's sorted detected ``peaks`` (samples).
 
     Returns float64 arrays (NaN where a neighbour is missing): ``rr_prev_s``, ``rr_next_s``, ``local_rr_s``,
     ``prematurity``, ``pause``, ``irregularity``, ``long_prematurity`` (see the module's docstring; the long
     RR's medians are over ``long_beats`` made odd, 151, intervals, each window clipped to the recording's
-    intervals, their ends repeated where a window still runs past them: ``scipy.ndimage.median_filter``)."""
+    intervals, their ends repeated where a window still runs past them: ``scipy.ndimage.median_filter``).
+    The local RR and the irregularity are taken ``chunk`` beats at a time."""
     pk = np.asarray(to_host(peaks), np.int64)
     at = np.asarray(to_host(beat_peaks), np.int64)
     rr = np.diff(pk) / float(fs)
@@ -331,9 +342,12 @@ def rhythm(peaks, beat_peaks, fs: float, p: ClassParams = ClassParams()) -> dict
         prev[has_prev] = rr[idx[has_prev] - 1]
         nxt[has_next] = rr[idx[has_next]]
     with np.errstate(all="ignore"):
-        local = _row_median(_around(rr, idx, p.local_beats))
-        near = _around(rr, idx, p.irregular_beats)
-        irr = _row_median(np.abs(np.diff(near, axis=1))) / _row_median(near)
+        local, irr = np.empty(n), np.empty(n)
+        for i in range(0, n, chunk):  # (the neighbourhoods of all of a 200 h recording's beats at once: 0.9 GB)
+            j = idx[i:i + chunk]
+            local[i:i + chunk] = _row_median(_around(rr, j, p.local_beats))
+            near = _around(rr, j, p.irregular_beats)
+            irr[i:i + chunk] = _row_median(np.abs(np.diff(near, axis=1))) / _row_median(near)
         prem = 1.0 - prev / local
         pause = nxt / local
         long_rr = np.full(n, np.nan)
