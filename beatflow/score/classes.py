@@ -49,11 +49,11 @@ narrower than the dominant beats' median).
   by ``v_premature`` or before a pause ``v_pause``; with, where set, a regular local rhythm, irregularity below
   ``v_irregular``, and a compensatory pause, ``(rr_prev + rr_next) / local RR`` above ``v_compensation``: an
   atrial beat resets the sinus node, a ventricular one does not); or, *early in a regular rhythm*, exceeds the
-  lower ``v_z_early`` (off by default) where the beat is premature by more than ``v_early_premature`` in a local
-  rhythm of irregularity below ``v_early_irregular``, with, where set, a P deviation above ``v_early_p_dev`` (no
-  sinus P wave before it) and a compensatory pause above ``v_early_compensation`` (a narrow ventricular beat
-  of 116, 215 or 118 deviates less than a wide one; in atrial fibrillation, irregular, an aberrant N beat is
-  as early and as unlike the template);
+  lower ``v_z_early`` where the beat is premature by more than ``v_early_premature`` in a local rhythm of
+  irregularity below ``v_early_irregular``, before a compensatory pause above ``v_early_compensation`` and,
+  where set, with a P deviation above ``v_early_p_dev`` (no sinus P wave before it; off by default: three
+  folds of five left it off): a narrow ventricular beat deviates less than a wide one, and in atrial
+  fibrillation, irregular, an aberrant N beat is as early and as unlike the template;
 * **S**: not V, its QRS correlating above ``s_corr`` with the template, in a regular local rhythm
   (irregularity below ``s_irregular``), and (a) premature by more than ``s_premature`` and by more than
   ``s_spread`` times the local irregularity (earlier than the beat-to-beat variation around it explains),
@@ -111,15 +111,15 @@ class ClassParams:
     v_pause: float = 1.1
     v_irregular: float = np.inf
     v_compensation: float = 0.0
-    v_z_early: float = np.inf
+    v_z_early: float = 4.0
     v_early_premature: float = 0.15
     v_early_irregular: float = 0.1
     v_early_p_dev: float = -np.inf
-    v_early_compensation: float = 0.0
+    v_early_compensation: float = 1.8
     s_premature: float = 0.15
     s_irregular: float = 0.15
     s_spread: float = 1.0
-    s_corr: float = 0.8
+    s_corr: float = 0.7
     p_before_s: float = 0.25
     p_after_s: float = 0.07
     s_p_dev: float = 0.1
