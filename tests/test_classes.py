@@ -419,3 +419,40 @@ def test_the_width_paths_of_the_rule():
     assert (C.judge(dev, z, timing, C.ClassParams(v_z=3.0, v_z_alone=8.0, v_width=0.0, v_wide=8.0)) == "N").all()
     assert (C.judge(np.full(n, 0.04), z, timing, C.ClassParams(v_z=3.0, v_z_alone=8.0, v_width=0.0, v_wide=4.0)) == "N").all()  # (below v_min_dev)
     assert (C.judge(dev, z[:, :3], timing, C.ClassParams(v_z=3.0, v_z_alone=8.0, v_width=0.0, v_wide=4.0)) == "N").all()  # (no width: none wide)
+
+
+def test_the_early_regular_path_of_the_rule():
+    """Premature, in a regular rhythm, without the sinus P wave, before a compensatory pause, deviating with a
+    shape z of 4.5 (below ``v_z`` 6): N with the path off, V with ``v_z_early`` 3; each gate it fails keeps a beat N (an
+    irregular rhythm, atrial fibrillation's; a sinus P wave; no compensatory pause; too little prematurity; a
+    shape z or a deviation too small)."""
+    #             V    irregular  sinus P  no pause  on time  z 2.5  dev 0.04
+    prem = np.array([0.35, 0.35, 0.35, 0.35, 0.05, 0.35, 0.35])
+    irr = np.array([0.02, 0.25, 0.02, 0.02, 0.02, 0.02, 0.02])
+    pdev = np.array([1.5, 1.5, 0.1, 1.5, 1.5, 1.5, 1.5])
+    rr_next = np.array([1.05, 1.05, 1.05, 0.65, 1.05, 1.05, 1.05])  # (the local RR 0.8: 0.52 + 1.05 = 1.96 of it)
+    zs = np.array([4.5, 4.5, 4.5, 4.5, 4.5, 2.5, 4.5])
+    dev = np.array([0.35, 0.35, 0.35, 0.35, 0.35, 0.35, 0.04])  # (correlation 0.65: below s_corr, never S)
+    n = len(prem)
+    local = np.full(n, 0.8)
+    timing = {"prematurity": prem, "pause": rr_next / local, "irregularity": irr, "rr_prev_s": (1 - prem) * local,
+              "rr_next_s": rr_next, "local_rr_s": local, "p_deviation": pdev}
+    z = np.zeros((n, 4))
+    z[:, 0] = zs
+    on = C.ClassParams(v_z_early=3.0, v_early_premature=0.15, v_early_irregular=0.1, v_early_p_dev=0.3,
+                       v_early_compensation=1.8)
+    # (the path off: the shape z is below v_z; the last beat, of the usual QRS, is premature without the sinus P: S)
+    np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(v_z_early=np.inf)), np.asarray(list("NNNNNNS")))
+    # the defaults: the path on, the P deviation's gate off
+    np.testing.assert_array_equal(C.judge(dev, z, timing), np.asarray(list("VNVNNNS")))
+    np.testing.assert_array_equal(C.judge(dev, z, timing, on), np.asarray(list("VNNNNNS")))
+    # each gate off lets its beat through
+    np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(**{**on.to_dict(), "v_early_p_dev": -np.inf})),
+                                  np.asarray(list("VNVNNNS")))
+    np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(**{**on.to_dict(), "v_early_compensation": 0.0})),
+                                  np.asarray(list("VNNVNNS")))
+    np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(**{**on.to_dict(), "v_early_irregular": 0.3})),
+                                  np.asarray(list("VVNNNNS")))
+    # without the P windows the P deviation counts as the sinus P wave's: the gate keeps every beat N
+    no_p = {k: v for k, v in timing.items() if k != "p_deviation"}
+    np.testing.assert_array_equal(C.judge(dev, z, no_p, on), np.asarray(list("NNNNNNS")))

@@ -48,7 +48,12 @@ narrower than the dominant beats' median).
   beat (width z above ``v_wide``; off by default: one fold chose it) or an *early* one (premature
   by ``v_premature`` or before a pause ``v_pause``; with, where set, a regular local rhythm, irregularity below
   ``v_irregular``, and a compensatory pause, ``(rr_prev + rr_next) / local RR`` above ``v_compensation``: an
-  atrial beat resets the sinus node, a ventricular one does not);
+  atrial beat resets the sinus node, a ventricular one does not); or, *early in a regular rhythm*, exceeds the
+  lower ``v_z_early`` where the beat is premature by more than ``v_early_premature`` in a local rhythm of
+  irregularity below ``v_early_irregular``, before a compensatory pause above ``v_early_compensation`` and,
+  where set, with a P deviation above ``v_early_p_dev`` (no sinus P wave before it; off by default: three
+  folds of five left it off): a narrow ventricular beat deviates less than a wide one, and in atrial
+  fibrillation, irregular, an aberrant N beat is as early and as unlike the template;
 * **S**: not V, its QRS correlating above ``s_corr`` with the template, in a regular local rhythm
   (irregularity below ``s_irregular``), and (a) premature by more than ``s_premature`` and by more than
   ``s_spread`` times the local irregularity (earlier than the beat-to-beat variation around it explains),
@@ -106,10 +111,15 @@ class ClassParams:
     v_pause: float = 1.1
     v_irregular: float = np.inf
     v_compensation: float = 0.0
+    v_z_early: float = 4.0
+    v_early_premature: float = 0.15
+    v_early_irregular: float = 0.1
+    v_early_p_dev: float = -np.inf
+    v_early_compensation: float = 1.8
     s_premature: float = 0.15
     s_irregular: float = 0.15
     s_spread: float = 1.0
-    s_corr: float = 0.8
+    s_corr: float = 0.7
     p_before_s: float = 0.25
     p_after_s: float = 0.07
     s_p_dev: float = 0.1
@@ -440,12 +450,16 @@ def judge(dev: np.ndarray, z: np.ndarray, timing: dict, p: ClassParams = ClassPa
     with np.errstate(all="ignore"):
         comp = np.nan_to_num((timing["rr_prev_s"] + timing["rr_next_s"]) / timing["local_rr_s"], nan=2.0)
     early = ((prem > p.v_premature) | (pause > p.v_pause)) & (irr < p.v_irregular) & (comp > p.v_compensation)
+    # (a missing P deviation, the shape alone or a flat window, counts as the sinus P wave's 0)
+    pdev = np.nan_to_num(np.asarray(timing.get("p_deviation", np.zeros(len(dev))), np.float64), nan=0.0)
+    early_regular = ((prem > p.v_early_premature) & (irr < p.v_early_irregular) & (pdev > p.v_early_p_dev)
+                     & (comp > p.v_early_compensation) & (shape > p.v_z_early))
     v = (((dev > p.v_dev) & (z[:, 0] > p.v_dev_z))
-         | ((dev > p.v_min_dev) & (shape > p.v_z) & (early | (shape > p.v_z_alone) | (wide > p.v_wide))))
+         | ((dev > p.v_min_dev) & (((shape > p.v_z) & (early | (shape > p.v_z_alone) | (wide > p.v_wide)))
+                                   | early_regular)))
     normal = ~v & (1.0 - dev > p.s_corr) & (irr < p.s_irregular)
     early_s = prem > np.maximum(p.s_premature, p.s_spread * irr)
     if "p_deviation" in timing:  # (without the P wave: the timing alone)
-        pdev = np.nan_to_num(np.asarray(timing["p_deviation"], np.float64), nan=0.0)
         early_s &= pdev > p.s_p_dev
         early_s |= (prem > np.maximum(p.s_premature_p, p.s_spread * irr)) & (s_score(timing, p) > p.s_score_min)
         if "long_prematurity" in timing:
