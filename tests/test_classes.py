@@ -345,6 +345,17 @@ def test_the_p_wave_finds_atrial_beats_that_timing_alone_misses(rng=np.random.de
     plain, _ = C.classify({0: peaks}, peaks, rec, f, FS, p)
     win = C.pre_qrs(x, 0, peaks, FS, p)
     got, timing = C.classify({0: peaks}, peaks, rec, np.concatenate([f, win], axis=1), FS, p)
+    # the partitions' pieces (uneven, one empty) give the same as the whole, two recordings too
+    whole = np.concatenate([f, win], axis=1)
+    cuts = [0, 7, 7, len(peaks) // 2, len(peaks)]
+    pieces = [whole[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    got2, timing2 = C.classify({0: peaks}, peaks, rec, pieces, FS, p)
+    np.testing.assert_array_equal(got2, got)
+    np.testing.assert_array_equal(timing2["p_deviation"], timing["p_deviation"])
+    rec2 = (np.arange(len(peaks)) >= len(peaks) // 3).astype(np.int64)
+    peaks_of = {0: peaks[rec2 == 0], 1: peaks[rec2 == 1]}
+    np.testing.assert_array_equal(C.classify(peaks_of, peaks, rec2, pieces, FS, p)[0],
+                                  C.classify(peaks_of, peaks, rec2, whole, FS, p)[0])
     s = kind == "S"
     assert (plain[s] == "S").mean() < 0.1  # (10 % early: below s_premature)
     assert (got[s] == "S").mean() > 0.9 and (got[~s] == "S").sum() <= 2

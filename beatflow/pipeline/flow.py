@@ -464,7 +464,7 @@ def _score(run: _Run, ld: _Loaded, seg: _Segmented, embedded: list, trained: dic
                                     beat_window=(fs, ld.s.pre))
     scores = np.concatenate([sc[0] for sc in scored]) if scored else np.zeros(0, np.float32)
     mu = np.concatenate([sc[1] for sc in scored]) if scored else np.zeros((0, 2), np.float32)
-    deviation = np.concatenate([sc[2] for sc in scored]) if scored else np.zeros(0, np.float32)
+    deviation = [sc[2] for sc in scored] if scored else np.zeros(0, np.float32)  # (classify takes the pieces)
     ctx = {k: sc[3] for k, sc in enumerate(scored)}
     ph.lap("engine")  # the partitions' rows through the engine, on their workers
     classes, timing = classify(peaks_by_recording(ld.specs, seg.peaks), plan.peak[kb], plan.recording[kb],

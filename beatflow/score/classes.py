@@ -518,24 +518,39 @@ def classify(peaks_of: dict, beat_peak, recording, deviation, fs: float, p: Clas
 
     ``peaks_of``: each recording's sorted detected peaks (samples); ``beat_peak``, ``recording``,
     ``deviation``: each classed beat's peak, recording and :func:`features` (or :func:`morphology`), optionally
-    followed by the columns of its :func:`pre_qrs` window (its recording's beats in peak order). Returns
-    ``(classes, timing)``: :func:`assign`'s classes and :func:`rhythm`'s arrays (with a ``p_deviation``,
-    :func:`p_wave` against the recording's :func:`on_time` beats, where the windows came), in the beats'
-    order."""
+    followed by the columns of its :func:`pre_qrs` window (its recording's beats in peak order); or a list of
+    such arrays, pieces of the beats in order (the partitions' results, never joined: at 1000 h their P
+    windows are 0.9 GB). Returns ``(classes, timing)``: :func:`assign`'s classes and :func:`rhythm`'s arrays
+    (with a ``p_deviation``, :func:`p_wave` against the recording's :func:`on_time` beats, where the windows
+    came), in the beats' order."""
     beat_peak = np.asarray(to_host(beat_peak), np.int64)
     rec = np.asarray(to_host(recording), np.int64)
-    f = np.asarray(to_host(deviation), np.float32)
-    windows = f[:, len(FEATURES):] if f.ndim == 2 and f.shape[1] > len(FEATURES) else None
-    if windows is not None:
-        f = f[:, : len(FEATURES)]
+    pieces = [np.asarray(to_host(d), np.float32) for d in (deviation if isinstance(deviation, (list, tuple))
+                                                           else [deviation])]
+    has_windows = pieces[0].ndim == 2 and pieces[0].shape[1] > len(FEATURES)
+    if has_windows:
+        f = np.concatenate([d[:, : len(FEATURES)] for d in pieces])
+    else:
+        f = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
     keys = ("rr_prev_s", "rr_next_s", "local_rr_s", "prematurity", "pause", "irregularity", "long_prematurity")
-    timing = {k: np.full(len(beat_peak), np.nan) for k in keys + (("p_deviation",) if windows is not None else ())}
+    timing = {k: np.full(len(beat_peak), np.nan) for k in keys + (("p_deviation",) if has_windows else ())}
     dev = f[:, 0] if f.ndim == 2 else f
     for r in np.unique(rec):
         m = rec == r
         t = rhythm(peaks_of[int(r)], beat_peak[m], fs, p)
         for k in keys:
             timing[k][m] = t[k]
-        if windows is not None:
-            timing["p_deviation"][m] = p_wave(windows[m], on_time(dev[m], t))
+        if has_windows:
+            timing["p_deviation"][m] = p_wave(_rows_of(pieces, np.flatnonzero(m), len(FEATURES)), on_time(dev[m], t))
     return assign(f, timing, rec, p), timing
+
+
+def _rows_of(pieces: list, idx: np.ndarray, col: int) -> np.ndarray:
+    """Rows ``idx`` (sorted) of the pieces stacked, from column ``col`` on."""
+    off = np.cumsum([0] + [len(d) for d in pieces])
+    k = np.searchsorted(off, idx, side="right") - 1
+    out = np.empty((len(idx), pieces[0].shape[1] - col), np.float32)
+    for j in np.unique(k):
+        sel = k == j
+        out[sel] = pieces[j][idx[sel] - off[j], col:]
+    return out
