@@ -116,6 +116,12 @@ class ClassParams:
     v_early_irregular: float = 0.1
     v_early_p_dev: float = -np.inf
     v_early_compensation: float = 1.8
+    v_aberrant_premature: float = np.inf
+    v_aberrant_compensation: float = 1.7
+    v_aberrant_irregular: float = 0.3
+    v_aberrant_z: float = 6.0
+    v_sinus_p_dev: float = -np.inf
+    v_sinus_z: float = 4.0
     s_premature: float = 0.15
     s_irregular: float = 0.15
     s_spread: float = 1.0
@@ -457,6 +463,15 @@ def judge(dev: np.ndarray, z: np.ndarray, timing: dict, p: ClassParams = ClassPa
     v = (((dev > p.v_dev) & (z[:, 0] > p.v_dev_z))
          | ((dev > p.v_min_dev) & (((shape > p.v_z) & (early | (shape > p.v_z_alone) | (wide > p.v_wide)))
                                    | early_regular)))
+    # not V where only the width makes the QRS unlike the template (the deviation's and the area's z low) and
+    # the timing or the P wave says atrial: very early, in a rhythm regular enough to tell, before no
+    # compensatory pause (an aberrated atrial beat resets the sinus node); or after a sinus P wave
+    narrow = np.maximum(z[:, 0], z[:, 2])
+    v &= ~((prem > p.v_aberrant_premature) & (comp < p.v_aberrant_compensation) & (irr < p.v_aberrant_irregular)
+           & (narrow < p.v_aberrant_z))
+    if "p_deviation" in timing:  # (a missing P deviation is no sinus P wave)
+        sinus = np.nan_to_num(np.asarray(timing["p_deviation"], np.float64), nan=np.inf) < p.v_sinus_p_dev
+        v &= ~(sinus & (narrow < p.v_sinus_z))
     normal = ~v & (1.0 - dev > p.s_corr) & (irr < p.s_irregular)
     early_s = prem > np.maximum(p.s_premature, p.s_spread * irr)
     if "p_deviation" in timing:  # (without the P wave: the timing alone)
