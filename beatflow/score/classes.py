@@ -120,8 +120,12 @@ class ClassParams:
     v_aberrant_compensation: float = 1.7
     v_aberrant_irregular: float = 0.3
     v_aberrant_z: float = 6.0
+    v_aberrant_pause: float = 0.0
     v_sinus_p_dev: float = -np.inf
     v_sinus_z: float = 4.0
+    v_ontime_z: float = -np.inf
+    v_ontime_premature: float = 0.1
+    v_ontime_p_dev: float = 0.9
     s_premature: float = 0.15
     s_irregular: float = 0.15
     s_spread: float = 1.0
@@ -135,6 +139,9 @@ class ClassParams:
     long_beats: int = 150
     s_long: float = 0.15
     s_p_long: float = 0.6
+    s_run_rr: float = 0.0
+    s_run_p_dev: float = 0.2
+    s_run_p: float = 0.6
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -467,11 +474,14 @@ def judge(dev: np.ndarray, z: np.ndarray, timing: dict, p: ClassParams = ClassPa
     # the timing or the P wave says atrial: very early, in a rhythm regular enough to tell, before no
     # compensatory pause (an aberrated atrial beat resets the sinus node); or after a sinus P wave
     narrow = np.maximum(z[:, 0], z[:, 2])
-    v &= ~((prem > p.v_aberrant_premature) & (comp < p.v_aberrant_compensation) & (irr < p.v_aberrant_irregular)
-           & (narrow < p.v_aberrant_z))
+    v &= ~((prem > p.v_aberrant_premature) & (comp < p.v_aberrant_compensation) & (pause > p.v_aberrant_pause)
+           & (irr < p.v_aberrant_irregular) & (narrow < p.v_aberrant_z))
     if "p_deviation" in timing:  # (a missing P deviation is no sinus P wave)
-        sinus = np.nan_to_num(np.asarray(timing["p_deviation"], np.float64), nan=np.inf) < p.v_sinus_p_dev
-        v &= ~(sinus & (narrow < p.v_sinus_z))
+        p_seen = np.nan_to_num(np.asarray(timing["p_deviation"], np.float64), nan=np.inf)
+        v &= ~((p_seen < p.v_sinus_p_dev) & (narrow < p.v_sinus_z))
+        # on time, its correlation with the template barely lower than the usual beats', a P wave before it: a
+        # fusion or a normal beat of changed conduction, not V, however wide
+        v &= ~((z[:, 0] < p.v_ontime_z) & (prem < p.v_ontime_premature) & (p_seen < p.v_ontime_p_dev))
     normal = ~v & (1.0 - dev > p.s_corr) & (irr < p.s_irregular)
     early_s = prem > np.maximum(p.s_premature, p.s_spread * irr)
     if "p_deviation" in timing:  # (without the P wave: the timing alone)
@@ -480,10 +490,35 @@ def judge(dev: np.ndarray, z: np.ndarray, timing: dict, p: ClassParams = ClassPa
         if "long_prematurity" in timing:
             early_s |= (np.nan_to_num(timing["long_prematurity"], nan=0.0) > p.s_long) & (pdev > p.s_p_long)
     s = normal & early_s
+    if p.s_run_rr > 0 and "p_deviation" in timing:
+        s = _carry_runs(s, normal, timing, p)
     out = np.full(len(dev), "N", dtype="<U1")
     out[v] = "V"
     out[s] = "S"
     return out
+
+
+def _carry_runs(s: np.ndarray, normal: np.ndarray, timing: dict, p: ClassParams) -> np.ndarray:
+    """``s`` with the runs carried on: a beat of the usual QRS in a regular rhythm (``normal``) right after an S
+    beat (the beats in peak order) is S where its RR interval is within ``s_run_rr`` (a fraction) of the S beat's,
+    its P deviation within ``s_run_p_dev`` of the S beat's and above ``s_run_p`` (the same ectopic P wave or none)
+    and it is faster than the longer rhythm (long prematurity above 0): an atrial or junctional run goes on at
+    its own rate, after its first beats the local RR is the run's own, and only the P wave and the rate tell."""
+    rr = np.asarray(timing["rr_prev_s"], np.float64)
+    pd = np.asarray(timing["p_deviation"], np.float64)
+    n = len(s)
+    cand = np.zeros(n, bool)
+    if n > 1:
+        with np.errstate(all="ignore"):
+            cand[1:] = (np.abs(rr[1:] / rr[:-1] - 1.0) < p.s_run_rr) & (np.abs(pd[1:] - pd[:-1]) < p.s_run_p_dev)
+    cand &= normal & (np.nan_to_num(pd, nan=-np.inf) > p.s_run_p)
+    if "long_prematurity" in timing:
+        cand &= np.nan_to_num(np.asarray(timing["long_prematurity"], np.float64), nan=0.0) > 0.0
+    # S where S or a candidate whose block of consecutive candidates begins at (or holds, before it) an S beat
+    idx = np.arange(n)
+    start = np.maximum.accumulate(np.where(~cand, idx, 0)) if n else idx
+    cs = np.concatenate([[0], np.cumsum(s)])
+    return s | (cand & (cs[idx + 1] - cs[start] > 0))
 
 
 def s_score(timing: dict, p: ClassParams = ClassParams()) -> np.ndarray:
