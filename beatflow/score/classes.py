@@ -53,7 +53,16 @@ narrower than the dominant beats' median).
   irregularity below ``v_early_irregular``, before a compensatory pause above ``v_early_compensation`` and,
   where set, with a P deviation above ``v_early_p_dev`` (no sinus P wave before it; off by default: three
   folds of five left it off): a narrow ventricular beat deviates less than a wide one, and in atrial
-  fibrillation, irregular, an aberrant N beat is as early and as unlike the template;
+  fibrillation, irregular, an aberrant N beat is as early and as unlike the template; but not V, whatever its
+  width, where its deviation's z is below ``v_ontime_z``, it is premature by less than ``v_ontime_premature``
+  and its P deviation is below ``v_ontime_p_dev`` (on time after a P wave, its correlation with the template
+  barely lower than the usual beats': a fusion beat or a normal one of changed conduction, 208's and 209's
+  wide N and F beats), nor, off by default (no majority of folds chose them), where its deviation's and
+  area's z are both below ``v_aberrant_z`` and it is premature by more than ``v_aberrant_premature`` in a
+  local rhythm of irregularity below ``v_aberrant_irregular`` before no compensatory pause (below
+  ``v_aberrant_compensation``, its next interval above ``v_aberrant_pause`` of the local RR: an aberrated
+  atrial beat resets the sinus node), or where both are below ``v_sinus_z`` after a sinus P wave (a P
+  deviation below ``v_sinus_p_dev``);
 * **S**: not V, its QRS correlating above ``s_corr`` with the template, in a regular local rhythm
   (irregularity below ``s_irregular``), and (a) premature by more than ``s_premature`` and by more than
   ``s_spread`` times the local irregularity (earlier than the beat-to-beat variation around it explains),
@@ -111,19 +120,19 @@ class ClassParams:
     v_pause: float = 1.1
     v_irregular: float = np.inf
     v_compensation: float = 0.0
-    v_z_early: float = 4.0
-    v_early_premature: float = 0.15
-    v_early_irregular: float = 0.1
+    v_z_early: float = 3.0
+    v_early_premature: float = 0.1
+    v_early_irregular: float = 0.2
     v_early_p_dev: float = -np.inf
-    v_early_compensation: float = 1.8
+    v_early_compensation: float = 0.0
     v_aberrant_premature: float = np.inf
-    v_aberrant_compensation: float = 1.7
+    v_aberrant_compensation: float = 1.6
     v_aberrant_irregular: float = 0.3
     v_aberrant_z: float = 6.0
     v_aberrant_pause: float = 0.0
     v_sinus_p_dev: float = -np.inf
     v_sinus_z: float = 4.0
-    v_ontime_z: float = -np.inf
+    v_ontime_z: float = 3.0
     v_ontime_premature: float = 0.1
     v_ontime_p_dev: float = 0.9
     s_premature: float = 0.15
