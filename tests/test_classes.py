@@ -277,7 +277,8 @@ def test_a_recording_of_many_v_beats_keeps_its_normal_spread(rng=np.random.defau
 
 def test_compensation_keeps_an_aberrant_atrial_beat_from_v():
     """An early beat of a changed QRS with a non-compensatory pause (it resets the sinus rhythm) is V without the
-    compensation gate and S with it; one with a full compensatory pause stays V."""
+    compensation gates and S with them (that of the early criterion and that of the early-regular path); one
+    with a full compensatory pause stays V."""
     peaks, rows, kind = _stream()
     s = np.flatnonzero(kind == "S")
     rows = rows.copy()
@@ -285,7 +286,8 @@ def test_compensation_keeps_an_aberrant_atrial_beat_from_v():
     f = C.features(rows, C.template(rows, FS, PRE), FS, PRE)
     rec = np.zeros(len(peaks), np.int64)
     plain, timing = C.classify({0: peaks}, peaks, rec, f, FS, C.ClassParams(v_z_alone=np.inf))
-    gated, _ = C.classify({0: peaks}, peaks, rec, f, FS, C.ClassParams(v_z_alone=np.inf, v_compensation=1.8))
+    gated, _ = C.classify({0: peaks}, peaks, rec, f, FS, C.ClassParams(v_z_alone=np.inf, v_compensation=1.8,
+                                                                      v_early_compensation=1.8))
     comp = (timing["rr_prev_s"] + timing["rr_next_s"]) / timing["local_rr_s"]
     inner = s[(s > 25) & (s < len(peaks) - 25)]
     assert (plain[inner] == "V").all() and (comp[inner] < 1.8).all()
@@ -443,8 +445,8 @@ def test_the_early_regular_path_of_the_rule():
                        v_early_compensation=1.8)
     # (the path off: the shape z is below v_z; the last beat, of the usual QRS, is premature without the sinus P: S)
     np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(v_z_early=np.inf)), np.asarray(list("NNNNNNS")))
-    # the defaults: the path on, the P deviation's gate off
-    np.testing.assert_array_equal(C.judge(dev, z, timing), np.asarray(list("VNVNNNS")))
+    # the defaults: the path on, the P deviation's and the compensatory pause's gates off
+    np.testing.assert_array_equal(C.judge(dev, z, timing), np.asarray(list("VNVVNNS")))
     np.testing.assert_array_equal(C.judge(dev, z, timing, on), np.asarray(list("VNNNNNS")))
     # each gate off lets its beat through
     np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(**{**on.to_dict(), "v_early_p_dev": -np.inf})),

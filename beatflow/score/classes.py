@@ -51,8 +51,8 @@ narrower than the dominant beats' median).
   atrial beat resets the sinus node, a ventricular one does not); or, *early in a regular rhythm*, exceeds the
   lower ``v_z_early`` where the beat is premature by more than ``v_early_premature`` in a local rhythm of
   irregularity below ``v_early_irregular``, before a compensatory pause above ``v_early_compensation`` and,
-  where set, with a P deviation above ``v_early_p_dev`` (no sinus P wave before it; off by default: three
-  folds of five left it off): a narrow ventricular beat deviates less than a wide one, and in atrial
+  where set, with a P deviation above ``v_early_p_dev`` (no sinus P wave before it; off by default: no fold
+  chose it): a narrow ventricular beat deviates less than a wide one, and in atrial
   fibrillation, irregular, an aberrant N beat is as early and as unlike the template; but not V, whatever its
   width, where its deviation's z is below ``v_ontime_z``, it is premature by less than ``v_ontime_premature``
   and its P deviation is below ``v_ontime_p_dev`` (on time after a P wave, its correlation with the template
@@ -69,8 +69,9 @@ narrower than the dominant beats' median).
   with a P deviation above ``s_p_dev``; or (b) premature by more than ``s_premature_p`` and ``s_spread`` times
   the irregularity with an S score above ``s_score_min`` (less early, but its P wave changed); or (c) long
   premature by more than ``s_long`` with a P deviation above ``s_p_long`` (within a run of ectopic atrial or
-  junctional beats: faster than the rhythm around the run, without the sinus P wave). Where the P windows
-  are not given (:func:`classify` of the shape alone) only (a), without its P-wave condition;
+  junctional beats: faster than the rhythm around the run, without the sinus P wave); off by default (it
+  lowered the folds' held-out S), a run carried on from an S beat (:func:`_carry_runs`, ``s_run_rr``). Where
+  the P windows are not given (:func:`classify` of the shape alone) only (a), without its P-wave condition;
 * **N**: the rest. F (fusion) and Q (paced, unclassifiable) are never assigned: a fusion beat lies between
   the patient's N and V shapes, and no rule here separates it from either (their beats are counted in the
   evaluation under the class they are assigned).
