@@ -39,22 +39,38 @@ from beatflow.score.evaluate import PACED_RECORDS, list_records, load_record, re
 
 #: the V thresholds searched, with the values tried (searched first, for the best min(Se, +P) of V)
 V_GRID = {"z_low": (0.25,), "v_dev": (np.inf,), "v_dev_z": (1.0,), "v_min_dev": (0.05,),
-          "v_z": (4.0, 6.0), "v_z_alone": (8.0, 12.0), "v_amp": (0.0,),
-          "v_area": (0.5, 1.0), "v_width": (0.5, 1.0), "v_wide": (np.inf, 8.0),
+          "v_z": (6.0,), "v_z_alone": (12.0,), "v_amp": (0.0,),
+          "v_area": (1.0,), "v_width": (1.0,), "v_wide": (np.inf,),
           "v_irregular": (np.inf,), "v_compensation": (0.0,),
           "v_z_early": (np.inf, 3.0, 4.0), "v_early_premature": (0.15, 0.1), "v_early_irregular": (0.1, 0.2),
-          "v_early_p_dev": (-np.inf, 0.3), "v_early_compensation": (0.0, 1.8)}
-# (also searched, no fold choosing them: v_dev 0.3, 0.4 and 0.6, v_dev_z 2 and 3, v_z 3 and 5, v_z_alone 6,
-# v_area 0, v_width 0, v_wide 4, v_irregular 0.2 and 0.3, v_amp 0.5 and 1, v_compensation 1.5, 1.7 and 1.8)
+          "v_early_p_dev": (-np.inf, 0.3), "v_early_compensation": (0.0, 1.8),
+          "v_aberrant_premature": (np.inf, 0.4, 0.45), "v_aberrant_compensation": (1.6, 1.7),
+          "v_aberrant_pause": (0.0, 0.8), "v_aberrant_irregular": (0.3,), "v_aberrant_z": (6.0,),
+          "v_sinus_p_dev": (-np.inf, 0.3, 0.5), "v_sinus_z": (4.0,),
+          "v_ontime_z": (-np.inf, 2.5, 3.0), "v_ontime_premature": (0.1,), "v_ontime_p_dev": (0.7, 0.9)}
+# (also searched, no fold choosing them: v_dev 0.3, 0.4 and 0.6, v_dev_z 2 and 3, v_z 3, 4 and 5, v_z_alone 6 and
+# 8, v_area 0 and 0.5, v_width 0 and 0.5, v_wide 4 and 8, v_irregular 0.2 and 0.3, v_amp 0.5 and 1,
+# v_compensation 1.5, 1.7 and 1.8)
 #: the S thresholds searched, given the chosen V (for the best min(Se, +P) of S)
-S_GRID = {"s_premature": (0.15,), "s_irregular": (0.15, 0.2, 0.3), "s_corr": (0.7, 0.8), "s_spread": (1.0, 2.0),
-          "irregular_beats": (16,), "p_before_s": (0.2, 0.25), "s_p_dev": (-np.inf, 0.1),
-          "s_score_min": (np.inf, 0.5, 0.6, 0.7), "s_score_p": (0.5,),
-          "s_premature_p": (0.0,), "s_long": (np.inf, 0.1, 0.15, 0.2),
-          "s_p_long": (0.4, 0.6, 0.9)}
+S_GRID = {"s_premature": (0.15,), "s_irregular": (0.15,), "s_corr": (0.7, 0.8), "s_spread": (1.0, 2.0),
+          "irregular_beats": (16,), "p_before_s": (0.25,), "s_p_dev": (0.1,),
+          "s_score_min": (0.6, 0.7), "s_score_p": (0.5,),
+          "s_premature_p": (0.0,), "s_long": (0.15, 0.2),
+          "s_p_long": (0.4, 0.6), "s_run_rr": (0.0,), "s_run_p_dev": (0.2,), "s_run_p": (0.6,)}
+# (also searched, no fold choosing them: s_irregular 0.2 and 0.3, p_before_s 0.2, s_p_dev off, s_score_min off
+# and 0.5, s_long off and 0.1, s_p_long 0.9; and S runs carried on, s_run_rr 0.1 and 0.15 with s_run_p_dev 0.2
+# and 0.3 and s_run_p 0.5 and 0.6, chosen by 4 folds of 5 but lowering the pooled held-out S: see
+# bench/results/accuracy.md)
 GRID = {**V_GRID, **S_GRID}
 #: the gates of the early-in-a-regular-rhythm V path (inert while ``v_z_early`` is off)
 EARLY_GATES = ("v_early_premature", "v_early_irregular", "v_early_p_dev", "v_early_compensation")
+#: each switch (off at ``off``) and the gates that are inert while it is off
+SWITCHES = {"v_z_early": (np.inf, EARLY_GATES),
+            "v_aberrant_premature": (np.inf, ("v_aberrant_compensation", "v_aberrant_pause", "v_aberrant_irregular",
+                                              "v_aberrant_z")),
+            "v_sinus_p_dev": (-np.inf, ("v_sinus_z",)),
+            "v_ontime_z": (-np.inf, ("v_ontime_premature", "v_ontime_p_dev")),
+            "s_run_rr": (0.0, ("s_run_p_dev", "s_run_p"))}
 #: ``--shape deviation``: the deviation alone (no amplitude or area), the V grid without their weights
 DEVIATION_ONLY = {"v_amp": (0.0,), "v_area": (0.0,), "v_width": (0.0,), "v_wide": (np.inf,)}
 
@@ -115,15 +131,16 @@ def se_ppv(c: list) -> tuple[float, float]:
 
 
 def grid_of(base: ClassParams, grid: dict) -> list[ClassParams]:
-    """The grid's rules, in order, each once: with ``v_dev`` off its ``v_dev_z`` is that of the first, with
-    ``v_z_early`` off its gates (:data:`EARLY_GATES`) are those of the first (the
-    same rule; the first of equal rules is the one chosen)."""
+    """The grid's rules, in order, each once: with ``v_dev`` off its ``v_dev_z`` is that of the first, with a
+    switch of :data:`SWITCHES` off (``v_z_early``, ``v_aberrant_premature``, ``v_sinus_p_dev``) its gates are
+    those of the first (the same rule; the first of equal rules is the one chosen)."""
     out = [replace(base, **dict(zip(grid, v))) for v in itertools.product(*grid.values())]
     if "v_dev_z" in grid:
         out = [q for q in out if q.v_dev < np.inf or q.v_dev_z == grid["v_dev_z"][0]]
-    if "v_z_early" in grid:  # (with v_z_early off its gates are those of the first)
-        first = {g: grid[g][0] for g in EARLY_GATES if g in grid}
-        out = [q for q in out if q.v_z_early < np.inf or all(getattr(q, g) == v for g, v in first.items())]
+    for switch, (off, gates) in SWITCHES.items():  # (with a switch off its gates are those of the first)
+        if switch in grid:
+            first = {g: grid[g][0] for g in gates if g in grid}
+            out = [q for q in out if getattr(q, switch) != off or all(getattr(q, g) == v for g, v in first.items())]
     return out
 
 

@@ -277,7 +277,8 @@ def test_a_recording_of_many_v_beats_keeps_its_normal_spread(rng=np.random.defau
 
 def test_compensation_keeps_an_aberrant_atrial_beat_from_v():
     """An early beat of a changed QRS with a non-compensatory pause (it resets the sinus rhythm) is V without the
-    compensation gate and S with it; one with a full compensatory pause stays V."""
+    compensation gates and S with them (that of the early criterion and that of the early-regular path); one
+    with a full compensatory pause stays V."""
     peaks, rows, kind = _stream()
     s = np.flatnonzero(kind == "S")
     rows = rows.copy()
@@ -285,7 +286,8 @@ def test_compensation_keeps_an_aberrant_atrial_beat_from_v():
     f = C.features(rows, C.template(rows, FS, PRE), FS, PRE)
     rec = np.zeros(len(peaks), np.int64)
     plain, timing = C.classify({0: peaks}, peaks, rec, f, FS, C.ClassParams(v_z_alone=np.inf))
-    gated, _ = C.classify({0: peaks}, peaks, rec, f, FS, C.ClassParams(v_z_alone=np.inf, v_compensation=1.8))
+    gated, _ = C.classify({0: peaks}, peaks, rec, f, FS, C.ClassParams(v_z_alone=np.inf, v_compensation=1.8,
+                                                                      v_early_compensation=1.8))
     comp = (timing["rr_prev_s"] + timing["rr_next_s"]) / timing["local_rr_s"]
     inner = s[(s > 25) & (s < len(peaks) - 25)]
     assert (plain[inner] == "V").all() and (comp[inner] < 1.8).all()
@@ -454,8 +456,8 @@ def test_the_early_regular_path_of_the_rule():
                        v_early_compensation=1.8)
     # (the path off: the shape z is below v_z; the last beat, of the usual QRS, is premature without the sinus P: S)
     np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(v_z_early=np.inf)), np.asarray(list("NNNNNNS")))
-    # the defaults: the path on, the P deviation's gate off
-    np.testing.assert_array_equal(C.judge(dev, z, timing), np.asarray(list("VNVNNNS")))
+    # the defaults: the path on, the P deviation's and the compensatory pause's gates off
+    np.testing.assert_array_equal(C.judge(dev, z, timing), np.asarray(list("VNVVNNS")))
     np.testing.assert_array_equal(C.judge(dev, z, timing, on), np.asarray(list("VNNNNNS")))
     # each gate off lets its beat through
     np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(**{**on.to_dict(), "v_early_p_dev": -np.inf})),
@@ -467,3 +469,96 @@ def test_the_early_regular_path_of_the_rule():
     # without the P windows the P deviation counts as the sinus P wave's: the gate keeps every beat N
     no_p = {k: v for k, v in timing.items() if k != "p_deviation"}
     np.testing.assert_array_equal(C.judge(dev, z, no_p, on), np.asarray(list("NNNNNNS")))
+
+
+def _wide_beats(n, z0, area, wide=20.0):
+    """Shape z rows of beats unlike the template by their width (z ``wide``: above ``v_z_alone`` with ``v_width``
+    1), their deviation's and area's z ``z0`` and ``area``."""
+    z = np.zeros((n, 4))
+    z[:, 0], z[:, 2], z[:, 3] = z0, area, wide
+    return z
+
+
+def _timing(prem, pause, irr, pdev=None, long_prem=None, local=0.8):
+    prem, pause = np.asarray(prem, float), np.asarray(pause, float)
+    n = len(prem)
+    loc = np.full(n, local)
+    t = {"prematurity": prem, "pause": pause, "irregularity": np.broadcast_to(np.asarray(irr, float), (n,)).copy(),
+         "rr_prev_s": (1 - prem) * loc, "rr_next_s": pause * loc, "local_rr_s": loc}
+    if pdev is not None:
+        t["p_deviation"] = np.asarray(pdev, float)
+    if long_prem is not None:
+        t["long_prematurity"] = np.asarray(long_prem, float)
+    return t
+
+
+def test_the_aberrant_gate_of_the_rule():
+    """Wide (the width's z 20: V by the shape alone), its deviation's and area's z low: very early, before no
+    compensatory pause (the sinus node reset), in a regular enough rhythm, an aberrated atrial beat: not V with
+    ``v_aberrant_premature`` 0.45 (of the usual QRS correlation, premature with a changed P wave: S); each gate
+    it fails keeps a beat V (a compensatory pause; less early; an irregular rhythm; a deviation's z above
+    ``v_aberrant_z``; the next beat early too, with ``v_aberrant_pause`` 0.8)."""
+    #        aberrated  pause  less early  irregular  z 7   next early
+    prem = [0.5, 0.5, 0.3, 0.5, 0.5, 0.5]
+    pause = [1.1, 1.5, 1.3, 1.1, 1.1, 0.5]
+    irr = [0.1, 0.1, 0.1, 0.4, 0.1, 0.1]
+    z0 = np.array([5.4, 5.4, 5.4, 5.4, 7.0, 5.4])
+    n = len(prem)
+    z = _wide_beats(n, 0.0, 2.0)
+    z[:, 0] = z0
+    dev = np.full(n, 0.25)
+    timing = _timing(prem, pause, irr, pdev=np.full(n, 1.0))
+    assert (C.judge(dev, z, timing, C.ClassParams(v_aberrant_premature=np.inf)) == "V").all()
+    on = C.ClassParams(v_aberrant_premature=0.45, v_aberrant_compensation=1.7, v_aberrant_irregular=0.3,
+                       v_aberrant_z=6.0, v_aberrant_pause=0.0)
+    np.testing.assert_array_equal(C.judge(dev, z, timing, on), np.asarray(list("SVVVVS")))
+    np.testing.assert_array_equal(C.judge(dev, z, timing, C.ClassParams(**{**on.to_dict(), "v_aberrant_pause": 0.8})),
+                                  np.asarray(list("SVVVVV")))
+
+
+def test_the_sinus_and_on_time_gates_of_the_rule():
+    """Wide (V by the shape alone), its deviation's and area's z low: after a sinus P wave (P deviation below
+    ``v_sinus_p_dev``) not V; on time, its deviation's z below ``v_ontime_z``, a P wave before it (below
+    ``v_ontime_p_dev``): not V; each gate it fails keeps a beat V (a changed or missing P wave, a deviation's z
+    too high, premature)."""
+    #                 sinus P  no P  P unknown  z 5   |  on time  z 3.5  premature  P changed
+    pdev = np.array([0.2, 1.2, np.nan, 0.2, 0.5, 0.5, 0.5, 1.2])
+    z0 = np.array([3.0, 3.0, 3.0, 5.0, 2.0, 3.5, 2.0, 2.0])
+    prem = np.array([0.3, 0.3, 0.3, 0.3, 0.0, 0.0, 0.2, 0.0])
+    n = len(pdev)
+    z = _wide_beats(n, 0.0, 1.0)
+    z[:, 0] = z0
+    dev = np.full(n, 0.35)  # (correlation 0.65: below s_corr, never S)
+    timing = _timing(prem, np.full(n, 1.4), 0.02, pdev=pdev)
+    off = C.ClassParams(v_sinus_p_dev=-np.inf, v_ontime_z=-np.inf)
+    assert (C.judge(dev, z, timing, off) == "V").all()
+    sinus = C.ClassParams(**{**off.to_dict(), "v_sinus_p_dev": 0.5, "v_sinus_z": 4.0})
+    np.testing.assert_array_equal(C.judge(dev, z, timing, sinus), np.asarray(list("NVVVVVVV")))
+    ontime = C.ClassParams(**{**off.to_dict(), "v_ontime_z": 3.0, "v_ontime_premature": 0.1, "v_ontime_p_dev": 0.9})
+    np.testing.assert_array_equal(C.judge(dev, z, timing, ontime), np.asarray(list("VVVVNVVV")))
+    # without the P windows neither gate acts
+    no_p = {k: v for k, v in timing.items() if k != "p_deviation"}
+    both = C.ClassParams(**{**sinus.to_dict(), "v_ontime_z": 3.0})
+    assert (C.judge(dev, z, no_p, both) == "V").all()
+
+
+def test_s_runs_carried_on():
+    """A run of atrial beats at its own rate: its first beat premature with a changed P wave (S), the next ones
+    not premature against a local RR the run sets, at the first one's rate with its P wave: S with ``s_run_rr``
+    0.1 (N with it off); a beat of another P wave ends the run, and so does one of another rate (the sinus beat
+    after the run), one of another QRS, and one as slow as the longer rhythm."""
+    #         sinus  S    run  run  other P  run?  |  S   run  slower | S  run  other QRS  run | S  not faster
+    prem = [0.0, 0.3, 0.0, 0.0, 0.0, 0.0, 0.3, 0.0, -0.4, 0.3, 0.0, 0.0, 0.0, 0.3, 0.0]
+    pdev = [0.05, 0.9, 0.9, 0.95, 0.2, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
+    lp = [0.0, 0.3, 0.1, 0.1, 0.1, 0.1, 0.3, 0.1, 0.1, 0.3, 0.1, 0.1, 0.1, 0.3, -0.01]  # (the run's below s_long)
+    n = len(prem)
+    t = _timing(prem, np.ones(n), 0.02, pdev=pdev, long_prem=lp)
+    t["rr_prev_s"] = np.where(np.arange(n) >= 1, 0.56, 0.8)  # (the run's rate; the local RR follows it)
+    t["rr_prev_s"][8] = 0.8
+    dev = np.full(n, 0.05)
+    dev[11] = 0.5  # (correlation 0.5: not the usual QRS)
+    z = np.zeros((n, 4))
+    off = C.ClassParams(s_run_rr=0.0)
+    np.testing.assert_array_equal(C.judge(dev, z, t, off), np.asarray(list("NSNNNNSNNSNNNSN")))
+    on = C.ClassParams(s_run_rr=0.1, s_run_p_dev=0.2, s_run_p=0.6)
+    np.testing.assert_array_equal(C.judge(dev, z, t, on), np.asarray(list("NSSSNNSSNSSNNSN")))

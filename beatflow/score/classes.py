@@ -51,17 +51,27 @@ narrower than the dominant beats' median).
   atrial beat resets the sinus node, a ventricular one does not); or, *early in a regular rhythm*, exceeds the
   lower ``v_z_early`` where the beat is premature by more than ``v_early_premature`` in a local rhythm of
   irregularity below ``v_early_irregular``, before a compensatory pause above ``v_early_compensation`` and,
-  where set, with a P deviation above ``v_early_p_dev`` (no sinus P wave before it; off by default: three
-  folds of five left it off): a narrow ventricular beat deviates less than a wide one, and in atrial
-  fibrillation, irregular, an aberrant N beat is as early and as unlike the template;
+  where set, with a P deviation above ``v_early_p_dev`` (no sinus P wave before it; off by default: no fold
+  chose it): a narrow ventricular beat deviates less than a wide one, and in atrial
+  fibrillation, irregular, an aberrant N beat is as early and as unlike the template; but not V, whatever its
+  width, where its deviation's z is below ``v_ontime_z``, it is premature by less than ``v_ontime_premature``
+  and its P deviation is below ``v_ontime_p_dev`` (on time after a P wave, its correlation with the template
+  barely lower than the usual beats': a fusion beat or a normal one of changed conduction, 208's and 209's
+  wide N and F beats), nor, off by default (no majority of folds chose them), where its deviation's and
+  area's z are both below ``v_aberrant_z`` and it is premature by more than ``v_aberrant_premature`` in a
+  local rhythm of irregularity below ``v_aberrant_irregular`` before no compensatory pause (below
+  ``v_aberrant_compensation``, its next interval above ``v_aberrant_pause`` of the local RR: an aberrated
+  atrial beat resets the sinus node), or where both are below ``v_sinus_z`` after a sinus P wave (a P
+  deviation below ``v_sinus_p_dev``);
 * **S**: not V, its QRS correlating above ``s_corr`` with the template, in a regular local rhythm
   (irregularity below ``s_irregular``), and (a) premature by more than ``s_premature`` and by more than
   ``s_spread`` times the local irregularity (earlier than the beat-to-beat variation around it explains),
   with a P deviation above ``s_p_dev``; or (b) premature by more than ``s_premature_p`` and ``s_spread`` times
   the irregularity with an S score above ``s_score_min`` (less early, but its P wave changed); or (c) long
   premature by more than ``s_long`` with a P deviation above ``s_p_long`` (within a run of ectopic atrial or
-  junctional beats: faster than the rhythm around the run, without the sinus P wave). Where the P windows
-  are not given (:func:`classify` of the shape alone) only (a), without its P-wave condition;
+  junctional beats: faster than the rhythm around the run, without the sinus P wave); off by default (it
+  lowered the folds' held-out S), a run carried on from an S beat (:func:`_carry_runs`, ``s_run_rr``). Where
+  the P windows are not given (:func:`classify` of the shape alone) only (a), without its P-wave condition;
 * **N**: the rest. F (fusion) and Q (paced, unclassifiable) are never assigned: a fusion beat lies between
   the patient's N and V shapes, and no rule here separates it from either (their beats are counted in the
   evaluation under the class they are assigned).
@@ -112,11 +122,21 @@ class ClassParams:
     v_pause: float = 1.1
     v_irregular: float = np.inf
     v_compensation: float = 0.0
-    v_z_early: float = 4.0
-    v_early_premature: float = 0.15
-    v_early_irregular: float = 0.1
+    v_z_early: float = 3.0
+    v_early_premature: float = 0.1
+    v_early_irregular: float = 0.2
     v_early_p_dev: float = -np.inf
-    v_early_compensation: float = 1.8
+    v_early_compensation: float = 0.0
+    v_aberrant_premature: float = np.inf
+    v_aberrant_compensation: float = 1.6
+    v_aberrant_irregular: float = 0.3
+    v_aberrant_z: float = 6.0
+    v_aberrant_pause: float = 0.0
+    v_sinus_p_dev: float = -np.inf
+    v_sinus_z: float = 4.0
+    v_ontime_z: float = 3.0
+    v_ontime_premature: float = 0.1
+    v_ontime_p_dev: float = 0.9
     s_premature: float = 0.15
     s_irregular: float = 0.15
     s_spread: float = 1.0
@@ -130,6 +150,9 @@ class ClassParams:
     long_beats: int = 150
     s_long: float = 0.15
     s_p_long: float = 0.6
+    s_run_rr: float = 0.0
+    s_run_p_dev: float = 0.2
+    s_run_p: float = 0.6
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -460,6 +483,18 @@ def judge(dev: np.ndarray, z: np.ndarray, timing: dict, p: ClassParams = ClassPa
     v = (((dev > p.v_dev) & (z[:, 0] > p.v_dev_z))
          | ((dev > p.v_min_dev) & (((shape > p.v_z) & (early | (shape > p.v_z_alone) | (wide > p.v_wide)))
                                    | early_regular)))
+    # not V where only the width makes the QRS unlike the template (the deviation's and the area's z low) and
+    # the timing or the P wave says atrial: very early, in a rhythm regular enough to tell, before no
+    # compensatory pause (an aberrated atrial beat resets the sinus node); or after a sinus P wave
+    narrow = np.maximum(z[:, 0], z[:, 2])
+    v &= ~((prem > p.v_aberrant_premature) & (comp < p.v_aberrant_compensation) & (pause > p.v_aberrant_pause)
+           & (irr < p.v_aberrant_irregular) & (narrow < p.v_aberrant_z))
+    if "p_deviation" in timing:  # (a missing P deviation is no sinus P wave)
+        p_seen = np.nan_to_num(np.asarray(timing["p_deviation"], np.float64), nan=np.inf)
+        v &= ~((p_seen < p.v_sinus_p_dev) & (narrow < p.v_sinus_z))
+        # on time, its correlation with the template barely lower than the usual beats', a P wave before it: a
+        # fusion or a normal beat of changed conduction, not V, however wide
+        v &= ~((z[:, 0] < p.v_ontime_z) & (prem < p.v_ontime_premature) & (p_seen < p.v_ontime_p_dev))
     normal = ~v & (1.0 - dev > p.s_corr) & (irr < p.s_irregular)
     early_s = prem > np.maximum(p.s_premature, p.s_spread * irr)
     if "p_deviation" in timing:  # (without the P wave: the timing alone)
@@ -468,10 +503,35 @@ def judge(dev: np.ndarray, z: np.ndarray, timing: dict, p: ClassParams = ClassPa
         if "long_prematurity" in timing:
             early_s |= (np.nan_to_num(timing["long_prematurity"], nan=0.0) > p.s_long) & (pdev > p.s_p_long)
     s = normal & early_s
+    if p.s_run_rr > 0 and "p_deviation" in timing:
+        s = _carry_runs(s, normal, timing, p)
     out = np.full(len(dev), "N", dtype="<U1")
     out[v] = "V"
     out[s] = "S"
     return out
+
+
+def _carry_runs(s: np.ndarray, normal: np.ndarray, timing: dict, p: ClassParams) -> np.ndarray:
+    """``s`` with the runs carried on: a beat of the usual QRS in a regular rhythm (``normal``) right after an S
+    beat (the beats in peak order) is S where its RR interval is within ``s_run_rr`` (a fraction) of the S beat's,
+    its P deviation within ``s_run_p_dev`` of the S beat's and above ``s_run_p`` (the same ectopic P wave or none)
+    and it is faster than the longer rhythm (long prematurity above 0): an atrial or junctional run goes on at
+    its own rate, after its first beats the local RR is the run's own, and only the P wave and the rate tell."""
+    rr = np.asarray(timing["rr_prev_s"], np.float64)
+    pd = np.asarray(timing["p_deviation"], np.float64)
+    n = len(s)
+    cand = np.zeros(n, bool)
+    if n > 1:
+        with np.errstate(all="ignore"):
+            cand[1:] = (np.abs(rr[1:] / rr[:-1] - 1.0) < p.s_run_rr) & (np.abs(pd[1:] - pd[:-1]) < p.s_run_p_dev)
+    cand &= normal & (np.nan_to_num(pd, nan=-np.inf) > p.s_run_p)
+    if "long_prematurity" in timing:
+        cand &= np.nan_to_num(np.asarray(timing["long_prematurity"], np.float64), nan=0.0) > 0.0
+    # S where S or a candidate whose block of consecutive candidates begins at (or holds, before it) an S beat
+    idx = np.arange(n)
+    start = np.maximum.accumulate(np.where(~cand, idx, 0)) if n else idx
+    cs = np.concatenate([[0], np.cumsum(s)])
+    return s | (cand & (cs[idx + 1] - cs[start] > 0))
 
 
 def s_score(timing: dict, p: ClassParams = ClassParams()) -> np.ndarray:
