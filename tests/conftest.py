@@ -20,6 +20,8 @@ for _var, _prefix in (("BEATFLOW_CACHE_DIR", "beatflow-engine-cache-"), ("BEATFL
         _THROWAWAY.append(os.environ[_var])
 # no run cache (`beatflow run --cache`'s default folder) unless a test names one
 os.environ.setdefault("BEATFLOW_CACHE", "off")
+# no background Prefect server left behind by a test's run (tests/test_run_start.py tests it on its own data folders)
+os.environ.setdefault("BEATFLOW_API_LINGER_S", "0")
 
 
 def pytest_sessionfinish(session, exitstatus):

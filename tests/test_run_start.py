@@ -124,3 +124,126 @@ def test_plain_run_uses_the_early_server_and_the_default_cache(tmp_path):
     assert [ln for ln in cached if "Task run 'train-vae-" in ln], cached
     a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("a", "b"))
     assert a["train_loss"] == b["train_loss"] and a["anomalies_flagged"] == b["anomalies_flagged"]
+
+
+# --- the background server: started by one run, used by the next, gone once idle -----------------------
+
+@pytest.mark.parametrize("raw, value", [("", api_server.DEFAULT_LINGER_S), ("0", 0.0), (" 30 ", 30.0), ("1.5", 1.5)])
+def test_linger_from_the_environment(raw, value, monkeypatch):
+    monkeypatch.setenv(api_server.LINGER_VAR, raw)
+    assert api_server.linger_s() == value
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1", "inf", "nan"])
+def test_a_bad_linger_is_one_clear_error(raw, monkeypatch):
+    from beatflow.errors import InputError
+
+    monkeypatch.setenv(api_server.LINGER_VAR, raw)
+    with pytest.raises(InputError, match=rf"^BEATFLOW_API_LINGER_S='{re.escape(raw)}': not a number of seconds"):
+        api_server.linger_s()
+
+
+@pytest.fixture
+def data_folder(tmp_path, monkeypatch):
+    """A data folder and a Prefect home of its own; every background server started in it is stopped."""
+    monkeypatch.setenv("BEATFLOW_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    started = []
+    yield tmp_path / "data", started
+    import psutil
+
+    for pid in started:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+
+
+def _gone(pid: int, within: float) -> bool:
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_the_background_server_is_used_again_then_stops_when_idle(data_folder, monkeypatch):
+    import time
+
+    folder, started = data_folder
+    first = api_server.background(linger=3.0)
+    started.append(first.state["pid"])
+    url = first.wait()
+    assert _answers(url) and first.proc is not None
+    assert os.getpgid(first.state["pid"]) == first.state["pid"]  # a session of its own: a Ctrl-C does not reach it
+    first.stop()
+    second = api_server.background(linger=3.0)  # the same server, at once
+    assert second.proc is None and second.state["pid"] == first.state["pid"] and second.wait(timeout=5) == url
+    assert second.ready_after_s < 1.0
+    time.sleep(5.0)  # longer than its linger: the lease held keeps it up
+    assert _answers(url)
+    second.stop()
+    assert _gone(first.state["pid"], within=15.0)  # no lease: it stops after its linger
+    assert not (folder / api_server.STATE_NAME).exists() and not Path(first.state["lease"]).exists()
+    third = api_server.background(linger=3.0)  # a new one
+    started.append(third.state["pid"])
+    assert third.proc is not None and third.state["pid"] != first.state["pid"]
+    third.wait()
+    third.stop()
+
+
+def test_a_dead_or_foreign_background_server_is_not_used(data_folder, monkeypatch):
+    folder, started = data_folder
+    first = api_server.background(linger=60.0)
+    started.append(first.state["pid"])
+    first.wait()
+    first.stop()
+    monkeypatch.setattr(api_server, "server_key", lambda: "another-python")  # another Python, Prefect or database
+    other = api_server.background(linger=60.0)
+    started.append(other.state["pid"])
+    assert other.proc is not None and other.state["pid"] != first.state["pid"]
+    other.wait()
+    other.stop()
+    import psutil
+
+    psutil.Process(other.state["pid"]).kill()  # killed: its state file stays, naming a dead process
+    assert _gone(other.state["pid"], within=10.0)
+    assert (folder / api_server.STATE_NAME).exists()
+    third = api_server.background(linger=60.0)
+    started.append(third.state["pid"])
+    assert third.proc is not None and third.state["pid"] not in (first.state["pid"], other.state["pid"])
+    assert third.wait() == third.api_url
+    third.stop()
+
+
+def test_two_plain_runs_share_the_background_server(tmp_path):
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_PROFILE")}
+    env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(tmp_path / "prefect"), BEATFLOW_DATA_DIR=str(tmp_path / "data"),
+               BEATFLOW_NO_SERVICE="1", BEATFLOW_API_LINGER_S="120")
+    urls = []
+    try:
+        for name in ("a", "b"):
+            run = subprocess.run([sys.executable, "-m", "beatflow.cli", "run", "--hours", "0.05", "--epochs", "1",
+                                  "--device", "cpu", "--workers", "1", "--out", str(tmp_path / name), "--verbose"],
+                                 capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+            assert run.returncode == 0, run.stderr[-3000:]
+            log = run.stdout + run.stderr
+            urls.append(re.search(r"Prefect API (http://127\.0\.0\.1:\d+/api): the background server \((started by "
+                                  r"this run|pid \d+)", log))
+            assert (tmp_path / name / "summary.json").is_file()
+        assert urls[0].group(2) == "started by this run" and urls[1].group(2).startswith("pid ")
+        assert urls[0].group(1) == urls[1].group(1) and _answers(urls[0].group(1))  # still up for the next run
+    finally:
+        state = api_server._read(tmp_path / "data" / api_server.STATE_NAME)
+        if state is not None:
+            psutil.Process(state["pid"]).kill()

@@ -43,8 +43,9 @@ def prefect_api(url: str | None = None, standing: bool = False, early=None):
         url = early.wait()
         import sys
 
-        print(f"beatflow: Prefect API {url}: the run's temporary server, ready {early.ready_after_s:.1f} s after its "
-              "start", file=sys.stderr, flush=True)  # (standard error: the run's log)
+        what = getattr(early, "description", "the run's temporary server")
+        print(f"beatflow: Prefect API {url}: {what}, ready {early.ready_after_s:.1f} s after the command asked for it",
+              file=sys.stderr, flush=True)  # (standard error: the run's log)
     elif not url:
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         server = _server_class(ephemeral=not standing)()
