@@ -215,15 +215,20 @@ def cmd_score(args) -> int:
     service = _find_service(args)
     with RunLog("score", verbose=args.verbose) as log:
         on_interrupt("claims", release_claims, at_once=True)  # an item being scored goes back to the inbox
-        with _long_lived_imports():
-            from beatflow.pipeline.inbox_flow import score_new_recordings
-            from beatflow.pipeline.cluster import prefect_api
+        early = _early_api_server(service)
+        try:
+            with _long_lived_imports():
+                from beatflow.pipeline.inbox_flow import score_new_recordings
+                from beatflow.pipeline.cluster import prefect_api
 
-        log.show_progress()
-        with prefect_api(service["api_url"] if service else None):
-            res = score_new_recordings(inbox=args.inbox, store=args.store, fs=args.fs, lead=args.lead,
-                                       column=args.column, confirm_lead=args.confirm_lead,
-                                       confirm_column=args.confirm_column)
+            log.show_progress()
+            with prefect_api(service["api_url"] if service else None, early=early):
+                res = score_new_recordings(inbox=args.inbox, store=args.store, fs=args.fs, lead=args.lead,
+                                           column=args.column, confirm_lead=args.confirm_lead,
+                                           confirm_column=args.confirm_column)
+        finally:
+            if early is not None:
+                early.stop()
         log.stop_status()
         done_interrupt("claims")
     for r in res["processed"]:
