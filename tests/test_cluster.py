@@ -59,6 +59,37 @@ def test_workers_start_without_eager_malloc_trimming(monkeypatch):
         assert list(client.run(_preloaded).values()) == [True]
 
 
+def _mark_at_exit(path):
+    import atexit
+    import os
+
+    atexit.register(lambda: open(path, "w").write("exited normally"))
+    return os.getpid()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_closing_worker_ends_its_process_at_once_when_asked(tmp_path, fast):
+    """The flow's own workers get BEATFLOW_WORKER_FAST_EXIT: their preload's teardown ends the process where
+    the worker's close is done with its nanny and scheduler, so no exit handler runs and the close does not
+    wait for the interpreter's (a GPU worker's) slow exit. Without it the worker exits as Dask's do."""
+    import psutil
+    from distributed import Client, LocalCluster
+
+    from beatflow.pipeline.cluster import worker_env
+    from beatflow.pipeline.worker_preload import FAST_EXIT_VAR
+
+    env = worker_env()
+    assert env[FAST_EXIT_VAR] == "1"
+    if not fast:
+        env.pop(FAST_EXIT_VAR)
+    mark = tmp_path / "exit-mark"
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None, env=env,
+                      preload=["beatflow.pipeline.worker_preload"]) as cluster, Client(cluster) as client:
+        pid = list(client.run(_mark_at_exit, str(mark)).values())[0]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert mark.exists() is (not fast)
+
+
 def test_transfer_counters_are_per_run_on_long_lived_workers():
     """A worker of an existing cluster serves run after run: each run reports its own device-to-host bytes."""
     from beatflow import device as bk

@@ -140,10 +140,13 @@ def gpu_worker_env(env: dict[str, str], pool) -> dict[str, str]:
 
 
 def worker_env() -> dict[str, str]:
-    """Environment for Dask worker processes: the flow's Prefect API, quiet analytics, one BLAS thread."""
+    """Environment for Dask worker processes: the flow's Prefect API, quiet analytics, one BLAS thread, and a
+    quick exit when the cluster closes (:func:`beatflow.pipeline.worker_preload.dask_teardown`)."""
     from prefect.settings import get_current_settings
 
-    env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1"}
+    from beatflow.pipeline.worker_preload import FAST_EXIT_VAR
+
+    env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1", FAST_EXIT_VAR: "1"}
     if os.environ.get("BEATFLOW_RUN_LOG"):  # (beatflow.terminal.RunLog: the workers' output goes there)
         env["BEATFLOW_RUN_LOG"] = os.environ["BEATFLOW_RUN_LOG"]
     url = get_current_settings().api.url

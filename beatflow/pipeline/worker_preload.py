@@ -20,6 +20,8 @@ import gc
 
 #: the modules a CPU worker starts importing at once, in a thread (:data:`WARM_IMPORTS_VAR`)
 WARM_IMPORTS_VAR = "BEATFLOW_WORKER_IMPORTS"
+#: set (to 1) in the workers' environment by the flow's own clusters: a closing worker ends its process at once
+FAST_EXIT_VAR = "BEATFLOW_WORKER_FAST_EXIT"
 
 
 def dask_setup(worker) -> None:  # noqa: ARG001  (Dask's preload hook)
@@ -37,3 +39,25 @@ def dask_setup(worker) -> None:  # noqa: ARG001  (Dask's preload hook)
 
     for name in filter(None, os.environ.get(WARM_IMPORTS_VAR, "").split(",")):
         import_in_background(name)
+
+
+def dask_teardown(worker) -> None:  # noqa: ARG001  (Dask's preload hook: the worker is closing)
+    """With :data:`FAST_EXIT_VAR` set, end the worker's process now.
+
+    Dask calls this once the worker has told its nanny and scheduler that it closes and has removed its
+    plugins; what is left of its close is its comms and thread pools, then the interpreter's exit. A GPU
+    worker's exit (CUDA's and PyTorch's teardown, Inductor's compile processes) outlasted the nanny's 4 s,
+    so every run's close waited 4 s and ended in a kill ("Worker process still alive after 4.0 seconds,
+    killing"). The flow's outputs are written by then, and a worker keeps nothing a later run could use.
+    """
+    import os
+    import sys
+
+    if os.environ.get(FAST_EXIT_VAR) != "1":
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
