@@ -459,3 +459,32 @@ def test_graphed_buckets_fall_back_to_launching_when_capture_fails(monkeypatch):
     assert calls == [(8, 4)] and torch.equal(s, x.sum(dim=1)) and torch.equal(mu, x[:, :2])
     s, _ = g(x, 8)  # the failure is remembered: no second capture attempt, no second warning
     assert calls == [(8, 4), (8, 4)] and torch.equal(s, x.sum(dim=1))
+
+
+# --- the GPU engine's warm-up: once per width and process, waited for by the engine stage ---------------
+
+def test_the_engine_warmup_runs_once_per_width_and_is_waited_for(monkeypatch):
+    import threading
+    import time
+
+    from beatflow.engine import cache
+
+    calls, gate = [], threading.Event()
+
+    def fake_warm(width):
+        calls.append(width)
+        gate.wait(10)
+        if width == 136:
+            raise RuntimeError("no GPU here")  # a failing warm-up stays quiet: the engine stage reports for itself
+        return {}
+
+    monkeypatch.setattr(cache, "warm_gpu_engine", fake_warm)
+    monkeypatch.setattr(cache, "_WARMUPS", {})
+    assert cache.start_gpu_warmup(256) is True
+    assert cache.start_gpu_warmup(256) is False  # the same width: started before
+    assert cache.start_gpu_warmup(136) is True
+    t0 = time.perf_counter()
+    threading.Timer(0.3, gate.set).start()
+    cache.wait_gpu_warmup()
+    assert time.perf_counter() - t0 >= 0.25  # it waited for both to end
+    assert sorted(calls) == [136, 256] and not any(t.is_alive() for t in cache._WARMUPS.values())

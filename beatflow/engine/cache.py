@@ -448,6 +448,8 @@ def build_or_load_engine(model_path: str, validation_beats: np.ndarray, *, backe
     """
     check_precision(precision)
     dev = normalize_device(device)
+    if dev != "cpu":
+        wait_gpu_warmup()  # (one compile at a time in a process)
     first = resolve_backend(backend, precision, dev)
     if backend != "auto" or dev == "cpu":
         return _build_or_load(model_path, validation_beats, first, precision, dev, cache_dir, threads, batch_profile)
@@ -709,3 +711,38 @@ def warm_gpu_engine(width: int = 256, buckets=(8192,), compile: bool = True, dev
         shutil.rmtree(folder, ignore_errors=True)
     out["compile"] = time.perf_counter() - t
     return out
+
+
+#: the engine warm-ups started in this process (:func:`start_gpu_warmup`), by width
+_WARMUPS: dict = {}
+_WARMUPS_LOCK = threading.Lock()
+
+
+def start_gpu_warmup(width: int) -> bool:
+    """Run :func:`warm_gpu_engine` for ``width`` in a thread of this process (a GPU worker), once per width
+    and process; False where one was started before. The flow starts it on the worker that builds the
+    engine as soon as the input's width is known, so that the one-time costs of the engine stage (5-7 s of
+    probes and Inductor's imports, the first compile) run beside segmentation, embedding and training."""
+    with _WARMUPS_LOCK:
+        if width in _WARMUPS:
+            return False
+        t = threading.Thread(target=_warm_quietly, args=(int(width),), daemon=True, name=f"beatflow-engine-warm-{width}")
+        _WARMUPS[width] = t
+        t.start()
+        return True
+
+
+def _warm_quietly(width: int) -> None:
+    try:
+        warm_gpu_engine(width)
+    except Exception as e:  # (a warm-up only: the engine stage does the same work and reports what fails)
+        logging.getLogger("beatflow").debug("engine warm-up for width %d: %s", width, e)
+
+
+def wait_gpu_warmup(timeout: float = 300.0) -> None:
+    """Wait for this process's engine warm-ups (:func:`start_gpu_warmup`) to end: the engine stage's own
+    compile must not run beside one."""
+    with _WARMUPS_LOCK:
+        threads = list(_WARMUPS.values())
+    for t in threads:
+        t.join(timeout)

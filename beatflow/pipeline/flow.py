@@ -263,6 +263,8 @@ def _load(run: _Run) -> _Loaded:
                               confirm_column=o.confirm_column)
     fs = source.fs
     s = SegmentParams().samples(fs)
+    if o.device == "gpu":  # the engine's imports and first compile, beside the stages before it
+        T.start_engine_warmup(s.width)
     q = SecondLeadParams().samples(fs) if second is not None else None
     quality = QualityParams().samples(fs)
     if quality.halo > s.halo:  # (the quality windows' decisions must fit in the detection's halo)

@@ -385,7 +385,10 @@ def fit_model(embedded: list, folder: str, epochs: int, batch_size: int, seed: i
     things only (see ``fit_beats``), and the task's wall-clock span.
     """
     t_start = time.time()
+    from beatflow.engine.cache import wait_gpu_warmup
     from beatflow.model.train import fit_beats
+
+    wait_gpu_warmup()  # (the engine's warm-up, where one runs on this GPU worker, ends before training captures its graphs)
 
     out = fit_beats(embedded, folder, epochs=epochs, batch_size=batch_size, seed=seed, threads=threads,
                     recordings=recordings, n_rows_sample=n_rows_sample, train_precision=train_precision,
@@ -450,6 +453,21 @@ def engine_for(model_path: str, validation_path: str, threads: int, device: str 
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return {**info, "warnings": [str(w.message) for w in caught if issubclass(w.category, EngineCacheWarning)],
             "task_span": (t_start, time.time())}
+
+
+def start_engine_warmup(width: int) -> bool:
+    """On the GPU: the engine stage's one-time costs (:func:`beatflow.engine.cache.start_gpu_warmup`) started
+    now on the home worker, where the engine is built, and not waited for. False where the cluster has no
+    worker yet."""
+    from beatflow.engine.cache import start_gpu_warmup
+    from beatflow.pipeline.cluster import home_worker
+
+    client = _client()
+    home = home_worker(client)
+    if home is None:
+        return False
+    client.run(start_gpu_warmup, int(width), workers=[home], wait=False)
+    return True
 
 
 @partition_task(name="build-engine")
