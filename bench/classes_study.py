@@ -55,18 +55,21 @@ V_GRID = {"z_low": (0.25,), "v_dev": (np.inf,), "v_dev_z": (1.0,), "v_min_dev": 
 S_GRID = {"s_premature": (0.15,), "s_irregular": (0.15,), "s_corr": (0.7, 0.8), "s_spread": (1.0, 2.0),
           "irregular_beats": (16,), "p_before_s": (0.25,), "s_p_dev": (0.1,),
           "s_score_min": (0.6, 0.7), "s_score_p": (0.5,),
-          "s_premature_p": (0.0,), "s_long": (0.15, 0.2),
+          "s_premature_p": (0.0,), "s_long": (0.15, 0.2), "long_beats": (150,),
           "s_p_long": (0.4, 0.6), "s_run_rr": (0.0,), "s_run_p_dev": (0.2,), "s_run_p": (0.6,),
           "episode_beats": (31,), "s_af_p": (np.inf, 0.5, 0.6), "s_af_irregular": (0.1, 0.12),
           "s_long_alone": (np.inf, 0.3, 0.35)}
 # (also searched, no fold choosing them: s_irregular 0.2 and 0.3, p_before_s 0.2, s_p_dev off, s_score_min off
 # and 0.5, s_long off and 0.1, s_p_long 0.9; and S runs carried on, s_run_rr 0.1 and 0.15 with s_run_p_dev 0.2
 # and 0.3 and s_run_p 0.5 and 0.6, chosen by 4 folds of 5 but lowering the pooled held-out S; with the AF gate,
+# long_beats 300 (chosen by 4 folds of 5, lowering the pooled held-out S), s_p_dev 0.2 and 0.3, s_premature 0.2,
+# s_score_min 0.8 (the pooled held-out S no higher),
 # episode_beats 61, s_af_p 0.4, s_af_irregular 0.08, s_long_alone 0.25 and 0.4, s_irregular 0.2 and 0.3 (chosen by
 # some folds, lowering the pooled held-out S) and a QRS-width gate on S (width z above 3 or 5, no fold chose it):
 # see bench/results/accuracy.md)
 GRID = {**V_GRID, **S_GRID}
-EPISODE_BEATS = GRID["episode_beats"]
+#: the parameters of the timing itself (:func:`features` computes it for each combination of their values)
+TIMING = ("irregular_beats", "p_before_s", "episode_beats", "long_beats")
 #: the gates of the early-in-a-regular-rhythm V path (inert while ``v_z_early`` is off)
 EARLY_GATES = ("v_early_premature", "v_early_irregular", "v_early_p_dev", "v_early_compensation")
 #: each switch (off at ``off``) and the gates that are inert while it is off
@@ -110,22 +113,21 @@ def features(stem: str, shape: str = "features") -> dict:
     fs, f = float(c["fs"]), c["f"]
     dev = f[:, 0] if f.ndim == 2 else f
     timing = {}
-    for k in GRID["irregular_beats"]:
-        t = rhythm(c["peaks"], c["kept_peak"], fs, ClassParams(irregular_beats=k))
+    for k, lb in itertools.product(GRID["irregular_beats"], GRID["long_beats"]):
+        t = rhythm(c["peaks"], c["kept_peak"], fs, ClassParams(irregular_beats=k, long_beats=lb))
         dom = on_time(dev, t)
         for pb in GRID["p_before_s"]:
             win = pre_qrs(c["signal"], 0, c["kept_peak"], fs, ClassParams(p_before_s=pb))
             tp = {**t, "p_deviation": p_wave(win, dom)}
-            for e in EPISODE_BEATS:
-                timing[k, pb, e] = {**tp, **episode(tp, ClassParams(episode_beats=e))}
+            for e in GRID["episode_beats"]:
+                timing[k, pb, e, lb] = {**tp, **episode(tp, ClassParams(episode_beats=e))}
     z = {q: shape_z(f, None, ClassParams(z_low=q)) for q in GRID["z_low"]}
     return {"name": str(c["name"]), "label": c["label"], "dev": dev, "z": z, "timing": timing}
 
 
 def timing_of(r: dict, p: ClassParams) -> dict:
-    """The record's timing (:func:`features`) for the rule's ``irregular_beats``, ``p_before_s`` and
-    ``episode_beats``."""
-    return r["timing"][p.irregular_beats, p.p_before_s, p.episode_beats]
+    """The record's timing (:func:`features`) for the rule's :data:`TIMING` parameters."""
+    return r["timing"][tuple(getattr(p, k) for k in TIMING)]
 
 
 def counts(recs: list[dict], p: ClassParams, only: str = "NSV") -> dict:
