@@ -15,6 +15,10 @@ by a rule chosen without it) with the ROC-AUC of S against N of :func:`~beatflow
 record's held-out counts and those of the defaults.
 
     python bench/classes_study.py [--data ../shared/data/mitdb] [--folds 5] [--seed 0] [--shape deviation]
+                                  [--set NAME=V1,V2 ...]
+
+``--set s_af_p=inf`` searches ``s_af_p`` off alone, ``--set long_beats=150,300`` two long windows (each
+value's timing is computed): a row of the "what was tried" table of ``bench/results/accuracy.md``.
 """
 from __future__ import annotations
 
@@ -173,7 +177,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shape", choices=("features", "deviation"), default="features",
                     help="the beats' shape: deviation, amplitude and area (the flow's), or the deviation alone")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=V1,V2",
+                    help="search these values of a threshold of the grids instead (repeatable; inf, -inf: off)")
     a = ap.parse_args(argv)
+    for item in a.set:
+        name, _, values = item.partition("=")
+        grid = V_GRID if name in V_GRID else S_GRID if name in S_GRID else None
+        if grid is None or not values:
+            ap.error(f"--set {item}: not NAME=V1,V2 of a threshold of the grids")
+        kind = type(getattr(ClassParams(), name))
+        grid[name] = GRID[name] = tuple(kind(float(v)) if kind is int else kind(v) for v in values.split(","))
     print_header("bench/classes_study.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     stems = [s for s in list_records(a.data) if Path(s).name not in PACED_RECORDS]
     recs = [features(s, a.shape) for s in stems]
