@@ -78,8 +78,9 @@ narrower than the dominant beats' median).
   the irregularity with an S score above ``s_score_min`` (less early, but its P wave changed); or (c) long
   premature by more than ``s_long`` with a P deviation above ``s_p_long`` (within a run of ectopic atrial or
   junctional beats: faster than the rhythm around the run, without the sinus P wave), or (d) long premature
-  by more than ``s_long_alone`` whatever its P wave (an atrial run or beat much faster than the rhythm on
-  both sides of it); but never within atrial fibrillation or flutter (AAMI: N), where the episode's P
+  by more than ``s_long_alone`` whatever its P wave (an atrial run or beat much faster than the rhythm around
+  it; a sustained step of the rate, a 2:1 block ending, calls the first beats after it S too, until the long
+  RR has followed it); but never within atrial fibrillation or flutter (AAMI: N), where the episode's P
   deviation exceeds ``s_af_p`` and its irregularity ``s_af_irregular`` (:func:`episode`); off by default (it
   lowered the folds' held-out S), a run carried on from an S beat (:func:`_carry_runs`, ``s_run_rr``). Where
   the P windows are not given (:func:`classify` of the shape alone) only (a), without its P-wave condition
