@@ -15,6 +15,10 @@ by a rule chosen without it) with the ROC-AUC of S against N of :func:`~beatflow
 record's held-out counts and those of the defaults.
 
     python bench/classes_study.py [--data ../shared/data/mitdb] [--folds 5] [--seed 0] [--shape deviation]
+                                  [--set NAME=V1,V2 ...]
+
+``--set s_af_p=inf`` searches ``s_af_p`` off alone, ``--set long_beats=150,300`` two long windows (each
+value's timing is computed): a row of the "what was tried" table of ``bench/results/accuracy.md``.
 """
 from __future__ import annotations
 
@@ -32,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_header, print_table  # noqa: E402
 from beatflow.params import SegmentParams  # noqa: E402
-from beatflow.score.classes import (FEATURES, ClassParams, judge, morphology, on_time, p_wave, pre_qrs, rhythm,  # noqa: E402
-                                    s_score, shape_z, template)
+from beatflow.score.classes import (FEATURES, ClassParams, episode, judge, morphology, on_time, p_wave,  # noqa: E402
+                                    pre_qrs, rhythm, s_score, shape_z, template)
 from beatflow.score.classes import features as shape_features  # noqa: E402
 from beatflow.score.evaluate import PACED_RECORDS, list_records, load_record, record_beats  # noqa: E402
 
@@ -55,13 +59,21 @@ V_GRID = {"z_low": (0.25,), "v_dev": (np.inf,), "v_dev_z": (1.0,), "v_min_dev": 
 S_GRID = {"s_premature": (0.15,), "s_irregular": (0.15,), "s_corr": (0.7, 0.8), "s_spread": (1.0, 2.0),
           "irregular_beats": (16,), "p_before_s": (0.25,), "s_p_dev": (0.1,),
           "s_score_min": (0.6, 0.7), "s_score_p": (0.5,),
-          "s_premature_p": (0.0,), "s_long": (0.15, 0.2),
-          "s_p_long": (0.4, 0.6), "s_run_rr": (0.0,), "s_run_p_dev": (0.2,), "s_run_p": (0.6,)}
+          "s_premature_p": (0.0,), "s_long": (0.15, 0.2), "long_beats": (150,),
+          "s_p_long": (0.4, 0.6), "s_run_rr": (0.0,), "s_run_p_dev": (0.2,), "s_run_p": (0.6,),
+          "episode_beats": (31,), "s_af_p": (np.inf, 0.5, 0.6), "s_af_irregular": (0.1, 0.12),
+          "s_long_alone": (np.inf, 0.3, 0.35)}
 # (also searched, no fold choosing them: s_irregular 0.2 and 0.3, p_before_s 0.2, s_p_dev off, s_score_min off
 # and 0.5, s_long off and 0.1, s_p_long 0.9; and S runs carried on, s_run_rr 0.1 and 0.15 with s_run_p_dev 0.2
-# and 0.3 and s_run_p 0.5 and 0.6, chosen by 4 folds of 5 but lowering the pooled held-out S: see
-# bench/results/accuracy.md)
+# and 0.3 and s_run_p 0.5 and 0.6, chosen by 4 folds of 5 but lowering the pooled held-out S; with the AF gate,
+# long_beats 300 (chosen by 4 folds of 5, lowering the pooled held-out S), s_p_dev 0.2 and 0.3, s_premature 0.2,
+# s_score_min 0.8 (the pooled held-out S no higher),
+# episode_beats 61, s_af_p 0.4, s_af_irregular 0.08, s_long_alone 0.25 and 0.4, s_irregular 0.2 and 0.3 (chosen by
+# some folds, lowering the pooled held-out S) and a QRS-width gate on S (width z above 3 or 5, no fold chose it):
+# see bench/results/accuracy.md)
 GRID = {**V_GRID, **S_GRID}
+#: the parameters of the timing itself (:func:`features` computes it for each combination of their values)
+TIMING = ("irregular_beats", "p_before_s", "episode_beats", "long_beats")
 #: the gates of the early-in-a-regular-rhythm V path (inert while ``v_z_early`` is off)
 EARLY_GATES = ("v_early_premature", "v_early_irregular", "v_early_p_dev", "v_early_compensation")
 #: each switch (off at ``off``) and the gates that are inert while it is off
@@ -70,7 +82,8 @@ SWITCHES = {"v_z_early": (np.inf, EARLY_GATES),
                                               "v_aberrant_z")),
             "v_sinus_p_dev": (-np.inf, ("v_sinus_z",)),
             "v_ontime_z": (-np.inf, ("v_ontime_premature", "v_ontime_p_dev")),
-            "s_run_rr": (0.0, ("s_run_p_dev", "s_run_p"))}
+            "s_run_rr": (0.0, ("s_run_p_dev", "s_run_p")),
+            "s_af_p": (np.inf, ("s_af_irregular",))}
 #: ``--shape deviation``: the deviation alone (no amplitude or area), the V grid without their weights
 DEVIATION_ONLY = {"v_amp": (0.0,), "v_area": (0.0,), "v_width": (0.0,), "v_wide": (np.inf,)}
 
@@ -104,20 +117,27 @@ def features(stem: str, shape: str = "features") -> dict:
     fs, f = float(c["fs"]), c["f"]
     dev = f[:, 0] if f.ndim == 2 else f
     timing = {}
-    for k in GRID["irregular_beats"]:
-        t = rhythm(c["peaks"], c["kept_peak"], fs, ClassParams(irregular_beats=k))
+    for k, lb in itertools.product(GRID["irregular_beats"], GRID["long_beats"]):
+        t = rhythm(c["peaks"], c["kept_peak"], fs, ClassParams(irregular_beats=k, long_beats=lb))
         dom = on_time(dev, t)
         for pb in GRID["p_before_s"]:
             win = pre_qrs(c["signal"], 0, c["kept_peak"], fs, ClassParams(p_before_s=pb))
-            timing[k, pb] = {**t, "p_deviation": p_wave(win, dom)}
+            tp = {**t, "p_deviation": p_wave(win, dom)}
+            for e in GRID["episode_beats"]:
+                timing[k, pb, e, lb] = {**tp, **episode(tp, ClassParams(episode_beats=e))}
     z = {q: shape_z(f, None, ClassParams(z_low=q)) for q in GRID["z_low"]}
     return {"name": str(c["name"]), "label": c["label"], "dev": dev, "z": z, "timing": timing}
+
+
+def timing_of(r: dict, p: ClassParams) -> dict:
+    """The record's timing (:func:`features`) for the rule's :data:`TIMING` parameters."""
+    return r["timing"][tuple(getattr(p, k) for k in TIMING)]
 
 
 def counts(recs: list[dict], p: ClassParams, only: str = "NSV") -> dict:
     out = {c: [0, 0, 0] for c in only}  # tp, reference, assigned (among labelled beats)
     for r in recs:
-        got = judge(r["dev"], r["z"][p.z_low], r["timing"][p.irregular_beats, p.p_before_s], p)
+        got = judge(r["dev"], r["z"][p.z_low], timing_of(r, p), p)
         lab = r["label"] != ""
         for c in out:
             out[c][0] += int(((got == c) & (r["label"] == c)).sum())
@@ -157,7 +177,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shape", choices=("features", "deviation"), default="features",
                     help="the beats' shape: deviation, amplitude and area (the flow's), or the deviation alone")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=V1,V2",
+                    help="search these values of a threshold of the grids instead (repeatable; inf, -inf: off)")
     a = ap.parse_args(argv)
+    for item in a.set:
+        name, _, values = item.partition("=")
+        grid = V_GRID if name in V_GRID else S_GRID if name in S_GRID else None
+        if grid is None or not values:
+            ap.error(f"--set {item}: not NAME=V1,V2 of a threshold of the grids")
+        kind = type(getattr(ClassParams(), name))
+        grid[name] = GRID[name] = tuple(kind(float(v)) if kind is int else kind(v) for v in values.split(","))
     print_header("bench/classes_study.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     stems = [s for s in list_records(a.data) if Path(s).name not in PACED_RECORDS]
     recs = [features(s, a.shape) for s in stems]
@@ -182,7 +211,7 @@ def main(argv=None) -> int:
     for i, r in enumerate(recs):  # the S score of each record's N and S beats, its weight chosen without it
         m = np.isin(r["label"], ["N", "S"])
         y.append(r["label"][m] == "S")
-        sc.append(s_score(r["timing"][rule_of[i].irregular_beats, rule_of[i].p_before_s], rule_of[i])[m])
+        sc.append(s_score(timing_of(r, rule_of[i]), rule_of[i])[m])
     auc = roc_auc_score(np.concatenate(y), np.concatenate(sc))
     print_table(["pooled held-out", "V Se", "V +P", "S Se", "S +P", "N Se", "N +P", "S ROC-AUC (s_score)"],
                 [["every record judged by a rule chosen without it",

@@ -354,6 +354,11 @@ def test_the_p_wave_finds_atrial_beats_that_timing_alone_misses(rng=np.random.de
     got2, timing2 = C.classify({0: peaks}, peaks, rec, pieces, FS, p)
     np.testing.assert_array_equal(got2, got)
     np.testing.assert_array_equal(timing2["p_deviation"], timing["p_deviation"])
+    np.testing.assert_array_equal(timing2["episode_p"], timing["episode_p"])
+    ep = C.episode(timing, p)  # (one recording: the episode of its whole timing)
+    np.testing.assert_array_equal(timing["episode_p"], ep["episode_p"])
+    np.testing.assert_array_equal(timing["episode_irregularity"], ep["episode_irregularity"])
+    assert "episode_p" not in C.classify({0: peaks}, peaks, rec, f, FS, p)[1]  # (no P windows: no episode)
     rec2 = (np.arange(len(peaks)) >= len(peaks) // 3).astype(np.int64)
     peaks_of = {0: peaks[rec2 == 0], 1: peaks[rec2 == 1]}
     np.testing.assert_array_equal(C.classify(peaks_of, peaks, rec2, pieces, FS, p)[0],
@@ -562,3 +567,63 @@ def test_s_runs_carried_on():
     np.testing.assert_array_equal(C.judge(dev, z, t, off), np.asarray(list("NSNNNNSNNSNNNSN")))
     on = C.ClassParams(s_run_rr=0.1, s_run_p_dev=0.2, s_run_p=0.6)
     np.testing.assert_array_equal(C.judge(dev, z, t, on), np.asarray(list("NSSSNNSSNSSNNSN")))
+
+
+def test_episode_against_a_loop(rng=np.random.default_rng(17)):
+    """The episode's medians: over the ``episode_beats`` beats centred on each beat, the ends repeated, NaN
+    counted as 1."""
+    n = 90
+    t = {"p_deviation": rng.uniform(0, 1.5, size=n), "irregularity": rng.uniform(0, 0.4, size=n)}
+    t["p_deviation"][[0, 40]] = np.nan
+    t["irregularity"][[1, 2, 89]] = np.nan
+    for beats in (31, 5, 1):
+        got = C.episode(t, C.ClassParams(episode_beats=beats))
+        h = beats // 2
+        for key, name in (("p_deviation", "episode_p"), ("irregularity", "episode_irregularity")):
+            v = np.nan_to_num(t[key], nan=1.0)
+            want = [np.median(v[np.clip(np.arange(i - h, i + h + 1), 0, n - 1)]) for i in range(n)]
+            np.testing.assert_allclose(got[name], want, err_msg=f"{name} {beats}")
+    assert C.episode({"p_deviation": np.zeros(0), "irregularity": np.zeros(0)})["episode_p"].shape == (0,)
+
+
+def _episode_timing(prem, irr, pdev, long_prem=None, p=C.ClassParams()):
+    t = _timing(prem, np.ones(len(prem)), irr, pdev=pdev, long_prem=long_prem)
+    return {**t, **C.episode(t, p)}
+
+
+def test_no_s_within_atrial_fibrillation():
+    """Early beats of the usual QRS in a stretch of no sinus P wave (P deviation about 1 throughout) and an
+    irregularity of 0.13, below ``s_irregular``: within atrial fibrillation, N (AAMI); S with the gate off
+    (``s_af_p`` off). The same early beat in a sinus stretch as irregular, its own P wave changed, is S; and so
+    is one in a regular stretch without the sinus P wave (an ectopic atrial rhythm, not fibrillation)."""
+    n = 120
+    prem = np.zeros(n)
+    early = [20, 50, 80, 100]
+    prem[early] = 0.3
+    af = _episode_timing(prem, 0.13, np.full(n, 1.0))
+    assert (C.judge(np.full(n, 0.01), np.zeros((n, 4)), af) == "N").all()
+    got = C.judge(np.full(n, 0.01), np.zeros((n, 4)), af, C.ClassParams(s_af_p=np.inf))
+    np.testing.assert_array_equal(np.flatnonzero(got == "S"), early)
+    pdev = np.full(n, 0.05)
+    pdev[early] = 1.0
+    sinus = _episode_timing(prem, 0.13, pdev)
+    assert (sinus["episode_p"] < 0.1).all()
+    np.testing.assert_array_equal(np.flatnonzero(C.judge(np.full(n, 0.01), np.zeros((n, 4)), sinus) == "S"), early)
+    regular = _episode_timing(prem, 0.05, np.full(n, 1.0))  # (no sinus P wave, regular: not fibrillation)
+    np.testing.assert_array_equal(np.flatnonzero(C.judge(np.full(n, 0.01), np.zeros((n, 4)), regular) == "S"), early)
+    # the gate's two thresholds: an episode irregularity at or below s_af_irregular, a P deviation at or below s_af_p
+    assert (C.judge(np.full(n, 0.01), np.zeros((n, 4)), af, C.ClassParams(s_af_irregular=0.13)) == "S").sum() == 4
+    assert (C.judge(np.full(n, 0.01), np.zeros((n, 4)), af, C.ClassParams(s_af_p=1.0)) == "S").sum() == 4
+
+
+def test_s_by_the_long_prematurity_alone():
+    """A beat of the usual QRS and of the sinus P wave, on time against the local rhythm (an atrial run sets
+    it) but faster by more than ``s_long_alone`` (0.3) than the rhythm on both sides: S whatever its P wave;
+    N at 0.25, and N with the path off (its P deviation below ``s_p_long``)."""
+    n = 6
+    lp = np.array([0.0, 0.35, 0.45, 0.25, 0.31, 0.0])
+    t = _episode_timing(np.zeros(n), 0.03, np.full(n, 0.1), long_prem=lp)
+    np.testing.assert_array_equal(C.judge(np.full(n, 0.01), np.zeros((n, 4)), t), np.asarray(list("NSSNSN")))
+    assert (C.judge(np.full(n, 0.01), np.zeros((n, 4)), t, C.ClassParams(s_long_alone=np.inf)) == "N").all()
+    wide = np.full(n, 0.5)  # (correlation 0.5: not the usual QRS)
+    assert (C.judge(wide, np.zeros((n, 4)), t) == "N").all()

@@ -27,6 +27,14 @@ the usual shape, on time (:func:`on_time`): about 0 where the sinus P wave is, t
 P wave is of another shape, inverted, hidden in the T wave or absent. A graded *S score* (:func:`s_score`, for a
 ranking): the prematurity plus ``s_score_p`` times the P deviation.
 
+**The episode** (:func:`episode`, on the host, a recording's beats in peak order): the medians over the
+``episode_beats`` (31) beats centred on each beat of their P deviation and of their irregularity. Atrial
+fibrillation or flutter has no sinus P wave anywhere in the stretch and is irregular throughout (on MIT-BIH,
+10-90 % of the beats: an episode P deviation of 0.65-1.23 in 201's and 203's fibrillation and flutter, of
+0.02-0.65 in the sinus stretches but 208's, whose ventricular beats, 45 % of them, raise it to 0.76: the
+median is over all beats, V ones too); an ectopic beat of a sinus stretch, its P wave changed, moves the
+median little.
+
 **Shape features** (:func:`features`, array code beside the deviation): the QRS window's *amplitude* (log of
 its standard deviation over the template's), signed *area* (in template units; negative for a beat of the
 other polarity) and *width* (:func:`qrs_width`: the span of the central 80 % of the window's absolute slope,
@@ -69,9 +77,14 @@ narrower than the dominant beats' median).
   with a P deviation above ``s_p_dev``; or (b) premature by more than ``s_premature_p`` and ``s_spread`` times
   the irregularity with an S score above ``s_score_min`` (less early, but its P wave changed); or (c) long
   premature by more than ``s_long`` with a P deviation above ``s_p_long`` (within a run of ectopic atrial or
-  junctional beats: faster than the rhythm around the run, without the sinus P wave); off by default (it
+  junctional beats: faster than the rhythm around the run, without the sinus P wave), or (d) long premature
+  by more than ``s_long_alone`` whatever its P wave (an atrial run or beat much faster than the rhythm around
+  it; a sustained step of the rate, a 2:1 block ending, calls the first beats after it S too, until the long
+  RR has followed it); but never within atrial fibrillation or flutter (AAMI: N), where the episode's P
+  deviation exceeds ``s_af_p`` and its irregularity ``s_af_irregular`` (:func:`episode`); off by default (it
   lowered the folds' held-out S), a run carried on from an S beat (:func:`_carry_runs`, ``s_run_rr``). Where
-  the P windows are not given (:func:`classify` of the shape alone) only (a), without its P-wave condition;
+  the P windows are not given (:func:`classify` of the shape alone) only (a), without its P-wave condition
+  (and no episode gate);
 * **N**: the rest. F (fusion) and Q (paced, unclassifiable) are never assigned: a fusion beat lies between
   the patient's N and V shapes, and no rule here separates it from either (their beats are counted in the
   evaluation under the class they are assigned).
@@ -153,6 +166,10 @@ class ClassParams:
     s_run_rr: float = 0.0
     s_run_p_dev: float = 0.2
     s_run_p: float = 0.6
+    episode_beats: int = 31
+    s_af_p: float = 0.5
+    s_af_irregular: float = 0.1
+    s_long_alone: float = 0.3
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -330,6 +347,22 @@ def p_wave(windows, dominant, chunk: int = 65536) -> np.ndarray:
     return out
 
 
+def episode(timing: dict, p: ClassParams = ClassParams()) -> dict:
+    """The rhythm of the stretch around each beat of one recording (beats in peak order): the medians over the
+    ``episode_beats`` beats centred on it of the beats' P deviation (``episode_p``) and of their irregularity
+    (``episode_irregularity``), NaN counted as 1 (no P wave, no rhythm). In atrial fibrillation or flutter
+    the stretch has no sinus P wave (about 1 against 0.02-0.65 in sinus rhythm) and is irregular throughout;
+    the median leaves out the few ectopic beats of a sinus stretch (their changed P wave, the irregularity
+    they cause). ``scipy.ndimage.median_filter``, its ends repeated."""
+    from scipy.ndimage import median_filter
+
+    out = {}
+    for key, name in (("p_deviation", "episode_p"), ("irregularity", "episode_irregularity")):
+        v = np.nan_to_num(np.asarray(timing[key], np.float64), nan=1.0, posinf=1.0)
+        out[name] = median_filter(v, size=max(1, p.episode_beats), mode="nearest") if len(v) else v
+    return out
+
+
 # --- rhythm (host) -----------------------------------------------------------------------------------
 
 def _around(rr: np.ndarray, idx: np.ndarray, k: int) -> np.ndarray:
@@ -496,12 +529,16 @@ def judge(dev: np.ndarray, z: np.ndarray, timing: dict, p: ClassParams = ClassPa
         # fusion or a normal beat of changed conduction, not V, however wide
         v &= ~((z[:, 0] < p.v_ontime_z) & (prem < p.v_ontime_premature) & (p_seen < p.v_ontime_p_dev))
     normal = ~v & (1.0 - dev > p.s_corr) & (irr < p.s_irregular)
+    if "episode_p" in timing:  # not S within atrial fibrillation or flutter (AAMI: N): no P wave, irregular
+        normal &= ~((np.asarray(timing["episode_p"]) > p.s_af_p)
+                    & (np.asarray(timing["episode_irregularity"]) > p.s_af_irregular))
     early_s = prem > np.maximum(p.s_premature, p.s_spread * irr)
     if "p_deviation" in timing:  # (without the P wave: the timing alone)
         early_s &= pdev > p.s_p_dev
         early_s |= (prem > np.maximum(p.s_premature_p, p.s_spread * irr)) & (s_score(timing, p) > p.s_score_min)
         if "long_prematurity" in timing:
-            early_s |= (np.nan_to_num(timing["long_prematurity"], nan=0.0) > p.s_long) & (pdev > p.s_p_long)
+            long_prem = np.nan_to_num(timing["long_prematurity"], nan=0.0)
+            early_s |= ((long_prem > p.s_long) & (pdev > p.s_p_long)) | (long_prem > p.s_long_alone)
     s = normal & early_s
     if p.s_run_rr > 0 and "p_deviation" in timing:
         s = _carry_runs(s, normal, timing, p)
@@ -602,6 +639,8 @@ def classify(peaks_of: dict, beat_peak, recording, deviation, fs: float, p: Clas
             timing[k][m] = t[k]
         if has_windows:
             timing["p_deviation"][m] = p_wave(_rows_of(pieces, np.flatnonzero(m), len(FEATURES)), on_time(dev[m], t))
+            for k, v in episode({"p_deviation": timing["p_deviation"][m], "irregularity": t["irregularity"]}, p).items():
+                timing.setdefault(k, np.full(len(beat_peak), np.nan))[m] = v
     return assign(f, timing, rec, p), timing
 
 
