@@ -92,9 +92,9 @@ class EarlyServer:
         """
         deadline = self.started + timeout
         while True:
-            if self.proc.poll() is not None:
-                raise BeatflowError(f"the temporary Prefect API server exited with status {self.proc.returncode} "
-                                    "before it answered (its output is in the run's log)")
+            gone = self._exited()
+            if gone:
+                raise BeatflowError(gone)
             try:
                 with urllib.request.urlopen(f"{self.api_url}/health", timeout=1.0) as r:
                     if r.status == 200:
@@ -104,8 +104,21 @@ class EarlyServer:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise BeatflowError(f"the temporary Prefect API server did not answer within {timeout:.0f} s")
+                raise BeatflowError(f"{self._name()} did not answer within {timeout:.0f} s{self._where()}")
             time.sleep(0.05)
+
+    def _exited(self) -> str | None:
+        """Why the server can no longer answer (its process ended), or None."""
+        if self.proc.poll() is None:
+            return None
+        return (f"the temporary Prefect API server exited with status {self.proc.returncode} before it answered "
+                "(its output is in the run's log)")
+
+    def _name(self) -> str:
+        return "the temporary Prefect API server"
+
+    def _where(self) -> str:
+        return ""
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop it (its whole process group) and wait for it; a kill after ``timeout`` seconds."""
@@ -227,24 +240,16 @@ class BackgroundServer(EarlyServer):
         how = "started by this run" if proc is not None else f"pid {state['pid']}"
         self.description = f"the background server ({how}; it stops after {state['linger_s']:.0f} s without a run)"
 
-    def wait(self, timeout: float = START_TIMEOUT_S) -> str:
-        deadline = self.started + timeout
-        while True:
-            if not _alive(self.state["pid"], self.state.get("pid_created")):
-                raise BeatflowError(f"the background Prefect API server (pid {self.state['pid']}) exited before it "
-                                    f"answered (its log: {Path(self.state['log'])})")
-            try:
-                with urllib.request.urlopen(f"{self.api_url}/health", timeout=1.0) as r:
-                    if r.status == 200:
-                        self.ready_after_s = time.monotonic() - self.started
-                        return self.api_url
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise BeatflowError(f"the background Prefect API server (pid {self.state['pid']}) did not answer "
-                                    f"within {timeout:.0f} s (its log: {Path(self.state['log'])})")
-            time.sleep(0.05)
+    def _exited(self) -> str | None:
+        if _alive(self.state["pid"], self.state.get("pid_created")):
+            return None
+        return f"{self._name()} exited before it answered{self._where()}"
+
+    def _name(self) -> str:
+        return f"the background Prefect API server (pid {self.state['pid']})"
+
+    def _where(self) -> str:
+        return f" (its log: {Path(self.state['log'])})"
 
     def stop(self, timeout: float = 10.0) -> None:
         """Give the lease back (the server stays up for the next run)."""
