@@ -65,9 +65,6 @@ def main(argv=None) -> int:
         return 0
     finally:
         service.remove_runner(pid)
-        from beatflow import terminal
-
-        terminal.kill_descendants()  # (its figure processes: none is left to the service)
 
 
 def _stop(signum, frame):
@@ -126,6 +123,7 @@ def _serve(conn: socket.socket, state: dict) -> int:
         return 0
     service.write_runner({**state, "state": "busy", "since": time.time(),  # (the service starts the next one)
                           "command": " ".join(["beatflow", *request["argv"]])})
+    own = [os.dup(i) for i in range(3)]  # (the runner's log: its streams again once the command is done)
     for i, fd in enumerate(fds):  # the client's terminal (or pipes) in place of this process's
         os.dup2(fd, i)
         os.close(fd)
@@ -173,6 +171,9 @@ def _serve(conn: socket.socket, state: dict) -> int:
         rc = 130
     exit_status(rc)
     conn.close()
+    for i, fd in enumerate(own):  # what the process's end writes (its exit handlers) is not the client's
+        os.dup2(fd, i)
+        os.close(fd)
     return 0  # (the command's status is the client's; the runner's own says it served)
 
 
