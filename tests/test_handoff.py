@@ -86,6 +86,7 @@ def test_a_runner_that_does_not_accept_is_passed_over(fake_service):
 
 @pytest.mark.parametrize("argv, env", [
     (["run", "--no-service"], {}), (["run", "--scheduler", "tcp://127.0.0.1:1"], {}), (["run", "--sched=x"], {}),
+    (["run", "--device", "gpu"], {}), (["run", "--dev=gpu"], {}),  # (the service runs on the cpu)
     (["serve", "--status"], {}), (["evaluate"], {}), (["run"], {"BEATFLOW_NO_HANDOFF": "1"}),
     (["run"], {"BEATFLOW_NO_SERVICE": "1"}), (["run"], {"PREFECT_API_URL": "http://127.0.0.1:1/api"}),
     (["run"], {"PREFECT_LOGGING_LEVEL": "DEBUG"}),  # a Prefect setting the runner did not import with

@@ -17,8 +17,8 @@ if the client's connection drops, the runner stops the run too. A runner serves 
 exits; the service starts the next one as soon as a command starts.
 
 No handoff (the command runs itself, on the service's cluster where it finds one, as before) when:
-the command is not ``run`` or ``score``; ``--no-service``, ``--scheduler``, ``BEATFLOW_NO_SERVICE`` or
-``BEATFLOW_NO_HANDOFF`` is given; ``PREFECT_API_URL`` names another API; the command's ``PREFECT_*``
+the command is not ``run`` or ``score``; ``--no-service``, ``--scheduler``, a ``--device`` that is not
+the service's, ``BEATFLOW_NO_SERVICE`` or ``BEATFLOW_NO_HANDOFF`` is given; ``PREFECT_API_URL`` names another API; the command's ``PREFECT_*``
 settings differ from the runner's (Prefect read them when it was imported); or no runner is ready
 or answers (a socket left by a dead runner is removed).
 
@@ -90,11 +90,19 @@ class Lines:
 
 # -- the client ------------------------------------------------------------------------------------
 
-def _uses_own_cluster(args: list[str]) -> bool:
-    for a in args:
-        opt = a.split("=", 1)[0]
-        if len(opt) > 3 and opt.startswith("--") and any(o.startswith(opt) for o in _OWN_CLUSTER):
+def _uses_own_cluster(args: list[str], service_device: str) -> bool:
+    """``args`` ask for a cluster of the command's own: ``--no-service``, ``--scheduler``, or a ``--device``
+    that is not the service's (argparse takes unique prefixes of options too)."""
+    for i, a in enumerate(args):
+        opt, eq, value = a.partition("=")
+        if len(opt) <= 3 or not opt.startswith("--"):
+            continue
+        if any(o.startswith(opt) for o in _OWN_CLUSTER):
             return True
+        if len(opt) >= 4 and "--device".startswith(opt):
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if value not in ("auto", service_device):
+                return True
     return False
 
 
@@ -104,10 +112,8 @@ def try_handoff(argv: list[str]) -> int | None:
     then runs it itself."""
     if not argv or argv[0] not in COMMANDS or handoff_disabled() or service_disabled():
         return None
-    if _uses_own_cluster(argv[1:]):
-        return None
     state = read_state()
-    if state is None or not pid_alive(state["pid"]):
+    if state is None or not pid_alive(state["pid"]) or _uses_own_cluster(argv[1:], state["device"]):
         return None
     api = os.environ.get("PREFECT_API_URL")
     if api and api.rstrip("/") != state["api_url"].rstrip("/"):
