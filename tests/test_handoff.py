@@ -170,24 +170,42 @@ def test_status_shows_the_ready_runner(service):
 
 def test_a_run_through_the_runner_gives_what_a_run_of_its_own_gives(service, tmp_path):
     runner = _ready_runner(service.data)
-    summaries = {}
+    summaries, rows = {}, {}
     for how, extra in (("handoff", {}), ("itself", {"BEATFLOW_NO_HANDOFF": "1"})):
         out, logs = tmp_path / how, tmp_path / f"logs-{how}"
         r = _cli("run", *SMALL, "--out", str(out), env={**service.env, "BEATFLOW_LOG_DIR": str(logs), **extra})
         assert r.returncode == 0, r.stderr[-3000:]
-        assert "report.html" in r.stdout and "beatflow run" in r.stdout
         assert r.stderr == "", r.stderr
+        rows[how] = [line.split("│")[1].strip() for line in r.stdout.splitlines() if line.startswith("│")]
         summaries[how] = json.loads((out / "summary.json").read_text())
         if how == "handoff":
             assert _log_pid(logs) == runner["pid"]  # the runner ran it, and wrote the run's log
             assert _wait_gone(runner["pid"])  # (one command, then it ends)
         else:
             assert _log_pid(logs) != runner["pid"]
+    assert rows["handoff"] == rows["itself"] and "outputs" in rows["handoff"]  # the same table
     a, b = summaries["handoff"], summaries["itself"]
     assert a["service"] is True and b["service"] is True
     for k in ("samples", "fs", "beats_detected", "beats_kept", "device", "workers"):
         assert a[k] == b[k], k
     assert sorted(p.name for p in (tmp_path / "handoff").iterdir()) == sorted(p.name for p in (tmp_path / "itself").iterdir())
+
+
+def test_score_through_the_runner(service, tmp_path):
+    import shutil
+
+    store, logs = tmp_path / "store", tmp_path / "logs"
+    r = _cli("run", *SMALL, "--out", str(tmp_path / "out"), "--store", str(store), env=service.env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    shutil.copy(tmp_path / "out" / "input.npy", inbox / "rec.npy")
+    runner = _ready_runner(service.data)
+    r = _cli("score", "--inbox", str(inbox), "--store", str(store), env={**service.env, "BEATFLOW_LOG_DIR": str(logs)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("done      rec.npy: ") and (inbox / "done" / "rec.npy").exists()
+    (log,) = logs.glob("*-score.log")
+    assert int(log.name.split("-")[2]) == runner["pid"]
 
 
 def _wait_gone(pid, timeout=30) -> bool:
@@ -234,7 +252,7 @@ def test_a_killed_runner_leaves_no_partial_output(service, tmp_path):
     _wait_for_partial(out)
     os.kill(runner["pid"], signal.SIGKILL)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 1
+    assert p.returncode == 1, err
     assert err.splitlines() == [f"beatflow: error: the service's runner (pid {runner['pid']}) ended before the "
                                 f"command did; removed its partial output {next(iter(_partials_seen))}"]
     assert not out.exists() and not list(tmp_path.glob(".out.*.partial"))

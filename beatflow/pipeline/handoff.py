@@ -188,14 +188,24 @@ def _relay(conn: socket.socket, runner: dict) -> int:
     return _runner_died(runner, out, sent)
 
 
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
 def _runner_died(runner: dict, out: dict | None, sent: list) -> int:
     """The runner ended without an exit status (killed): remove what its run left, say so."""
     pid = runner["pid"]
     t0 = time.monotonic()
-    while pid_alive(pid) and time.monotonic() - t0 < 5:  # (the service reaps it within a fraction of a second)
-        time.sleep(0.05)
+    while _exists(pid) and time.monotonic() - t0 < 5:  # (the service reaps it within a fraction of a second;
+        time.sleep(0.05)  # until then, as a zombie, it still owns its partial folder)
     removed = ""
-    if out is not None and not pid_alive(pid):
+    if out is not None and not _exists(pid):
         from beatflow.pipeline.outputs import remove_stale_partials
 
         gone = remove_stale_partials(Path(out["out"]))  # (the folder itself appears only once the run is done)
