@@ -441,6 +441,7 @@ class Runners:
                 proc.wait()
             remove_runner(pid)
         self.procs = {}
+        self._orphans(kill=True)  # (those of runners that were killed)
 
 
 def runner_lines() -> list[str]:
