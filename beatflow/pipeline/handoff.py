@@ -6,7 +6,7 @@ The service keeps one runner ready (:class:`beatflow.pipeline.service.Runners`):
 ``PREFECT_API_URL`` set to the service's API and waits on a Unix socket in the data folder
 (:data:`RUNNERS_DIR`, next to its state file ``<pid>.json``). A command, before it imports anything
 heavy (:func:`try_handoff`, standard library only), finds the service's state file and a ready runner,
-connects, and sends one request: its arguments, working folder and environment, with its standard
+connects, and sends one request: its arguments, working folder, umask and environment, with its standard
 input, output and error passed along the socket (``SCM_RIGHTS``). The runner puts those file
 descriptors in place of its own and runs the command (:func:`beatflow.cli.main`) as the command
 itself would have: its lines, the progress line on a terminal, its table and its errors reach the
@@ -124,7 +124,9 @@ def try_handoff(argv: list[str]) -> int | None:
     except OSError:  # (a closed standard stream cannot be passed on)
         return None
     mine = prefect_env(os.environ)
-    request = {"argv": list(argv), "cwd": os.getcwd(), "env": dict(os.environ)}
+    umask = os.umask(0o022)
+    os.umask(umask)
+    request = {"argv": list(argv), "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask}
     for runner in read_runners():
         if runner.get("state") != "ready" or runner.get("service_pid") != state["pid"]:
             continue

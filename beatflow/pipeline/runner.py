@@ -133,6 +133,7 @@ def _serve(conn: socket.socket, state: dict) -> int:
         except (AttributeError, ValueError):
             pass
     os.chdir(request["cwd"])
+    os.umask(int(request.get("umask", 0o022)))
     env = {k: v for k, v in request["env"].items() if k not in handoff.SERVICE_SET}
     env.update({k: os.environ[k] for k in handoff.SERVICE_SET if k in os.environ})
     os.environ.clear()
