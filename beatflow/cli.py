@@ -309,6 +309,11 @@ def _undo_out(final, existed: bool) -> None:
             shutil.rmtree(final, ignore_errors=True)
 
 
+#: called with ``beatflow run``'s output folder once it is checked (a runner of ``beatflow serve`` tells its
+#: client, which removes the run's partial folder if the runner is killed: beatflow.pipeline.handoff)
+OUT_CHOSEN: list = []
+
+
 def cmd_run(args) -> int:
     from beatflow.device import resolve_device
     from beatflow.errors import DeviceError
@@ -358,6 +363,8 @@ def cmd_run(args) -> int:
 
     final = Path(args.out) if args.out else _default_out()
     _check_out(final)
+    for fn in OUT_CHOSEN:
+        fn(final)
     with RunLog("run", verbose=args.verbose) as log:
         return _run_logged(args, device, final, log)
 
@@ -488,7 +495,15 @@ _EXIT_FREEZE = False
 
 
 def main(argv=None) -> int:
-    """Entry point of the ``beatflow`` command."""
+    """Entry point of the ``beatflow`` command. As a command (``argv`` None), ``run`` and ``score`` are
+    first offered to a ready runner of ``beatflow serve`` (:mod:`beatflow.pipeline.handoff`: no Prefect,
+    Dask or flow imported here then)."""
+    if argv is None:
+        from beatflow.pipeline.handoff import try_handoff
+
+        rc = try_handoff(sys.argv[1:])
+        if rc is not None:
+            return rc
     from beatflow.errors import BeatflowError
     from beatflow.terminal import Interrupts, say
 

@@ -370,11 +370,26 @@ class Interrupts:
         try:
             say("beatflow: interrupted")
             sys.stdout.flush()
+        except Exception:  # (a terminal gone: the exit status still counts)
+            pass
         finally:
+            for fn in list(_BEFORE_EXIT):
+                try:
+                    fn(self.exit_code)
+                except Exception:
+                    pass
             os._exit(self.exit_code)
 
 
 _ACTIVE: Interrupts | None = None
+_BEFORE_EXIT: list = []
+
+
+def before_exit(fn) -> None:
+    """Call ``fn(exit_code)`` when an interrupted command ends by force (:meth:`Interrupts.finish`),
+    after its undo and its last line, just before the process exits (a runner of ``beatflow serve``
+    tells its client the exit status: :mod:`beatflow.pipeline.runner`)."""
+    _BEFORE_EXIT.append(fn)
 
 
 def front_sigterm() -> None:

@@ -40,6 +40,10 @@ STATE_NAME, LOCK_NAME, LOG_NAME, DB_NAME = "service.json", "service.lock", "serv
 NOT_RUNNING = 3
 #: how long a probe of the API or of the scheduler may take before the service counts as not answering
 PROBE_TIMEOUT_S = 2.0
+#: how often the service looks at its runners (a command that took the ready one gets a successor this soon)
+RUNNER_POLL_S = 0.2
+#: runners that end before any command reached them, in a row, after which the service starts no more
+RUNNER_FAILURES = 3
 
 log = logging.getLogger("beatflow")
 
@@ -163,6 +167,77 @@ def service_disabled() -> bool:
     return os.environ.get("BEATFLOW_NO_SERVICE", "").strip().lower() not in ("", "0", "false", "no")
 
 
+# -- the runners' files: beatflow.pipeline.runner, beatflow.pipeline.handoff ------------------------------
+
+#: the runners' sockets and state files, in the data folder
+RUNNERS_DIR = "runners"
+
+
+def runners_dir() -> Path:
+    return data_dir() / RUNNERS_DIR
+
+
+def pid_alive(pid: int) -> bool:
+    """Process ``pid`` exists and is no zombie (standard library: ``/proc`` where there is one)."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's)
+        return True
+    except (ValueError, TypeError, OverflowError):
+        return False
+    try:
+        stat = Path(f"/proc/{int(pid)}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def runner_path(pid: int) -> Path:
+    return runners_dir() / f"{pid}.json"
+
+
+def socket_path(pid: int) -> Path:
+    return runners_dir() / f"{pid}.sock"
+
+
+def write_runner(state: dict) -> None:
+    """Write a runner's state file atomically (a temporary file, then :func:`os.replace`)."""
+    path = runner_path(state["pid"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
+
+
+def read_runners() -> list[dict]:
+    """The runners' states (ready or busy), oldest first; unreadable files are skipped."""
+    out = []
+    for p in runners_dir().glob("*.json"):
+        try:
+            state = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(state, dict) and "pid" in state:
+            out.append(state)
+    return sorted(out, key=lambda s: s.get("since", 0))
+
+
+def remove_runner(pid: int) -> None:
+    """Remove a runner's state file and socket."""
+    runner_path(pid).unlink(missing_ok=True)
+    socket_path(pid).unlink(missing_ok=True)
+
+
+def describe_runner(state: dict) -> str:
+    """One line for ``beatflow serve --status``."""
+    age = time.time() - float(state.get("since", time.time()))
+    if state.get("state") == "busy":
+        return f"runner pid {state['pid']}: running `{state.get('command', '?')}` for {age:.0f} s"
+    return f"runner pid {state['pid']}: ready for {age:.0f} s (started in {state.get('ready_after_s', 0):.1f} s)"
+
+
 # -- the lock: one service per data folder -----------------------------------------------------------
 
 def acquire_lock():
@@ -253,19 +328,131 @@ def serve(device: str = "auto", workers: int | None = None, rmm_pool_size=None, 
                          "database": os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] if own_server else None}
                 on_interrupt("service-state", lambda: remove_state(os.getpid(), path))
                 write_state(state, path)
+                runners = Runners(api_url)
                 try:
                     if ready is not None:
                         ready(state)
                     while True:
-                        time.sleep(3600)
+                        runners.keep_one_ready()
+                        time.sleep(RUNNER_POLL_S)
                 except KeyboardInterrupt:
                     pass
                 finally:
                     remove_state(os.getpid(), path)  # first: no command picks a closing service
+                    runners.stop()
                     done_interrupt("service-state")
     finally:
         lock.close()
     return 0
+
+
+class Runners:
+    """The service's runners (:mod:`beatflow.pipeline.runner`): one is kept ready for the next command;
+    once a command takes it (its state file says busy), the next one is started.
+
+    Each is ``python -m beatflow.pipeline.start_runner``, in a session of its own (a Ctrl-C at the
+    service's terminal does not reach a command it runs; :meth:`stop` stops them), with
+    ``PREFECT_API_URL`` set to the service's API; its output before a command reaches it goes to
+    ``runners/runners.log`` of the data folder. A runner that ends before serving a command counts as
+    failed; after :data:`RUNNER_FAILURES` in a row the service starts no more (commands then run
+    themselves on the service's cluster, as without runners).
+    """
+
+    def __init__(self, api_url: str):
+        import psutil
+
+        self.api_url = api_url
+        self.procs: dict = {}
+        self.seen: set = set()
+        self.failures = 0
+        self.own = {p.pid for p in psutil.Process().children()}  # (the API server, the cluster's processes)
+
+    def keep_one_ready(self) -> None:
+        states = {r["pid"]: r for r in read_runners()}
+        self.seen.update(pid for pid in states if pid in self.procs)
+        for pid, proc in list(self.procs.items()):
+            if proc.poll() is not None:
+                started = pid in self.seen or proc.returncode == 0  # (it got ready: its command may have failed)
+                self.failures = 0 if started else self.failures + 1
+                self.seen.discard(pid)
+                remove_runner(pid)
+                del self.procs[pid]
+                self._orphans(kill=proc.returncode != 0)
+                if self.failures == RUNNER_FAILURES:
+                    log.warning("beatflow serve: %d runners in a row ended before serving a command (exit %s; "
+                                "their log: %s): no more runners", RUNNER_FAILURES, proc.returncode,
+                                self._log_path())
+        if self.failures >= RUNNER_FAILURES:
+            return
+        self._orphans(kill=False)
+        if not any(states.get(pid, {}).get("state") != "busy" for pid in self.procs):
+            self.start()
+
+    def _orphans(self, kill: bool) -> None:
+        """Reap the processes of ended runners that the service adopted (it is their subreaper:
+        :func:`beatflow.terminal.adopt_orphans`); with ``kill``, after a runner that did not end
+        cleanly (killed), end the ones still alive first (its figure processes)."""
+        import multiprocessing
+
+        import psutil
+
+        own = self.own | set(self.procs) | {p.pid for p in multiprocessing.active_children()}
+        try:
+            orphans = [p for p in psutil.Process().children() if p.pid not in own]
+        except psutil.Error:
+            return
+        for p in orphans:
+            try:
+                if kill and p.status() != psutil.STATUS_ZOMBIE:
+                    p.kill()
+                    p.wait(timeout=2)
+                os.waitpid(p.pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError, OSError):
+                pass
+
+    def _log_path(self) -> Path:
+        return runners_dir() / "runners.log"
+
+    def start(self) -> None:
+        import subprocess
+
+        env = {**os.environ, "PREFECT_API_URL": self.api_url}
+        env.pop("BEATFLOW_RUN_LOG", None)
+        logfile = self._log_path()
+        logfile.parent.mkdir(parents=True, exist_ok=True)
+        with open(logfile, "ab") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "beatflow.pipeline.start_runner",
+                                     "--service-pid", str(os.getpid())], stdin=subprocess.DEVNULL, stdout=f,
+                                    stderr=f, env=env, start_new_session=True)
+        self.procs[proc.pid] = proc
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """SIGTERM to every runner (a command one runs stops as an interrupted run does, exit 143), then
+        SIGKILL to those still there after ``timeout`` seconds; their files are removed."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout
+        for pid, proc in self.procs.items():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                proc.kill()
+                proc.wait()
+            remove_runner(pid)
+        self.procs = {}
+        self._orphans(kill=True)  # (those of runners that were killed)
+
+
+def runner_lines() -> list[str]:
+    """``--status``'s lines of the runners (a runner's files whose process is gone are removed)."""
+    lines = []
+    for r in read_runners():
+        if not pid_alive(r["pid"]):
+            remove_runner(r["pid"])
+            continue
+        lines.append(describe_runner(r))
+    return lines or ["no runner ready (a command runs itself on the cluster)"]
 
 
 def describe(state: dict) -> list[str]:
@@ -295,7 +482,7 @@ def status(out=print) -> int:
         out(f"beatflow serve: pid {state['pid']} runs but does not serve: {why}")
         return NOT_RUNNING
     out("beatflow serve: running")
-    for line in describe({**state, "workers_now": seen["workers"]}):
+    for line in describe({**state, "workers_now": seen["workers"]}) + runner_lines():
         out("  " + line)
     return 0
 
@@ -327,8 +514,25 @@ def stop(timeout: float = 60.0, out=print) -> int:
             raise BeatflowError(f"the service (pid {state['pid']}) is still running {timeout:.0f} s after SIGTERM")
         time.sleep(0.1)
     remove_state(state["pid"], path)  # (it removes it itself; not if it was killed)
+    _stop_orphan_runners()
     out(f"beatflow serve: stopped (pid {state['pid']})")
     return 0
+
+
+def _stop_orphan_runners() -> None:
+    """Runners a killed service left (it stops its runners itself): SIGTERM, and their files removed."""
+    import psutil
+
+    for r in read_runners():
+        if pid_alive(r["pid"]):
+            try:
+                p = psutil.Process(int(r["pid"]))
+                if "beatflow.pipeline.start_runner" in " ".join(p.cmdline()):
+                    p.terminate()
+                    p.wait(timeout=5)
+            except (psutil.Error, psutil.TimeoutExpired):
+                pass
+        remove_runner(r["pid"])
 
 
 def start_detached(argv: list[str], timeout: float = 300.0, out=print) -> int:
