@@ -69,6 +69,9 @@ def stages(x, s):
     n = x.shape[0]
     env = qrs_envelope(x, s)
     cand = local_maxima(env, s.nms)
+    if s.fast_nms > 0:  # the candidates of the second decision (peaks.detect_peaks_xp)
+        extra = P.fast_candidates(env, cand, P.decide(x, env, cand, 0, s, steepest_at)[0], s, local_maxima)
+        cand = np.sort(np.concatenate([cand, extra]))
     cand = cand[(cand >= s.edge) & (cand < n - s.edge)]
     out = {"cand": cand}
     amp, b0 = P.block_amplitude(env, 0, s)
@@ -172,6 +175,42 @@ def report(rows, title):
     print("\nFN causes, pooled: " + ", ".join(f"{k} {tot[k]}" for k in CAUSES if tot[k]))
 
 
+#: the fast-rhythm candidates' settings the cross-validation chooses among (``None``: off, the default)
+CV_GRID = [None] + [dict(fast_nms_s=a, fast_rr_s=b, fast_rr_window_s=c)
+                    for a in (0.12, 0.16) for b in (0.5, 0.55, 0.6) for c in (2.0, 5.0)]
+
+
+def cross_validate(stems, base, cache, folds=5):
+    """Leave-records-out choice of the fast-rhythm setting: per fold, the setting of ``CV_GRID`` with the
+    fewest FP + FN pooled over the other folds' records (ties: the earlier, ``None`` first), counted on the
+    fold's records; for lead 0 alone and with the second lead."""
+    names = sorted(Path(st).name for st in stems)
+    fold_of = {nm: k % folds for k, nm in enumerate(names)}
+    for lead2 in (None, 1):
+        per = []  # per setting: {record: (tp, fp, fn)}
+        for g in CV_GRID:
+            rows = run(stems, replace(base, **(g or {})), lead2, cache)
+            per.append({r[0]: r[2:5] for r in rows})
+            tp, fp, fn = (sum(v[k] for v in per[-1].values()) for k in range(3))
+            print(f"{'lead 0' if lead2 is None else '--confirm-lead 1'} {g or 'off'}: all 22: Se "
+                  f"{100 * tp / (tp + fn):.3f} PPV {100 * tp / (tp + fp):.3f} (FP {fp}, FN {fn})", flush=True)
+        held = {}
+        chosen = []
+        for k in range(folds):
+            train = [nm for nm in names if fold_of[nm] != k]
+            cost = [sum(p[nm][1] + p[nm][2] for nm in train) for p in per]
+            best = min(range(len(CV_GRID)), key=lambda i: (cost[i], i))
+            chosen.append(CV_GRID[best] or "off")
+            held.update({nm: per[best][nm] for nm in names if fold_of[nm] == k})
+        tp, fp, fn = (sum(v[k] for v in held.values()) for k in range(3))
+        off = per[0]
+        print(f"\n**cross-validated ({folds} folds by record), "
+              f"{'lead 0 alone' if lead2 is None else '--confirm-lead 1'}**: pooled held-out Se {100 * tp / (tp + fn):.3f} %, "
+              f"PPV {100 * tp / (tp + fp):.3f} % (FP {fp}, FN {fn}); chosen per fold: {chosen}")
+        changed = [f"{nm} {off[nm][1]}/{off[nm][2]} -> {held[nm][1]}/{held[nm][2]}" for nm in names if held[nm] != off[nm]]
+        print("held-out FP/FN where they changed from off: " + (", ".join(changed) or "none") + "\n", flush=True)
+
+
 def parse_set(items):
     names = {f.name: f.type for f in fields(SegmentParams)}
     out = {}
@@ -190,6 +229,7 @@ def main(argv=None):
     ap.add_argument("--both", action="store_true", help="lead 0 alone and with --confirm-lead 1")
     ap.add_argument("--set", nargs="*", default=[])
     ap.add_argument("--records", default=None)
+    ap.add_argument("--cv", action="store_true", help="cross-validate the fast-rhythm candidates (CV_GRID)")
     a = ap.parse_args(argv)
     names = a.records.split(",") if a.records else None
     stems = [st for st in list_records(a.data, names) if Path(st).name not in PACED_RECORDS]
@@ -197,6 +237,9 @@ def main(argv=None):
     cache = ROOT / "bench" / "out" / "detect_cache"
     print_header("detection study")
     print(f"SegmentParams changed: {parse_set(a.set) or 'none'}")
+    if a.cv:
+        cross_validate(stems, params, cache)
+        return
     for lead2 in ((None, 1) if a.both else (a.confirm_lead,)):
         rows = run(stems, params, lead2, cache)
         report(rows, "lead 0 alone" if lead2 is None else f"--confirm-lead {lead2}")
