@@ -176,8 +176,8 @@ def report(rows, title):
 
 
 #: the fast-rhythm candidates' settings the cross-validation chooses among (``None``: off, the default)
-CV_GRID = [None] + [dict(fast_nms_s=a, fast_rr_s=b, fast_rr_window_s=c)
-                    for a in (0.12, 0.16) for b in (0.5, 0.55, 0.6) for c in (2.0, 5.0)]
+CV_GRID = [None] + [dict(fast_nms_s=0.12, fast_rr_s=b, fast_rr_window_s=5.0, fast_dip=d)
+                    for b in (0.5, 0.6, 0.7, 0.8, float("inf")) for d in (1.0, 0.3, 0.4, 0.5)]
 
 
 def cross_validate(stems, base, cache, folds=5):

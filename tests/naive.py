@@ -148,7 +148,8 @@ def detect_peaks(x, s, first: int = 0, vf: bool = False) -> np.ndarray:
     """The whole segmentation, by loops (with ``vf``: and the flutter rule of :func:`flutter_keep_mask`,
     as ``beatflow.detect.detect_peaks`` applies it after either backend's detection); with
     ``s.fast_nms > 0`` the fast-rhythm candidates (maxima over ``±fast_nms`` that are none over
-    ``±nms``, where the strong beats' mean RR within ``±fast_window`` is below ``fast_rr``) join the
+    ``±nms``, where the strong beats' mean RR within ``±fast_window`` is below ``fast_rr``, and, with
+    ``fast_dip < 1``, the envelope falls to ``fast_dip`` × their height on both sides) join the
     candidates of a second pass of the decisions."""
     n = len(x)
     env = energy_envelope(wavelet_response(x, s), s.box)
@@ -177,6 +178,9 @@ def detect_peaks(x, s, first: int = 0, vf: bool = False) -> np.ndarray:
     if s.fast_nms > 0:
         extra = [int(c) for c in local_maxima(env, s.fast_nms)
                  if int(c) not in wide and mean_rr(strong, int(c), s.fast_window) < s.fast_rr]
+        if s.fast_dip < 1.0:  # a peak of its own: the envelope falls on both sides within ±fast_nms
+            extra = [c for c in extra if max(min(env[max(0, c - s.fast_nms):c + 1]),
+                                             min(env[c:c + s.fast_nms + 1])) <= s.fast_dip * env[c]]
         if extra:
             peaks = decide(sorted(wide + extra))[1]
     peaks = np.asarray(peaks, dtype=np.int64) + first

@@ -1,3 +1,5 @@
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -323,11 +325,11 @@ def _beat_train(rrs, amps, width_s, fs=250.0, t_wave=0.0, seed=0):
 
 def test_fast_candidates_match_naive_on_random_input():
     # the random beats (0.4 s apart) are a fast rhythm below fast_rr: the narrow window's maxima join
-    added = 0
-    for fast_rr in (0.45, 1.0):
+    added, extra = Counter(), Counter()
+    for fast_rr, dip in ((0.45, 1.0), (1.0, 1.0), (1.0, 0.8), (np.inf, 0.3)):
         s = small_params(nms_half_window_s=0.08, refractory_s=0.08, twave_window_s=0.2, threshold_blocks=3,
-                         block_s=0.3, fast_nms_s=0.03, fast_rr_s=fast_rr, fast_rr_window_s=1.5)
-        assert s.fast_nms == 3 and s.fast_rr == 100.0 * fast_rr
+                         block_s=0.3, fast_nms_s=0.03, fast_rr_s=fast_rr, fast_rr_window_s=1.5, fast_dip=dip)
+        assert s.fast_nms == 3 and s.fast_rr == 100.0 * fast_rr and s.fast_dip == dip
         off = small_params(nms_half_window_s=0.08, refractory_s=0.08, twave_window_s=0.2, threshold_blocks=3,
                            block_s=0.3)
         for seed in range(6):
@@ -336,8 +338,12 @@ def test_fast_candidates_match_naive_on_random_input():
                 want = naive.detect_peaks(x, s, first=first, vf=True)
                 np.testing.assert_array_equal(D.detect_peaks(x, s, first=first), want)  # the CPU's steps
                 np.testing.assert_array_equal(R.detect_beats_xp(x, s, first=first)[0], want)  # the array code
-                added += int(not np.array_equal(want, naive.detect_peaks(x, off, first=first, vf=True)))
-    assert added > 0  # the fast candidates changed the beats of some streams
+                added[dip] += int(not np.array_equal(want, naive.detect_peaks(x, off, first=first, vf=True)))
+            env = D.qrs_envelope(x, s)
+            wide = D.local_maxima(env, s.nms)
+            extra[(fast_rr, dip)] += len(S.fast_candidates(env, wide, S.decide(x, env, wide, 0, s)[0], s))
+    assert added[1.0] > 0  # the fast candidates changed the beats of some streams
+    assert extra[(1.0, 1.0)] > extra[(1.0, 0.8)] > 0  # the dip test drops some of them (bumps on a flank)
 
 
 def test_fast_candidates_find_every_beat_of_a_ventricular_tachycardia():
@@ -354,6 +360,8 @@ def test_fast_candidates_find_every_beat_of_a_ventricular_tachycardia():
     assert d_off.fn == k // 2  # the ±0.23 s window alone keeps only the tall ones
     assert (d_on.tp, d_on.fp, d_on.fn) == (k, 0, 0)
     np.testing.assert_array_equal(on, naive.detect_peaks(x, on_params.samples(250.0), vf=True))
+    dip = SegmentParams(fast_nms_s=0.12, fast_rr_s=float("inf"), fast_dip=0.5).samples(250.0)
+    np.testing.assert_array_equal(D.detect_peaks(x, dip), on)  # the hidden beats are peaks of their own
     # a normal rhythm (RR 0.75-0.9 s) with tall T waves: the same beats as without, no T wave counted
     y, ref_y = _beat_train(rng.uniform(0.75, 0.9, 40), np.ones(40), 0.012, t_wave=0.35)
     got = D.detect_peaks(y, on_params.samples(250.0))

@@ -415,14 +415,19 @@ def fast_candidates(env, wide, beats, s: SegmentSamples, local_maxima=local_maxi
     ``±s.fast_nms`` that are not maxima over ``±s.nms`` (``wide``: a larger envelope within
     ``s.nms`` hid them, often the flank of a wide neighbour in ventricular tachycardia), where the
     mean RR of ``beats`` (the strong beats found among ``wide``) within ``±s.fast_window`` is below
-    ``s.fast_rr``. Sorted indices into ``env``."""
+    ``s.fast_rr`` (NaN, fewer than 3 beats around: not fast), and that are peaks of their own: the
+    envelope falls to at most ``s.fast_dip`` × their height within ``±s.fast_nms`` on both sides
+    (:func:`valley_at`; ``fast_dip = 1``: no such test). Sorted indices into ``env``."""
     xp = namespace_of(env)
     narrow = local_maxima(env, s.fast_nms)
     narrow = narrow[~xp.isin(narrow, wide)]
     if narrow.shape[0] == 0:
         return narrow
-    rr = mean_rr(beats, narrow, s.fast_window)
-    return narrow[rr < s.fast_rr]  # (NaN, fewer than 3 beats around: not fast)
+    narrow = narrow[mean_rr(beats, narrow, s.fast_window) < s.fast_rr]
+    if s.fast_dip < 1.0 and narrow.shape[0] > 0:
+        left, right = valley_at(env, narrow, s.fast_nms)
+        narrow = narrow[xp.maximum(left, right) <= s.fast_dip * env[narrow]]
+    return narrow
 
 
 def detect_peaks_xp(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None,
