@@ -501,13 +501,14 @@ def test_detect_peaks_kernels_on_synthetic_ecg_and_edge_cases():
         assert host(detect_peaks_gpu(dev(flat), s)).size == 0
 
 
-def test_detect_with_fast_candidates_runs_the_array_code_on_the_device():
+@pytest.mark.parametrize("dip", [1.0, 0.8])
+def test_detect_with_fast_candidates_runs_the_array_code_on_the_device(dip):
     # the fast-rhythm candidates (SegmentParams.fast_nms_s) are array code only: on the device the
     # detection runs it (with the NMS kernel) and gives the CPU's and the loops' peaks
     from beatflow.detect.gpu import SegmentGraph, detect_beats_gpu
 
     s = small_params(nms_half_window_s=0.08, refractory_s=0.08, twave_window_s=0.2, threshold_blocks=3, block_s=0.3,
-                     fast_nms_s=0.03, fast_rr_s=1.0, fast_rr_window_s=1.5)
+                     fast_nms_s=0.03, fast_rr_s=1.0, fast_rr_window_s=1.5, fast_dip=dip)
     off = small_params(nms_half_window_s=0.08, refractory_s=0.08, twave_window_s=0.2, threshold_blocks=3, block_s=0.3)
     changed = 0
     for seed in range(3):
