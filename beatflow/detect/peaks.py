@@ -34,6 +34,8 @@ The steps of :func:`detect_peaks_xp`:
 8. ``search_back``: a weak candidate is accepted where the accepted beats around it leave a gap
    longer than ``searchback`` × the local mean RR (beats within ``±rr_window``), if it is at least
    ``margin`` × RR from both and not T-wave-like; the ends of the stream bound a gap as a beat does;
+   (with ``fast_nms > 0``, :func:`fast_candidates`: where those beats are close together, the maxima of a
+   narrower window (with ``fast_dip < 1``: those that are peaks of their own) join the candidates, and 5-8 run again);
 9. :func:`beatflow.detect.rhythm.detect_beats_xp`: peaks inside ventricular flutter/fibrillation
    episodes (runs of windows with no isoelectric baseline and a low mean frequency) are dropped
    (after the CPU's detection, fused loops of :func:`beatflow.detect.cpu.flutter_features_cpu`;
