@@ -44,6 +44,13 @@ class SegmentParams:
     refractory_s : float
         Of two accepted peaks closer than this, the smaller is dropped (the shortest RR interval in
         the MIT-BIH records is 0.25 s, in ventricular tachycardia).
+    fast_nms_s, fast_rr_s, fast_rr_window_s, fast_dip : float
+        Fast rhythms (``fast_nms_s = 0``: off, the default): where the mean RR of the strong beats found
+        within ``±fast_rr_window_s`` is below ``fast_rr_s``, the maxima of the envelope over
+        ``±fast_nms_s`` are candidates too, those around which the envelope falls to at most
+        ``fast_dip`` × their height on both sides within that window (1: no such test) (in ventricular
+        tachycardia the flank of a wide beat hides its smaller neighbour from the ``±nms_half_window_s`` window;
+        :func:`beatflow.detect.peaks.fast_candidates`). The GPU runs the array code when it is on.
     threshold_ratio : float
         A candidate above this fraction of the local amplitude is a beat (subject to the T-wave test).
     noise_valley_ratio, noise_slope_ratio, noise_level_ratio : float
@@ -100,6 +107,10 @@ class SegmentParams:
     slope_window_s: float = 0.05
     nms_half_window_s: float = 0.23
     refractory_s: float = 0.25
+    fast_nms_s: float = 0.0
+    fast_rr_s: float = 0.5
+    fast_rr_window_s: float = 2.0
+    fast_dip: float = 1.0
     threshold_ratio: float = 0.35
     weak_ratio: float = 0.15
     noise_valley_ratio: float = 0.25
@@ -153,6 +164,10 @@ class SegmentParams:
         strong = point + max(nms, (self.threshold_blocks + 1) * block)
         accepted = strong + twave + refractory  # T-wave test, then refractory between neighbours
         searched = accepted + max(rr_window, max_gap) + twave  # search-back, then its refractory
+        fast_nms = int(round(self.fast_nms_s * fs)) if self.fast_nms_s > 0 else 0
+        fast_window = r(self.fast_rr_window_s)
+        if fast_nms:  # a fast candidate depends on the beats within ±fast_window of it, then is decided
+            searched += fast_window + accepted + fast_nms
         halo = max(accepted, searched) + edge + upper + pre  # + the beats a partition embeds
         # the VF episode rule (beatflow.detect.rhythm): a peak's window, its episode's run of windows on
         # either side, their ±context windows, and the filters' radius around those samples
@@ -164,6 +179,8 @@ class SegmentParams:
             halo = max(halo, vf_halo)
         return SegmentSamples(a=a, kernel=kernel, fine_a=fine_a, fine_kernel=fine_kernel, box=box,
                               slope_half=slope_half, nms=nms, refractory=refractory, ratio=self.threshold_ratio,
+                              fast_nms=fast_nms, fast_rr=float(self.fast_rr_s) * fs, fast_window=fast_window,
+                              fast_dip=float(self.fast_dip),
                               weak_ratio=self.weak_ratio, block=block, blocks=self.threshold_blocks, twave=twave,
                               twave_slope=self.twave_slope_ratio, searchback=self.searchback_factor,
                               margin=self.searchback_margin, rr_window=rr_window, max_gap=max_gap, edge=edge,
@@ -218,6 +235,10 @@ class SegmentSamples:
     vf_tol: float = 0.1
     vf_omega: float = 2.0 * math.pi * 5.5 / 250.0  # largest mean frequency, radians per sample
     vf_highpass: int = 151  # moving-mean length of the high-pass (odd)
+    fast_nms: int = 0  # fast rhythms' narrow NMS half window (0: off), mean RR below which, its window
+    fast_rr: float = 125.0
+    fast_window: int = 500
+    fast_dip: float = 1.0
 
 
 # ---- signal quality (beatflow.detect.quality) -----------------------------------------------------

@@ -146,26 +146,43 @@ def noise_mask(env, cand, heights, level, slopes, s) -> np.ndarray:
 
 def detect_peaks(x, s, first: int = 0, vf: bool = False) -> np.ndarray:
     """The whole segmentation, by loops (with ``vf``: and the flutter rule of :func:`flutter_keep_mask`,
-    as ``beatflow.detect.detect_peaks`` applies it after either backend's detection)."""
+    as ``beatflow.detect.detect_peaks`` applies it after either backend's detection); with
+    ``s.fast_nms > 0`` the fast-rhythm candidates (maxima over ``±fast_nms`` that are none over
+    ``±nms``, where the strong beats' mean RR within ``±fast_window`` is below ``fast_rr``, and, with
+    ``fast_dip < 1``, the envelope falls to ``fast_dip`` × their height on both sides) join the
+    candidates of a second pass of the decisions."""
     n = len(x)
     env = energy_envelope(wavelet_response(x, s), s.box)
     slopes = slope_envelope(x, s)
     amp = block_amplitude(env, first, s.block, s.blocks)
     floor = 1e-7 * float(np.abs(x).max())
-    cand = [int(c) for c in local_maxima(env, s.nms) if s.edge <= c < n - s.edge]
-    level = {c: amp[(c + first) // s.block] for c in cand}
-    cand = [c for c in cand if env[c] > s.weak_ratio * level[c] and env[c] > floor]
-    noisy = noise_mask(env, cand, [env[c] for c in cand], [level[c] for c in cand], [slopes[c] for c in cand], s)
-    cand = [c for c, z in zip(cand, noisy) if not z]
-    strong = [c for c in cand if env[c] > s.ratio * level[c]]
-    weak = [c for c in cand if env[c] <= s.ratio * level[c]]
-    t_like = t_wave_mask(strong, [slopes[c] for c in strong], s.twave, s.twave_slope)
-    strong = [c for c, t in zip(strong, t_like) if not t]
-    strong = [int(c) for c in drop_refractory(np.asarray(strong, dtype=np.int64), [env[c] for c in strong],
-                                              s.refractory)]
-    added = search_back(strong, [slopes[c] for c in strong], weak, [slopes[c] for c in weak],
-                        [env[c] for c in weak], s, length=n)
-    peaks = sorted(strong + [c for c, a in zip(weak, added) if a])
+
+    def decide(cand):
+        cand = [c for c in cand if s.edge <= c < n - s.edge]
+        level = {c: amp[(c + first) // s.block] for c in cand}
+        cand = [c for c in cand if env[c] > s.weak_ratio * level[c] and env[c] > floor]
+        noisy = noise_mask(env, cand, [env[c] for c in cand], [level[c] for c in cand], [slopes[c] for c in cand], s)
+        cand = [c for c, z in zip(cand, noisy) if not z]
+        strong = [c for c in cand if env[c] > s.ratio * level[c]]
+        weak = [c for c in cand if env[c] <= s.ratio * level[c]]
+        t_like = t_wave_mask(strong, [slopes[c] for c in strong], s.twave, s.twave_slope)
+        strong = [c for c, t in zip(strong, t_like) if not t]
+        strong = [int(c) for c in drop_refractory(np.asarray(strong, dtype=np.int64), [env[c] for c in strong],
+                                                  s.refractory)]
+        added = search_back(strong, [slopes[c] for c in strong], weak, [slopes[c] for c in weak],
+                            [env[c] for c in weak], s, length=n)
+        return strong, sorted(strong + [c for c, a in zip(weak, added) if a])
+
+    wide = [int(c) for c in local_maxima(env, s.nms)]
+    strong, peaks = decide(wide)
+    if s.fast_nms > 0:
+        extra = [int(c) for c in local_maxima(env, s.fast_nms)
+                 if int(c) not in wide and mean_rr(strong, int(c), s.fast_window) < s.fast_rr]
+        if s.fast_dip < 1.0:  # a peak of its own: the envelope falls on both sides within ±fast_nms
+            extra = [c for c in extra if max(min(env[max(0, c - s.fast_nms):c + 1]),
+                                             min(env[c:c + s.fast_nms + 1])) <= s.fast_dip * env[c]]
+        if extra:
+            peaks = decide(sorted(wide + extra))[1]
     peaks = np.asarray(peaks, dtype=np.int64) + first
     if vf:
         peaks = peaks[flutter_keep_mask(x, peaks, first, s)]

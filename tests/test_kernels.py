@@ -501,6 +501,28 @@ def test_detect_peaks_kernels_on_synthetic_ecg_and_edge_cases():
         assert host(detect_peaks_gpu(dev(flat), s)).size == 0
 
 
+@pytest.mark.parametrize("dip", [1.0, 0.8])
+def test_detect_with_fast_candidates_runs_the_array_code_on_the_device(dip):
+    # the fast-rhythm candidates (SegmentParams.fast_nms_s) are array code only: on the device the
+    # detection runs it (with the NMS kernel) and gives the CPU's and the loops' peaks
+    from beatflow.detect.gpu import SegmentGraph, detect_beats_gpu
+
+    s = small_params(nms_half_window_s=0.08, refractory_s=0.08, twave_window_s=0.2, threshold_blocks=3, block_s=0.3,
+                     fast_nms_s=0.03, fast_rr_s=1.0, fast_rr_window_s=1.5, fast_dip=dip)
+    off = small_params(nms_half_window_s=0.08, refractory_s=0.08, twave_window_s=0.2, threshold_blocks=3, block_s=0.3)
+    changed = 0
+    for seed in range(3):
+        x = _random_beats(seed)
+        want = naive.detect_peaks(x, s, first=55)
+        np.testing.assert_array_equal(D.detect_peaks(x, s, first=55), want)
+        np.testing.assert_array_equal(host(detect_peaks_gpu(dev(x), s, first=55)), naive.detect_peaks(x, s, first=55))
+        np.testing.assert_array_equal(host(detect_beats_gpu(dev(x), s, first=55)[0]), want)
+        changed += int(not np.array_equal(want, naive.detect_peaks(x, off, first=55)))
+    assert changed > 0
+    with pytest.raises(ValueError, match="fast-rhythm"):
+        SegmentGraph(dev(_random_beats(0)), s)
+
+
 # --- on a GPU: one partition's device memory through CuPy, Numba and PyTorch (no copies) ---------
 @pytest.mark.skipif(MODE != "gpu", reason="needs CuPy on a CUDA GPU")
 def test_zero_copy_one_partition_cupy_numba_torch(synthetic_ecg):

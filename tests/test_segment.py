@@ -1,3 +1,5 @@
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -304,3 +306,78 @@ def test_detects_synthetic_beats(synthetic_ecg):
 def test_flat_line_has_no_peaks():
     assert D.detect_peaks(np.zeros(5000, np.float32), S250).size == 0
     assert D.detect_peaks(np.full(5000, 2.0, np.float32), S250).size == 0
+
+
+# --- fast rhythms (SegmentParams.fast_nms_s) -------------------------------------------------------
+def _beat_train(rrs, amps, width_s, fs=250.0, t_wave=0.0, seed=0):
+    """Gaussian QRS complexes (σ = ``width_s``) after the intervals ``rrs`` (s), heights ``amps``, each
+    with a T wave of ``t_wave`` × its height 0.25 s after it, in a little noise; and the beats' samples."""
+    rng = np.random.default_rng(seed)
+    beats = np.cumsum(rrs) + 1.0
+    n = int((beats[-1] + 1.0) * fs)
+    t = np.arange(n) / fs
+    x = 0.01 * rng.normal(size=n)
+    for b, a in zip(beats, amps):
+        x += a * np.exp(-0.5 * ((t - b) / width_s) ** 2)
+        x += t_wave * a * np.exp(-0.5 * ((t - b - 0.25) / 0.05) ** 2)
+    return x.astype(np.float32), np.round(beats * fs).astype(np.int64)
+
+
+def test_fast_candidates_match_naive_on_random_input():
+    # the random beats (0.4 s apart) are a fast rhythm below fast_rr: the narrow window's maxima join
+    added, extra = Counter(), Counter()
+    for fast_rr, dip in ((0.45, 1.0), (1.0, 1.0), (1.0, 0.8), (np.inf, 0.3)):
+        s = small_params(nms_half_window_s=0.08, refractory_s=0.08, twave_window_s=0.2, threshold_blocks=3,
+                         block_s=0.3, fast_nms_s=0.03, fast_rr_s=fast_rr, fast_rr_window_s=1.5, fast_dip=dip)
+        assert s.fast_nms == 3 and s.fast_rr == 100.0 * fast_rr and s.fast_dip == dip
+        off = small_params(nms_half_window_s=0.08, refractory_s=0.08, twave_window_s=0.2, threshold_blocks=3,
+                           block_s=0.3)
+        for seed in range(6):
+            x = _random_beats(seed)
+            for first in (0, 55):
+                want = naive.detect_peaks(x, s, first=first, vf=True)
+                np.testing.assert_array_equal(D.detect_peaks(x, s, first=first), want)  # the CPU's steps
+                np.testing.assert_array_equal(R.detect_beats_xp(x, s, first=first)[0], want)  # the array code
+                added[dip] += int(not np.array_equal(want, naive.detect_peaks(x, off, first=first, vf=True)))
+            env = D.qrs_envelope(x, s)
+            wide = D.local_maxima(env, s.nms)
+            extra[(fast_rr, dip)] += len(S.fast_candidates(env, wide, S.decide(x, env, wide, 0, s)[0], s))
+    assert added[1.0] > 0  # the fast candidates changed the beats of some streams
+    assert extra[(1.0, 1.0)] > extra[(1.0, 0.8)] > 0  # the dip test drops some of them (bumps on a flank)
+
+
+def test_fast_candidates_find_every_beat_of_a_ventricular_tachycardia():
+    from beatflow.score.metrics import match_beats
+
+    rng = np.random.default_rng(1)
+    k = 60  # RR 0.25-0.3 s, wide beats of alternating heights: the tall one's flank hides the next
+    x, ref = _beat_train(rng.uniform(0.25, 0.3, k), np.where(np.arange(k) % 2 == 0, 1.0, 0.6), 0.025)
+    off = D.detect_peaks(x, S250)
+    on_params = SegmentParams(fast_nms_s=0.12, fast_rr_s=0.6)
+    on = D.detect_peaks(x, on_params.samples(250.0))
+    d_off, _ = match_beats(off, ref, 37)
+    d_on, _ = match_beats(on, ref, 37)
+    assert d_off.fn == k // 2  # the ±0.23 s window alone keeps only the tall ones
+    assert (d_on.tp, d_on.fp, d_on.fn) == (k, 0, 0)
+    np.testing.assert_array_equal(on, naive.detect_peaks(x, on_params.samples(250.0), vf=True))
+    dip = SegmentParams(fast_nms_s=0.12, fast_rr_s=float("inf"), fast_dip=0.5).samples(250.0)
+    np.testing.assert_array_equal(D.detect_peaks(x, dip), on)  # the hidden beats are peaks of their own
+    # a normal rhythm (RR 0.75-0.9 s) with tall T waves: the same beats as without, no T wave counted
+    y, ref_y = _beat_train(rng.uniform(0.75, 0.9, 40), np.ones(40), 0.012, t_wave=0.35)
+    got = D.detect_peaks(y, on_params.samples(250.0))
+    np.testing.assert_array_equal(got, D.detect_peaks(y, S250))
+    d, _ = match_beats(got, ref_y, 37)
+    assert (d.tp, d.fp, d.fn) == (40, 0, 0)
+
+
+def test_fast_candidates_keep_partitions_exact():
+    rng = np.random.default_rng(2)
+    k = 120
+    x, _ = _beat_train(np.concatenate([rng.uniform(0.75, 0.9, 40), rng.uniform(0.25, 0.3, k)]),
+                       np.concatenate([np.ones(40), np.where(np.arange(k) % 2 == 0, 1.0, 0.6)]), 0.025)
+    s = SegmentParams(fast_nms_s=0.12, fast_rr_s=0.6).samples(250.0)
+    assert s.halo > S250.halo
+    whole = D.detect_peaks(x, s)
+    for n in (2, 5):
+        _, _, peaks = _partitioned_peaks(x, s, n)
+        np.testing.assert_array_equal(np.concatenate(peaks), whole)

@@ -239,7 +239,7 @@ def _detect_gpu(x, s, first, core, _cap, rule: bool, rows: int | None = None):
     synchronisation: ``(peaks, episodes, (index, peak, start, length, rows, p2p))``."""
     ctx, host_in, xp, x = vector_call(x, "x")
     n = int(x.shape[0])
-    plan = None if n < 3 else _detect_plan(s, ctx.sim)
+    plan = None if n < 3 or s.fast_nms > 0 else _detect_plan(s, ctx.sim)
     if plan is None:  # too short for the 3-point median, or windows the kernels do not take: the array
         # code on the device, with the NMS kernel
         if rule:
@@ -466,10 +466,11 @@ class SegmentGraph:
             raise ValueError(f"SegmentGraph's buffer must be a contiguous 1-D array, got shape "
                              f"{getattr(x, 'shape', None)}")
         n = int(x.shape[0])
-        self.plan = None if n < 3 else _detect_plan(s, ctx.sim)
+        self.plan = None if n < 3 or s.fast_nms > 0 else _detect_plan(s, ctx.sim)
         if self.plan is None:
             raise ValueError(f"SegmentGraph takes what the detection kernels take: a stream of at least 3 "
-                             f"samples ({n} given) and windows that fit their tiles")
+                             f"samples ({n} given), windows that fit their tiles and no fast-rhythm "
+                             f"candidates (fast_nms {s.fast_nms})")
         self.x, self.s, self.sim = x, s, ctx.sim
         self.rule, self.rows = s.vf_baseline > 0, max(0, int(baseline_samples))
         self.ws = Workspace()

@@ -34,6 +34,8 @@ The steps of :func:`detect_peaks_xp`:
 8. ``search_back``: a weak candidate is accepted where the accepted beats around it leave a gap
    longer than ``searchback`` × the local mean RR (beats within ``±rr_window``), if it is at least
    ``margin`` × RR from both and not T-wave-like; the ends of the stream bound a gap as a beat does;
+   (with ``fast_nms > 0``, :func:`fast_candidates`: where those beats are close together, the maxima of a
+   narrower window (with ``fast_dip < 1``: those that are peaks of their own) join the candidates, and 5-8 run again);
 9. :func:`beatflow.detect.rhythm.detect_beats_xp`: peaks inside ventricular flutter/fibrillation
    episodes (runs of windows with no isoelectric baseline and a low mean frequency) are dropped
    (after the CPU's detection, fused loops of :func:`beatflow.detect.cpu.flutter_features_cpu`;
@@ -376,6 +378,60 @@ def search_back(beats, beat_slopes, cand, cand_slopes, cand_heights, s: SegmentS
     return ok
 
 
+def decide(x, env, cand, first: int, s: SegmentSamples, steepest=steepest_at_xp):
+    """The decisions of :func:`detect_peaks_xp` on the envelope's candidate maxima ``cand`` (sorted
+    indices into ``x``): the edge, the thresholds, the noise rule, the T-wave test, the refractory
+    period and search-back.
+
+    Returns
+    -------
+    (beats, peaks) : int64 arrays, indices into ``x``
+        The strong candidates accepted before search-back, and every accepted peak (sorted).
+    """
+    xp = namespace_of(x)
+    n = x.shape[0]
+    # a peak within `edge` of the ends of x sees only padding on one side (a QRS cut by the end of
+    # the record); for a partition these are halo samples, never in its core
+    cand = cand[(cand >= s.edge) & (cand < n - s.edge)]
+    amp, b0 = block_amplitude(env, first, s)
+    level = amp[(cand + first) // s.block - b0]
+    heights = env[cand]
+    # above float round-off of the signal's level (flat lines), and above the weak threshold
+    floor = 1e-7 * float(xp.abs(x).max())
+    keep = (heights > s.weak_ratio * level) & (heights > floor)
+    cand, heights, level = cand[keep], heights[keep], level[keep]
+    slopes = steepest(x, cand, s)
+    quiet = ~noise_mask(env, cand, heights, level, slopes, s)  # peaks of noise bursts are no candidates
+    cand, heights, level, slopes = cand[quiet], heights[quiet], level[quiet], slopes[quiet]
+    strong = xp.flatnonzero(heights > s.ratio * level)
+    strong = strong[~t_wave_mask(cand[strong], slopes[strong], s.twave, s.twave_slope)]
+    strong = strong[refractory_mask(cand[strong], heights[strong], s.refractory)]
+    weak = xp.flatnonzero(heights <= s.ratio * level)
+    added = weak[search_back(cand[strong], slopes[strong], cand[weak], slopes[weak], heights[weak], s, length=n)]
+    beats = cand[strong].astype(xp.int64)
+    return beats, xp.sort(cand[xp.concatenate([strong, added])]).astype(xp.int64)
+
+
+def fast_candidates(env, wide, beats, s: SegmentSamples, local_maxima=local_maxima_xp):
+    """The extra candidates of a fast rhythm (``s.fast_nms > 0``): maxima of the envelope over
+    ``±s.fast_nms`` that are not maxima over ``±s.nms`` (``wide``: a larger envelope within
+    ``s.nms`` hid them, often the flank of a wide neighbour in ventricular tachycardia), where the
+    mean RR of ``beats`` (the strong beats found among ``wide``) within ``±s.fast_window`` is below
+    ``s.fast_rr`` (NaN, fewer than 3 beats around: not fast), and that are peaks of their own: the
+    envelope falls to at most ``s.fast_dip`` × their height within ``±s.fast_nms`` on both sides
+    (:func:`valley_at`; ``fast_dip = 1``: no such test). Sorted indices into ``env``."""
+    xp = namespace_of(env)
+    narrow = local_maxima(env, s.fast_nms)
+    narrow = narrow[~xp.isin(narrow, wide)]
+    if narrow.shape[0] == 0:
+        return narrow
+    narrow = narrow[mean_rr(beats, narrow, s.fast_window) < s.fast_rr]
+    if s.fast_dip < 1.0 and narrow.shape[0] > 0:
+        left, right = valley_at(env, narrow, s.fast_nms)
+        narrow = narrow[xp.maximum(left, right) <= s.fast_dip * env[narrow]]
+    return narrow
+
+
 def detect_peaks_xp(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, int] | None = None,
                     envelope=qrs_envelope_xp, local_maxima=local_maxima_xp, steepest=steepest_at_xp):
     """Beat fiducial points (QRS peaks) of a stream or of one extended partition, without the flutter
@@ -408,26 +464,13 @@ def detect_peaks_xp(x, s: SegmentSamples, *, first: int = 0, core: tuple[int, in
     if n == 0:
         return xp.zeros(0, dtype=xp.int64)
     env = envelope(x, s)
-    cand = local_maxima(env, s.nms)
-    # a peak within `edge` of the ends of x sees only padding on one side (a QRS cut by the end of
-    # the record); for a partition these are halo samples, never in its core
-    cand = cand[(cand >= s.edge) & (cand < n - s.edge)]
-    amp, b0 = block_amplitude(env, first, s)
-    level = amp[(cand + first) // s.block - b0]
-    heights = env[cand]
-    # above float round-off of the signal's level (flat lines), and above the weak threshold
-    floor = 1e-7 * float(xp.abs(x).max())
-    keep = (heights > s.weak_ratio * level) & (heights > floor)
-    cand, heights, level = cand[keep], heights[keep], level[keep]
-    slopes = steepest(x, cand, s)
-    quiet = ~noise_mask(env, cand, heights, level, slopes, s)  # peaks of noise bursts are no candidates
-    cand, heights, level, slopes = cand[quiet], heights[quiet], level[quiet], slopes[quiet]
-    strong = xp.flatnonzero(heights > s.ratio * level)
-    strong = strong[~t_wave_mask(cand[strong], slopes[strong], s.twave, s.twave_slope)]
-    strong = strong[refractory_mask(cand[strong], heights[strong], s.refractory)]
-    weak = xp.flatnonzero(heights <= s.ratio * level)
-    added = weak[search_back(cand[strong], slopes[strong], cand[weak], slopes[weak], heights[weak], s, length=n)]
-    peaks = xp.sort(cand[xp.concatenate([strong, added])]).astype(xp.int64) + first
+    wide = local_maxima(env, s.nms)
+    beats, peaks = decide(x, env, wide, first, s, steepest)
+    if s.fast_nms > 0:  # fast rhythm: the narrow window's maxima where the beats found are close together
+        extra = fast_candidates(env, wide, beats, s, local_maxima)
+        if extra.shape[0] > 0:
+            _, peaks = decide(x, env, xp.sort(xp.concatenate([wide, extra])), first, s, steepest)
+    peaks = peaks + first
     if core is not None:
         peaks = peaks[(peaks >= core[0]) & (peaks < core[1])]
     return peaks
