@@ -44,6 +44,9 @@ PROBE_TIMEOUT_S = 2.0
 RUNNER_POLL_S = 0.2
 #: runners that end before any command reached them, in a row, after which the service starts no more
 RUNNER_FAILURES = 3
+#: with fewer cores, the next runner starts once the command before it has ended: its imports (about 5 s of
+#: one core) beside a handed-off run on 2 cores made that run's flow 1.5 s slower (bench/results/cli.md)
+RUNNER_OVERLAP_CORES = 5
 
 log = logging.getLogger("beatflow")
 
@@ -348,7 +351,9 @@ def serve(device: str = "auto", workers: int | None = None, rmm_pool_size=None, 
 
 class Runners:
     """The service's runners (:mod:`beatflow.pipeline.runner`): one is kept ready for the next command;
-    once a command takes it (its state file says busy), the next one is started.
+    once a command takes it (its state file says busy), the next one is started, at once on a machine of
+    :data:`RUNNER_OVERLAP_CORES` cores or more, else when that command has ended (a command in between
+    runs itself on the service's cluster).
 
     Each is ``python -m beatflow.pipeline.start_runner``, in a session of its own (a Ctrl-C at the
     service's terminal does not reach a command it runs; :meth:`stop` stops them), with
@@ -366,6 +371,7 @@ class Runners:
         self.seen: set = set()
         self.failures = 0
         self.own = {p.pid for p in psutil.Process().children()}  # (the API server, the cluster's processes)
+        self.overlap = (os.cpu_count() or 1) >= RUNNER_OVERLAP_CORES  # (the next runner starts beside a command)
 
     def keep_one_ready(self) -> None:
         states = {r["pid"]: r for r in read_runners()}
@@ -385,7 +391,7 @@ class Runners:
         if self.failures >= RUNNER_FAILURES:
             return
         self._orphans(kill=False)
-        if not any(states.get(pid, {}).get("state") != "busy" for pid in self.procs):
+        if not self.procs or (self.overlap and all(states.get(pid, {}).get("state") == "busy" for pid in self.procs)):
             self.start()
 
     def _orphans(self, kill: bool) -> None:
