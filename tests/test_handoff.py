@@ -228,13 +228,19 @@ def test_bad_input_through_the_runner_is_one_line_and_leaves_nothing(service, tm
     assert _wait_gone(runner["pid"])  # (it was the runner's answer)
 
 
-def test_ctrl_c_stops_the_runners_run(service, tmp_path):
-    runner = _ready_runner(service.data)
-    out = tmp_path / "out"
+def _started_run(service, out) -> subprocess.Popen:
+    """A 0.5 h run (its own training: no cache) through the service, once its output folder is being written."""
     p = subprocess.Popen([sys.executable, "-m", "beatflow.cli", "run", "--hours", "0.5", "--epochs", "5", "--cache",
                           "off", "--out", str(out)], env=service.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     _wait_for_partial(out)
+    return p
+
+
+def test_ctrl_c_stops_the_runners_run(service, tmp_path):
+    runner = _ready_runner(service.data)
+    out = tmp_path / "out"
+    p = _started_run(service, out)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
@@ -246,10 +252,7 @@ def test_ctrl_c_stops_the_runners_run(service, tmp_path):
 def test_a_killed_runner_leaves_no_partial_output(service, tmp_path):
     runner = _ready_runner(service.data)
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-m", "beatflow.cli", "run", "--hours", "0.5", "--epochs", "5", "--cache",
-                          "off", "--out", str(out)], env=service.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
-    _wait_for_partial(out)
+    p = _started_run(service, out)
     os.kill(runner["pid"], signal.SIGKILL)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 1, err

@@ -205,16 +205,6 @@ def server_key() -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def _alive(pid: int, created: float | None) -> bool:
-    import psutil
-
-    try:
-        p = psutil.Process(int(pid))
-        return p.status() != psutil.STATUS_ZOMBIE and (created is None or abs(p.create_time() - created) < 1.0)
-    except (psutil.Error, ValueError, TypeError):
-        return False
-
-
 def _try_lock(f, kind: int, tries: int = 1, pause: float = 0.05) -> bool:
     import fcntl
 
@@ -241,7 +231,9 @@ class BackgroundServer(EarlyServer):
         self.description = f"the background server ({how}; it stops after {state['linger_s']:.0f} s without a run)"
 
     def _exited(self) -> str | None:
-        if _alive(self.state["pid"], self.state.get("pid_created")):
+        from beatflow.pipeline.service import process_alive
+
+        if process_alive(self.state):
             return None
         return f"{self._name()} exited before it answered{self._where()}"
 
@@ -272,7 +264,7 @@ def background(linger: float | None = None) -> BackgroundServer:
 
     import psutil
 
-    from beatflow.pipeline.service import data_dir, write_state
+    from beatflow.pipeline.service import data_dir, process_alive, write_state
 
     folder = data_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -281,7 +273,7 @@ def background(linger: float | None = None) -> BackgroundServer:
     with open(folder / START_LOCK_NAME, "a+") as start_lock:
         fcntl.flock(start_lock.fileno(), fcntl.LOCK_EX)  # (held for milliseconds: a read or a spawn)
         state = _read(folder / STATE_NAME)
-        if state is not None and state.get("key") == key and _alive(state["pid"], state.get("pid_created")):
+        if state is not None and state.get("key") == key and process_alive(state):
             lease = open(state["lease"], "a+")
             # the watchdog holds its lock exclusively for an instant each look; for good once it goes away
             if _try_lock(lease, fcntl.LOCK_SH, tries=20) and _read(folder / STATE_NAME) == state:
